@@ -1,0 +1,22 @@
+"""sparktrain: data-parallel TensorFlow/Keras training on a Spark cluster.
+
+The driver calls :func:`run`; inside ``train_fn`` each rank asks :func:`rank`, :func:`size`
+and friends who it is. Importing this package is cheap: pyspark, cloudpickle and TensorFlow
+are imported only inside the functions that need them.
+"""
+from __future__ import annotations
+
+from .launcher import run
+from .context import cross_rank, cross_size, is_chief, local_rank, local_size, rank, size
+from .errors import (ClusterConfigError, InsufficientResourcesError, InvalidArgumentError, PicklingFailedError,
+                     RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError, RunTimeoutError,
+                     SparkTrainError, StartTimeoutError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "run", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_chief",
+    "SparkTrainError", "InvalidArgumentError", "PicklingFailedError", "ClusterConfigError",
+    "InsufficientResourcesError", "StartTimeoutError", "RunTimeoutError", "RunCancelledError",
+    "ResultTooLargeError", "RankFailedError", "RankFailure",
+]

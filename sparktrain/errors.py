@@ -1,0 +1,168 @@
+"""One error hierarchy. Every message says what was wrong and what to do about it.
+
+Errors raised on the driver survive pickling (``__reduce__``), so they can cross process
+boundaries (for example a notebook kernel that pickles exceptions, or a job scheduler).
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import re
+import signal
+from typing import Mapping, Sequence
+
+
+class SparkTrainError(Exception):
+    """Base class of every error sparktrain raises."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+class InvalidArgumentError(SparkTrainError, ValueError, TypeError):
+    """An argument of ``run`` (or a setting) has a bad value or type.
+
+    It is both a ``ValueError`` and a ``TypeError`` so callers may catch either.
+    """
+
+
+class PicklingFailedError(SparkTrainError):
+    """``train_fn``, ``args``, ``kwargs`` or the return value could not be pickled."""
+
+
+class ClusterConfigError(SparkTrainError):
+    """The Spark cluster is configured in a way barrier-mode training cannot use."""
+
+
+class InsufficientResourcesError(SparkTrainError):
+    """The cluster has fewer task slots or GPUs than the run needs."""
+
+
+class StartTimeoutError(SparkTrainError, TimeoutError):
+    """Not every rank started within ``start_timeout``."""
+
+
+class RunTimeoutError(SparkTrainError, TimeoutError):
+    """The whole run took longer than ``timeout``."""
+
+
+class ResultTooLargeError(SparkTrainError):
+    """Rank 0's return value is larger than ``spark.driver.maxResultSize`` allows."""
+
+
+class RunCancelledError(SparkTrainError):
+    """The run's Spark job group was cancelled from outside."""
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank."""
+
+    rank: int
+    host: str
+    local_rank: int
+    #: Fully qualified type name of the remote exception, or "" when the process just exited.
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    #: The child's exit code; negative for "killed by signal -exitcode"; None if unknown.
+    exitcode: int | None = None
+    #: The last lines the rank printed (stdout and stderr interleaved).
+    output_tail: tuple[str, ...] = ()
+    #: Wall-clock time the failure was seen, for ordering (root cause first).
+    time: float = 0.0
+
+    def headline(self) -> str:
+        if self.exc_type:
+            what = f"{self.exc_type}: {self.message}" if self.message else self.exc_type
+        elif self.exitcode is not None and self.exitcode < 0:
+            what = f"killed by {signal_name(-self.exitcode)}"
+        elif self.exitcode is not None:
+            what = f"exited with code {self.exitcode}"
+        else:
+            what = self.message or "failed"
+        return f"rank {self.rank} (local rank {self.local_rank} on {self.host}): {what}"
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["output_tail"] = list(self.output_tail)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "RankFailure":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw["output_tail"] = tuple(kw.get("output_tail") or ())
+        return cls(**kw)
+
+
+class RankFailedError(SparkTrainError):
+    """One or more ranks failed. ``failures`` maps rank to :class:`RankFailure`, root cause first.
+
+    The message leads with the root cause (the first failure in time) and carries its remote
+    traceback and output tail; the other failed ranks follow in time order.
+    """
+
+    def __init__(self, failures: Sequence[RankFailure] | Mapping[int, RankFailure], attempts: int = 1):
+        items = list(failures.values()) if isinstance(failures, Mapping) else list(failures)
+        items.sort(key=lambda f: f.time)
+        self.failures: dict[int, RankFailure] = {f.rank: f for f in items}
+        self.attempts = attempts
+        super().__init__(self._message())
+
+    @property
+    def root_cause(self) -> RankFailure:
+        return next(iter(self.failures.values()))
+
+    def _message(self) -> str:
+        if not self.failures:
+            return "the run failed, but no rank reported why"
+        root = self.root_cause
+        n = len(self.failures)
+        lines = [f"{n} rank{'s' if n > 1 else ''} failed; root cause: {root.headline()}"]
+        if root.traceback:
+            lines += ["", f"Remote traceback (rank {root.rank}):", root.traceback.rstrip()]
+        if root.output_tail:
+            lines += ["", f"Last {len(root.output_tail)} output lines of rank {root.rank}:"]
+            lines += [f"  {line}" for line in root.output_tail]
+        others = list(self.failures.values())[1:]
+        if others:
+            lines += ["", "Other failed ranks, in the order they failed:"]
+            lines += [f"  {f.headline()}" for f in others]
+        return "\n".join(lines)
+
+    def __reduce__(self):
+        return (type(self), (list(self.failures.values()), self.attempts))
+
+
+_FAILURE_MARK = "SPARKTRAIN-FAILURE:"
+_FAILURE_RE = re.compile(_FAILURE_MARK + r"([A-Za-z0-9+/=]+):END")
+
+
+class RankError(SparkTrainError):
+    """Raised in a task so Spark fails the stage; carries the structured failure in its message."""
+
+    def __init__(self, failure: RankFailure):
+        self.failure = failure
+        encoded = base64.b64encode(json.dumps(failure.to_dict()).encode()).decode()
+        super().__init__(f"sparktrain {failure.headline()}\n{_FAILURE_MARK}{encoded}:END")
+
+    def __reduce__(self):
+        return (type(self), (self.failure,))
+
+
+def failures_in(text: str) -> list[RankFailure]:
+    """The failure reports carried in an exception text (Spark wraps task errors in its own)."""
+    out = {}
+    for m in _FAILURE_RE.finditer(text):
+        f = RankFailure.from_dict(json.loads(base64.b64decode(m.group(1))))
+        out.setdefault(f.rank, f)
+    return list(out.values())

@@ -1,0 +1,538 @@
+"""Driver side of ``sparktrain.run``: validate, preflight, launch one barrier stage, supervise, collect.
+
+pyspark is imported inside the functions that need it, so ``import sparktrain`` stays fast
+and works where only the worker API is used.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import re
+import sys
+import threading
+import time
+import uuid
+import warnings
+from typing import Any, Callable, Iterable, Mapping
+
+from . import logstream, preflight, settings
+from .errors import (InsufficientResourcesError, RankFailedError, RankFailure, RunCancelledError,
+                     RunTimeoutError, SparkTrainError, StartTimeoutError, failures_in)
+from .spec import TaskSpec
+
+log = logging.getLogger("sparktrain")
+
+#: Arrow schema of what the barrier stage returns: rank 0's pickled result, in chunks.
+RESULT_SCHEMA = "rank int, seq int, data binary"
+
+
+def _configure_logging(verbose: int) -> None:
+    log.setLevel({0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}[verbose])
+    # A library should not configure logging, but a notebook user must see what run() says.
+    # Attach a handler only when nobody configured one anywhere.
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+def run(
+    train_fn: Callable[..., Any],
+    args: tuple | list = (),
+    kwargs: Mapping[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout=None,
+    stderr=None,
+    verbose: int = 1,
+    prefix_output_with_timestamp: bool = False,
+    *,
+    use_gpu: bool | None = None,
+    local_mode: bool = False,
+    timeout: float | None = None,
+    output_ranks: int | Iterable[int] | str | None = None,
+) -> Any:
+    """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
+
+    Each rank runs in a fresh Python process started by one task of a single barrier-mode
+    Spark stage, with its rank, size and collective addresses in its environment (see the
+    env contract in README.md). Output from every rank streams to this process as it happens.
+
+    Parameters
+    ----------
+    train_fn : the function each rank runs. It and its arguments are pickled with cloudpickle.
+    args, kwargs : positional and keyword arguments for ``train_fn``.
+    num_proc : the number of ranks. None uses every task slot of the cluster. Negative runs
+        ``-num_proc`` processes on the driver without Spark (local mode), as with HorovodRunner.
+    start_timeout : seconds for every rank to start and check in (default 600; also
+        ``SPARKTRAIN_START_TIMEOUT`` or ``spark.sparktrain.startTimeout``).
+    env : extra environment variables for every rank.
+    stdout, stderr : where ranks' output lines go (default ``sys.stdout``/``sys.stderr``).
+    verbose : 0 warnings only, 1 progress (default), 2 debug.
+    prefix_output_with_timestamp : put the time before each rank's output line.
+    use_gpu : give each rank one GPU (pinned through ``CUDA_VISIBLE_DEVICES``). None (default)
+        uses GPUs when ``spark.task.resource.gpu.amount`` is set.
+    local_mode : run on the driver without Spark, like a negative ``num_proc``.
+    timeout : seconds the whole run may take; None (default) is no limit.
+    output_ranks : which ranks' output to show: None or "all" (default), a rank, or a list.
+
+    Returns
+    -------
+    Whatever ``train_fn`` returned on rank 0. (``horovod.spark.run`` returns a list of every
+    rank's value; the other ranks' values are discarded here.)
+
+    Raises
+    ------
+    InvalidArgumentError, PicklingFailedError, ClusterConfigError, InsufficientResourcesError
+        before anything launches.
+    RankFailedError
+        when any rank fails; keyed by rank, root cause first, with remote tracebacks.
+    StartTimeoutError, RunTimeoutError, RunCancelledError, ResultTooLargeError
+
+    Examples
+    --------
+    >>> def train(lr, epochs=3):
+    ...     import sparktrain
+    ...     return f"rank {sparktrain.rank()} trained at {lr}"
+    >>> sparktrain.run(train, args=(0.1,), kwargs={"epochs": 2}, num_proc=3)  # doctest: +SKIP
+    'rank 0 trained at 0.1'
+    """
+    size, local = preflight.check_num_proc(num_proc, local_mode)
+    args, kwargs, env = preflight.check_arguments(
+        train_fn, args, kwargs, env, stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks)
+    start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
+    timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
+    _configure_logging(verbose)
+    import cloudpickle
+
+    fn_name = getattr(train_fn, "__qualname__", type(train_fn).__name__)
+    run_id = uuid.uuid4().hex[:12]
+    launch = _Launch(run_id=run_id, fn_name=fn_name, stdout=stdout, stderr=stderr,
+                     timestamps=prefix_output_with_timestamp, timeout=timeout)
+
+    if local:
+        output = preflight.normalize_output_ranks(output_ranks, size)
+        payload = _pickle(train_fn, args, kwargs, cloudpickle)
+        conf: dict[str, str] = {}
+        launch.start_timeout = settings.resolve("start_timeout", start_timeout, conf=conf)
+        spec = launch.spec(size, payload, ("127.0.0.1", 0), bool(use_gpu), output, 0, env, conf)
+        gpus = _local_gpus(size) if use_gpu else None
+        return launch.supervise(_LocalJob(spec, gpus), "127.0.0.1", size)
+
+    spark = _session(size)
+    sc = spark.sparkContext
+    conf = dict(sc.getConf().getAll())
+    preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
+    if use_gpu is None:
+        use_gpu = float(conf.get("spark.task.resource.gpu.amount", "0") or 0) > 0
+    preflight.check_gpu_conf(conf, use_gpu, sc.master.startswith("local"))
+    if size is None:
+        size = max(1, _capacity(sc, conf).slots(use_gpu))
+    _wait_for_capacity(sc, conf, size, use_gpu, settings.resolve("capacity_wait", conf=conf))
+    output = preflight.normalize_output_ranks(output_ranks, size)
+    payload = _pickle(train_fn, args, kwargs, cloudpickle)
+    launch.start_timeout = settings.resolve("start_timeout", start_timeout, conf=conf)
+    rendezvous = settings.resolve("rendezvous", conf=conf)
+    driver_host = conf.get("spark.driver.host", "127.0.0.1")
+    max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
+    spec = launch.spec(size, payload, (driver_host, 0) if rendezvous != "barrier" else None, use_gpu, output,
+                       max_result, env, conf)
+    log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
+              "rendezvous=%s grace_period=%s maxResultSize=%d", run_id, size, use_gpu, launch.start_timeout,
+              timeout, rendezvous, spec.grace_period, max_result)
+    return launch.supervise(_SparkJob(spark, spec, fn_name), driver_host, size)
+
+
+def _pickle(train_fn, args, kwargs, cloudpickle) -> bytes:
+    payload = preflight.pickle_payload(train_fn, args, kwargs, cloudpickle.dumps)
+    if len(payload) > preflight.PICKLE_WARN_BYTES:
+        msg = (f"sparktrain: train_fn with its args pickles to {len(payload) / 2**20:.1f} MiB, which travels "
+               "with every task; load large data inside train_fn instead of capturing it")
+        warnings.warn(msg, ResourceWarning, stacklevel=3)
+        log.warning(msg)
+    return payload
+
+
+def _session(num_proc: int | None):
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.getActiveSession()
+    if spark is None:
+        spark = getattr(SparkSession, "_instantiatedSession", None)
+    if spark is not None:
+        return spark
+    master = f"local[{num_proc or os.cpu_count() or 1}]"
+    if not os.environ.get("PYSPARK_PYTHON"):
+        # The embedded executors must run this interpreter, where sparktrain and the user's
+        # packages are; pyspark reads only this variable to choose the workers' Python.
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+    spark = SparkSession.builder.master(master).appName("sparktrain").getOrCreate()
+    log.info("sparktrain: no active SparkSession; started an embedded %s session", master)
+    return spark
+
+
+def _capacity(sc, conf: Mapping[str, str]) -> preflight.Capacity:
+    """Ask Spark what the cluster offers one barrier stage right now."""
+    jsc = sc._jsc.sc()
+    master = sc.master
+    task_cpus = int(conf.get("spark.task.cpus", "1"))
+    task_gpus = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
+    spark_slots = None
+    try:
+        spark_slots = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    except Exception:  # noqa: BLE001 - an internal API; fall back to arithmetic from the conf
+        pass
+    m = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
+    if m:
+        cores = os.cpu_count() if m.group(1) in (None, "*") else int(m.group(1))
+        if m.group(1) is None:
+            cores = 1
+        return preflight.Capacity(1, cores, task_cpus, float(conf.get("spark.driver.resource.gpu.amount", "0")),
+                                  task_gpus, spark_slots)
+    executors = max(0, jsc.getExecutorMemoryStatus().size() - 1)  # minus the driver
+    m = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),\s*(\d+)\]", master)
+    cores = int(m.group(2)) if m else int(conf.get("spark.executor.cores", "0") or 0)
+    if not cores and executors:
+        cores = max(1, (spark_slots or 0) * task_cpus // executors)
+    return preflight.Capacity(executors, cores, task_cpus, float(conf.get("spark.executor.resource.gpu.amount", "0")),
+                              task_gpus, spark_slots)
+
+
+def _expected_executors(master: str, conf: Mapping[str, str]) -> int | None:
+    m = re.fullmatch(r"local-cluster\[(\d+),\s*\d+,\s*\d+\]", master)
+    if m:
+        return int(m.group(1))
+    if conf.get("spark.executor.instances"):
+        return int(conf["spark.executor.instances"])
+    return None
+
+
+def _wait_for_capacity(sc, conf, size: int, use_gpu: bool, wait: float) -> None:
+    """Fail within seconds when the cluster cannot run every rank at once.
+
+    Spark's own barrier check retries for about 10 minutes. When even the configured cluster
+    (all expected executors registered) is too small, fail at once; otherwise give executors
+    that are still registering up to ``wait`` seconds.
+    """
+    cap = _capacity(sc, conf)
+    expected = _expected_executors(sc.master, conf)
+    if expected is not None and cap.executors < expected:
+        full = preflight.Capacity(expected, cap.cores_per_executor, cap.task_cpus, cap.gpus_per_executor,
+                                  cap.task_gpus)
+        if cap.cores_per_executor:
+            preflight.check_capacity(size, full, use_gpu)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            preflight.check_capacity(size, cap, use_gpu)
+            return
+        except InsufficientResourcesError:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.2)  # executors register with no event the driver's Python side can await
+        cap = _capacity(sc, conf)
+
+
+def _local_gpus(size: int) -> list[list[str]]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() not in ("", "-1"):
+        count = len([v for v in visible.split(",") if v.strip()])
+    else:
+        import shutil
+        import subprocess
+        smi = shutil.which("nvidia-smi")
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout if smi else ""
+        count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    if count < size:
+        raise InsufficientResourcesError(
+            f"local mode with use_gpu=True needs {size} GPUs, one per rank, but this machine shows {count}. "
+            f"Lower num_proc to {count} or pass use_gpu=False" if count else
+            f"local mode with use_gpu=True needs {size} GPUs, but this machine shows none; pass use_gpu=False")
+    return [[str(i)] for i in range(size)]
+
+
+# -- jobs: the thing the driver waits on ---------------------------------------------------------
+
+class _SparkJob:
+    """One barrier stage of ``size`` tasks, collected on a background thread."""
+
+    def __init__(self, spark, spec, fn_name: str):
+        self.spark = spark
+        self.spec = spec
+        self.group = f"sparktrain-{spec.run_id}"
+        self.description = f"sparktrain.run({fn_name}) num_proc={spec.size} run {spec.run_id}"
+        self.rows = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._collect, name=f"sparktrain-job-{spec.run_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _collect(self) -> None:
+        try:
+            sc = self.spark.sparkContext
+            sc.setJobGroup(self.group, self.description, interruptOnCancel=True)
+            df = self.spark.range(0, self.spec.size, 1, self.spec.size)
+            self.rows = df.mapInArrow(_barrier_fn(self.spec), RESULT_SCHEMA, barrier=True).collect()
+        except BaseException as e:  # noqa: BLE001 - handed to the supervising thread
+            self.error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+    def cancel(self) -> None:
+        self.spark.sparkContext.cancelJobGroup(self.group)
+
+    def result_bytes(self) -> bytes | None:
+        chunks = sorted((r["seq"], r["data"]) for r in self.rows if r["rank"] == 0)
+        return b"".join(bytes(d) for _, d in chunks) if chunks else None
+
+
+def _barrier_fn(spec):
+    """The function each barrier task runs; it is pickled with ``spec`` inside."""
+
+    def barrier_task(batches):
+        import pyarrow as pa
+        from pyspark import BarrierTaskContext
+
+        from sparktrain.task import run_rank
+
+        for _ in batches:  # the input is one row per task; only the partition id matters
+            pass
+        ctx = BarrierTaskContext.get()
+        rank = ctx.partitionId()
+        if ctx.attemptNumber() > 0:
+            raise RuntimeError(f"sparktrain rank {rank}: Spark retried this task; a rank is never re-run alone, "
+                               "so this attempt stops")
+        host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+        gpu = ctx.resources().get("gpu")
+        for seq, chunk in enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx)):
+            yield pa.RecordBatch.from_arrays(
+                [pa.array([rank], pa.int32()), pa.array([seq], pa.int32()), pa.array([chunk], pa.binary())],
+                names=["rank", "seq", "data"])
+
+    return barrier_task
+
+
+class _LocalJob:
+    """Local mode: each rank's executor-side code runs on a driver thread; no Spark."""
+
+    def __init__(self, spec, gpus: list[list[str]] | None):
+        self.spec = spec
+        self.gpus = gpus
+        self.error: BaseException | None = None
+        self.errors: dict[int, BaseException] = {}
+        self.chunks: list[bytes] = []
+        self._threads = [threading.Thread(target=self._rank, args=(r,), name=f"sparktrain-local-{r}", daemon=True)
+                         for r in range(spec.size)]
+        self._done = threading.Event()
+        self._left = spec.size
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _rank(self, rank: int) -> None:
+        from .task import run_rank
+
+        try:
+            chunks = list(run_rank(self.spec, rank, "127.0.0.1", self.gpus[rank] if self.gpus else None))
+            if rank == 0:
+                self.chunks = chunks
+        except BaseException as e:  # noqa: BLE001
+            self.errors[rank] = e
+        finally:
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    if self.errors:
+                        self.error = self.errors[min(self.errors)]
+                    self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+    def cancel(self) -> None:
+        pass  # the ranks stop when the channel tells them to, or when the channel closes
+
+    def result_bytes(self) -> bytes | None:
+        return b"".join(self.chunks) if self.chunks else None
+
+
+# -- supervision ---------------------------------------------------------------------------------
+
+class _Launch:
+    def __init__(self, *, run_id, fn_name, stdout, stderr, timestamps, timeout):
+        self.run_id = run_id
+        self.fn_name = fn_name
+        self.stdout = stdout
+        self.stderr = stderr
+        self.timestamps = timestamps
+        self.timeout = timeout
+        self.start_timeout = 600.0
+        self.secret = logstream.new_secret()
+        self.server: logstream.DriverServer | None = None
+
+    def spec(self, size, payload, driver_address, use_gpu, output, max_result, env, conf):
+        return TaskSpec(
+            run_id=self.run_id, size=size, payload=payload, secret=self.secret, driver_address=driver_address,
+            use_gpu=use_gpu, output_ranks=output, max_result_bytes=max_result, start_timeout=self.start_timeout,
+            grace_period=settings.resolve("grace_period", conf=conf), user_env=env,
+        )
+
+    def _write(self, rank: int, stream: str, line: str, when: float) -> None:
+        out = (self.stderr or sys.stderr) if stream == "stderr" else (self.stdout or sys.stdout)
+        prefix = f"[{rank}]<{stream}>:"
+        if self.timestamps:
+            prefix = datetime.datetime.fromtimestamp(when).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " " + prefix
+        try:
+            out.write(prefix + line + "\n")
+            out.flush()
+        except (OSError, ValueError):
+            pass  # a closed stream must not stop training
+
+    def supervise(self, job, host: str, size: int) -> Any:
+        """Start ``job`` and watch it until it ends; return rank 0's value or raise one error."""
+        import cloudpickle
+
+        self.size = size
+        self.started = time.monotonic()
+        self.failures: dict[int, RankFailure] = {}
+        self.all_started = False
+        if job.spec.driver_address is not None:
+            self.server = logstream.DriverServer(self.secret, size, host)
+            job.spec = _with_address(job.spec, self.server.address)
+        stopping: SparkTrainError | None = None
+        try:
+            job.start()
+            log.info("sparktrain: launching %d rank(s) of %s, run %s", size, self.fn_name, self.run_id)
+            while not job.done():
+                self._handle(self._next_event(job))
+                elapsed = time.monotonic() - self.started
+                if stopping is not None:
+                    continue
+                if self.failures:
+                    stopping = RankFailedError(self.failures)
+                    self._stop(job, f"rank {stopping.root_cause.rank} failed")
+                elif self.server and not self.all_started and elapsed > self.start_timeout:
+                    missing = self.server.missing_ranks()
+                    stopping = StartTimeoutError(
+                        f"timed out after {self.start_timeout:.0f} s waiting for rank(s) {missing} to start "
+                        f"({size - len(missing)} of {size} checked in). Each rank needs one task slot at the "
+                        "same time; check the Spark UI for stuck tasks, or raise start_timeout")
+                    self._stop(job, "start_timeout expired")
+                elif self.timeout is not None and elapsed > self.timeout:
+                    stopping = RunTimeoutError(
+                        f"run {self.run_id} of {self.fn_name} took longer than timeout={self.timeout:g} s and was "
+                        "stopped; raise timeout or pass timeout=None for no limit")
+                    self._stop(job, "timeout expired")
+            self._drain()
+        except BaseException:
+            # KeyboardInterrupt (a notebook's stop button) or any driver-side error: stop everything.
+            self._stop(job, "the driver was interrupted")
+            raise
+        finally:
+            if self.server is not None:
+                self.server.close()
+
+        if self.failures:
+            raise RankFailedError(self.failures)
+        if stopping is not None:
+            raise stopping
+        if job.error is not None:
+            reported = failures_in(str(job.error))
+            if reported:
+                raise RankFailedError(reported)
+            text = str(job.error)
+            if "cancel" in text.lower():
+                raise RunCancelledError(
+                    f"run {self.run_id} of {self.fn_name} was cancelled (Spark job group sparktrain-{self.run_id})"
+                ) from job.error
+            raise SparkTrainError(f"run {self.run_id} of {self.fn_name} failed in Spark: {_first_line(text)}") \
+                from job.error
+        data = job.result_bytes()
+        log.info("sparktrain: run %s finished in %.2f s; rank 0 returned %s", self.run_id,
+                 time.monotonic() - self.started, f"{len(data)} bytes pickled" if data else "nothing")
+        return cloudpickle.loads(data) if data else None
+
+    def _next_event(self, job):
+        if self.server is None:
+            job.wait(0.1)
+            return None
+        try:
+            return self.server.events.get(timeout=0.1)
+        except queue.Empty:
+            return None
+
+    def _handle(self, event) -> None:
+        if event is None:
+            return
+        kind = event[0]
+        if kind == "out":
+            _, rank, stream, line, when = event
+            self._write(rank, stream, line, when)
+        elif kind == "failed":
+            f = RankFailure.from_dict(event[2])
+            self.failures.setdefault(f.rank, f)
+        elif kind == "hello" and not self.all_started and not self.server.missing_ranks():
+            self.all_started = True
+            log.info("sparktrain: all %d rank(s) started in %.2f s", self.size, time.monotonic() - self.started)
+        elif kind == "refused":
+            log.warning("sparktrain: refused a connection from %s (%s)", event[1], event[2])
+
+    def _drain(self) -> None:
+        """Handle what ranks sent before they disconnected (their last output, failure reports)."""
+        if self.server is None:
+            return
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                self._handle(self.server.events.get(timeout=0.05))
+                continue
+            except queue.Empty:
+                pass
+            if not self.server.connected_ranks() or time.monotonic() > deadline:
+                break
+        while True:
+            try:
+                self._handle(self.server.events.get_nowait())
+            except queue.Empty:
+                return
+
+    def _stop(self, job, reason: str) -> None:
+        """Stop every rank: ask them (they terminate their process groups), then cancel the Spark job."""
+        if self.server is not None:
+            self.server.abort(reason)
+            # Ranks stop their children within the grace period and then end their tasks.
+            job.wait(job.spec.grace_period + 2.0)
+        if not job.done():
+            try:
+                job.cancel()
+            except Exception as e:  # noqa: BLE001
+                log.warning("sparktrain: could not cancel the Spark job group: %s", e)
+        if not job.wait(30.0):
+            log.warning("sparktrain: the run's tasks did not end within 30 s of being cancelled")
+
+
+def _with_address(spec, address):
+    import dataclasses
+
+    return dataclasses.replace(spec, driver_address=address)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text

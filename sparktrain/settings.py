@@ -1,0 +1,93 @@
+"""Settings that users may give as an argument, an environment variable or a Spark conf key.
+
+They resolve in one order: argument > environment variable > Spark conf > default.
+Pure: the Spark conf is passed in as a mapping-like getter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable, Mapping
+
+from .errors import InvalidArgumentError
+
+
+def parse_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    """A positive, finite number of seconds; echoes the bad value otherwise."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip().removesuffix("s"))
+        except ValueError:
+            raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        hint = " (use None for no limit)" if allow_none else ""
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}{hint}")
+    return float(value)
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise InvalidArgumentError(f"{name} must be true or false, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    env: str
+    conf: str
+    default: Any
+    parse: Callable[[str, Any], Any]
+    doc: str
+
+
+SETTINGS = {
+    s.name: s
+    for s in [
+        Setting("start_timeout", "SPARKTRAIN_START_TIMEOUT", "spark.sparktrain.startTimeout", 600.0,
+                parse_seconds, "seconds for every rank to start and check in"),
+        Setting("grace_period", "SPARKTRAIN_GRACE_PERIOD", "spark.sparktrain.gracePeriod", 5.0,
+                parse_seconds, "seconds between SIGTERM and SIGKILL when a rank's processes are stopped"),
+        Setting("rendezvous", "SPARKTRAIN_RENDEZVOUS", "spark.sparktrain.rendezvous", "auto",
+                lambda n, v: _choice(n, v, ("auto", "driver", "barrier")),
+                "how ranks exchange addresses: 'driver' (through the driver's channel, milliseconds), "
+                "'barrier' (one Spark allGather, when executors cannot reach the driver), 'auto'"),
+        Setting("allow_unencrypted", "SPARKTRAIN_ALLOW_UNENCRYPTED", "spark.sparktrain.allowUnencrypted", False,
+                parse_bool, "run even though spark.ssl.enabled is set; training traffic is not encrypted"),
+        Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
+                parse_seconds, "seconds to wait for executors to register before the slot check fails"),
+    ]
+}
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise InvalidArgumentError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value.strip().lower()
+
+
+def resolve(name: str, argument: Any = None, *, conf: Mapping[str, str] | None = None,
+            environ: Mapping[str, str] | None = None) -> Any:
+    """Resolve one setting: argument > environment variable > Spark conf > default.
+
+    >>> resolve("grace_period", None, conf={"spark.sparktrain.gracePeriod": "2"}, environ={})
+    2.0
+    """
+    s = SETTINGS[name]
+    environ = os.environ if environ is None else environ
+    if argument is not None:
+        return s.parse(name, argument)
+    if environ.get(s.env) not in (None, ""):
+        return s.parse(s.env, environ[s.env])
+    if conf is not None and conf.get(s.conf) not in (None, ""):
+        return s.parse(s.conf, conf.get(s.conf))
+    return s.default

@@ -1,0 +1,102 @@
+"""The lifecycle of one rank's child process.
+
+The child runs in its own session and process group, so it and anything it starts can be
+stopped together. It dies with its parent in two ways (see child.py): a parent-death signal
+set right after exec, and a lifeline thread that watches this end's pipe and the parent pid.
+Stopping is terminate, a grace period, then kill, of the whole group.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Mapping, Sequence
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class ChildProcess:
+    """A supervised child: ``python -m sparktrain.child WORKDIR PARENT_PID``.
+
+    stdout and stderr are pipes the caller reads; stdin is the lifeline, held open until
+    :meth:`stop`, so the child sees EOF (and kills its group) the moment this process dies.
+    """
+
+    def __init__(self, workdir: str, env: Mapping[str, str], *, python: str | None = None,
+                 extra_args: Sequence[str] = ()):
+        argv = [python or sys.executable, "-m", "sparktrain.child", workdir, str(os.getpid()), *extra_args]
+        self.proc = subprocess.Popen(
+            argv,
+            env=dict(env),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # own session and process group: pgid == pid
+            close_fds=True,
+        )
+        self.pid = self.proc.pid
+        self.pgid = self.proc.pid
+
+    @property
+    def stdout(self):
+        return self.proc.stdout
+
+    @property
+    def stderr(self):
+        return self.proc.stderr
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, grace: float) -> int:
+        """Terminate the whole group, wait up to ``grace`` seconds, then kill what is left.
+
+        Also used after a normal exit, to end anything the child left behind in its group.
+        Returns the child's exit code (negative: killed by that signal).
+        """
+        if self.proc.poll() is None or _group_alive(self.pgid):
+            _signal_group(self.pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+            # The child itself is reaped; its descendants have no exit event we can await, so poll.
+            while _group_alive(self.pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _signal_group(self.pgid, signal.SIGKILL)
+        code = self.proc.wait()
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        return code
+
+    def close_pipes(self) -> None:
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    pass

@@ -1,0 +1,297 @@
+"""Executor side: what one barrier task does for its rank.
+
+rendezvous -> build the env -> spawn the child -> stream its output -> hand back the result.
+
+The same :func:`run_rank` serves Spark tasks and local mode (where the launcher calls it
+from one thread per rank), so both share one env contract, supervision and result path.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import json
+import os
+import selectors
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from typing import Iterator, Sequence
+
+from . import logstream, worker_env
+from .errors import RankError, RankFailure, ResultTooLargeError, SparkTrainError
+from .spec import TaskSpec
+from .supervisor import ChildProcess
+
+#: Lines of output each rank keeps for its failure report.
+TAIL_LINES = 100
+#: Longest output line forwarded; longer lines are split.
+MAX_LINE = 16 * 1024
+#: Size of the pieces rank 0's pickled result travels in.
+RESULT_CHUNK = 4 * 1024 * 1024
+
+def reserve_port(attempts: int = 8) -> socket.socket:
+    """Bind a free TCP port and hold it, so nobody else takes it before the child needs it.
+
+    The caller closes the socket right before starting the child ("late handover"); the
+    child's collective runtime then binds the same port.
+    """
+    last: OSError | None = None
+    for _ in range(attempts):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("", 0))
+            return s
+        except OSError as e:
+            s.close()
+            if e.errno != errno.EADDRINUSE:
+                raise
+            last = e
+    raise OSError(errno.EADDRINUSE, f"no free port after {attempts} attempts: {last}")
+
+
+def _child_pythonpath() -> str:
+    # The child must import what this worker imports: sparktrain, and files shipped with
+    # sc.addPyFile, which live on this worker's sys.path but not in PYTHONPATH.
+    parts = [p for p in sys.path if p and os.path.exists(p)]
+    if os.environ.get("PYTHONPATH"):
+        parts.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
+class _Rank:
+    """The state of one rank while it runs."""
+
+    def __init__(self, spec: TaskSpec, rank: int, host: str):
+        self.spec = spec
+        self.rank = rank
+        self.host = host
+        self.local_rank = 0
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.chan: logstream.Channel | None = None
+        self.abort_reason: str | None = None
+        self.show = spec.output_ranks is None or rank in spec.output_ranks
+
+    # -- channel -----------------------------------------------------------------------------
+    def send(self, msg: dict) -> None:
+        """Send to the driver. If streaming fails, training does not: the channel is dropped."""
+        if self.chan is None:
+            return
+        try:
+            self.chan.send(msg)
+        except (OSError, ValueError) as e:
+            print(f"sparktrain rank {self.rank}: lost the driver channel ({e}); output now goes to this "
+                  f"executor's log", file=sys.stderr)
+            self.chan.close()
+            self.chan = None
+
+    def failure(self, **kw) -> RankFailure:
+        return RankFailure(rank=self.rank, host=self.host, local_rank=self.local_rank,
+                           output_tail=tuple(self.tail), time=time.time(), **kw)
+
+    # -- rendezvous --------------------------------------------------------------------------
+    def rendezvous(self, port: int, master_port: int, barrier_ctx) -> tuple[list[str], list[int], int]:
+        me = {"type": "hello", "rank": self.rank, "host": self.host, "port": port,
+              "master_port": master_port, "pid": os.getpid()}
+        spec = self.spec
+        if spec.driver_address is None:
+            # One Spark barrier sync (about a second): the path for executors that cannot reach
+            # the driver, such as under Spark Connect.
+            infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
+            infos.sort(key=lambda i: i["rank"])
+            return [i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"])
+        try:
+            self.chan = logstream.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout))
+        except OSError as e:
+            raise SparkTrainError(
+                f"rank {self.rank} on {self.host} cannot reach the driver's channel at "
+                f"{spec.driver_address[0]}:{spec.driver_address[1]}: {e}. If executors cannot open "
+                "connections to the driver, set spark.sparktrain.rendezvous=barrier"
+            ) from None
+        self.chan.send(me)
+        self.chan.sock.settimeout(spec.start_timeout)
+        try:
+            msg = self.chan.recv()
+        except socket.timeout:
+            raise SparkTrainError(
+                f"rank {self.rank} waited {spec.start_timeout:.0f} s for the other ranks to start "
+                "(start_timeout); see the driver's error for which ranks never started"
+            ) from None
+        self.chan.sock.settimeout(None)
+        if msg is None:
+            raise SparkTrainError(f"rank {self.rank}: the driver closed the channel during rendezvous")
+        if msg["type"] == "abort":
+            self.abort_reason = msg.get("reason", "stopped by the driver")
+            raise SparkTrainError(f"rank {self.rank} was stopped before it started: {self.abort_reason}")
+        return msg["hosts"], [int(p) for p in msg["ports"]], int(msg["master_port"])
+
+    # -- output ------------------------------------------------------------------------------
+    def emit(self, stream: str, line: str) -> None:
+        self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
+        if not self.show:
+            return
+        if self.chan is not None:
+            self.send({"type": "out", "stream": stream, "line": line, "time": time.time()})
+        if self.chan is None:
+            print(f"[{self.rank}]<{stream}>:{line}", file=sys.stderr if stream == "stderr" else sys.stdout)
+
+    def pump(self, child: ChildProcess) -> None:
+        """Forward the child's output until it exits or the driver says stop."""
+        sel = selectors.DefaultSelector()
+        buffers = {}
+        for stream, f in (("stdout", child.stdout), ("stderr", child.stderr)):
+            os.set_blocking(f.fileno(), False)
+            sel.register(f, selectors.EVENT_READ, stream)
+            buffers[stream] = b""
+        driver_sock = self.chan.sock if self.chan is not None else None
+        if driver_sock is not None:
+            sel.register(driver_sock, selectors.EVENT_READ, "driver")
+        open_pipes = 2
+        exited_at = None
+        try:
+            while open_pipes:
+                if driver_sock is not None and self.chan is None:  # the channel broke in send()
+                    sel.unregister(driver_sock)
+                    driver_sock = None
+                for key, _ in sel.select(timeout=0.5):
+                    if key.data == "driver" and self.chan is None:
+                        continue
+                    if key.data == "driver":
+                        self._on_driver_message(sel, child)
+                        continue
+                    chunk = key.fileobj.read(65536)
+                    if chunk is None:
+                        continue
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        open_pipes -= 1
+                        if buffers[key.data]:
+                            self.emit(key.data, buffers[key.data].decode(errors="replace"))
+                        continue
+                    buffers[key.data] = self._lines(key.data, buffers[key.data] + chunk)
+                if child.poll() is not None:
+                    # A grandchild may hold the pipes open after the child exited: give the
+                    # last lines a moment to arrive, then stop waiting for EOF.
+                    exited_at = exited_at or time.monotonic()
+                    if time.monotonic() - exited_at > 1.0:
+                        break
+        finally:
+            sel.close()
+
+    def _lines(self, stream: str, data: bytes) -> bytes:
+        *lines, rest = data.split(b"\n")
+        for raw in lines:
+            self.emit(stream, raw.rstrip(b"\r").decode(errors="replace"))
+        while len(rest) > MAX_LINE:
+            self.emit(stream, rest[:MAX_LINE].decode(errors="replace"))
+            rest = rest[MAX_LINE:]
+        return rest
+
+    def _on_driver_message(self, sel, child: ChildProcess) -> None:
+        try:
+            msg = self.chan.recv()
+        except (OSError, logstream.AuthenticationError):
+            msg = None
+        if msg is None:
+            self.chan.close()
+            self.chan = None  # pump() unregisters the socket
+            return
+        if msg.get("type") == "abort" and self.abort_reason is None:
+            self.abort_reason = msg.get("reason", "stopped by the driver")
+            child.stop(self.spec.grace_period)
+
+
+def _gpu_ids(spec: TaskSpec, rank: int, gpu_addresses: Sequence[str] | None) -> str:
+    if not spec.use_gpu:
+        return worker_env.NO_GPU
+    if not gpu_addresses:
+        raise SparkTrainError(
+            f"use_gpu=True but Spark assigned no GPU to rank {rank}'s task; set "
+            "spark.task.resource.gpu.amount=1 and spark.executor.resource.gpu.amount on the cluster"
+        )
+    return worker_env.translate_gpu_ids(list(gpu_addresses), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] | None = None,
+             barrier_ctx=None) -> Iterator[bytes]:
+    """Run ``rank`` to completion. Yields rank 0's pickled result in chunks; raises RankError on failure."""
+    state = _Rank(spec, rank, host)
+    workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
+    child = None
+    try:
+        try:
+            reserved = [reserve_port()] + ([reserve_port()] if rank == 0 else [])
+            port = reserved[0].getsockname()[1]
+            master_port = reserved[1].getsockname()[1] if rank == 0 else 0
+            try:
+                hosts, ports, master_port = state.rendezvous(port, master_port, barrier_ctx)
+            finally:
+                for s in reserved:  # hand the ports over: the child binds them next
+                    s.close()
+            state.local_rank = worker_env.topology(hosts, rank)["local_rank"]
+            env = dict(os.environ)
+            env.update(worker_env.build_worker_env(
+                rank=rank, hosts=hosts, ports=ports, master_port=master_port,
+                gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
+            ))
+            env["PYTHONPATH"] = _child_pythonpath()
+            with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
+                f.write(spec.payload)
+            child = ChildProcess(workdir, env)
+        except SparkTrainError as e:
+            raise _failed(state, state.failure(exc_type="SparkTrainError", message=str(e))) from None
+        except Exception as e:
+            import traceback
+            raise _failed(state, state.failure(exc_type=type(e).__name__, message=str(e),
+                                               traceback=traceback.format_exc())) from None
+
+        state.pump(child)
+        code = child.stop(spec.grace_period)  # ends any descendants left in its group
+        child.close_pipes()
+        state.send({"type": "exited", "exitcode": code})
+
+        if state.abort_reason is not None:
+            # Not a root cause: the driver stopped this rank because of another one.
+            raise SparkTrainError(f"sparktrain rank {rank} was stopped: {state.abort_reason}")
+        error_path = os.path.join(workdir, "error.json")
+        if code != 0 or os.path.exists(error_path):
+            info = {}
+            if os.path.exists(error_path):
+                with open(error_path) as f:
+                    info = json.load(f)
+            raise _failed(state, state.failure(exitcode=code, **info))
+        if rank == 0:
+            yield from _result_chunks(state, os.path.join(workdir, "result.pkl"))
+    finally:
+        if child is not None and child.poll() is None:
+            child.stop(spec.grace_period)  # the task itself is being torn down
+        if child is not None:
+            child.close_pipes()
+        if state.chan is not None:
+            state.chan.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _failed(state: _Rank, failure: RankFailure) -> RankError:
+    state.send({"type": "failed", "failure": failure.to_dict()})
+    return RankError(failure)
+
+
+def _result_chunks(state: _Rank, path: str) -> Iterator[bytes]:
+    size = os.path.getsize(path)
+    limit = state.spec.max_result_bytes
+    # Spark counts serialized task results against spark.driver.maxResultSize; leave it headroom.
+    if limit and size + (1 << 20) > limit:
+        err = ResultTooLargeError(
+            f"rank 0's return value is {size / 2**20:.1f} MiB pickled, more than spark.driver.maxResultSize "
+            f"({limit / 2**20:.0f} MiB) allows. Write large checkpoints to storage and return their URL, "
+            f"or raise spark.driver.maxResultSize (for example to {max(2 * size, 1 << 30) // 2**20}m)"
+        )
+        raise _failed(state, state.failure(exc_type="sparktrain.errors.ResultTooLargeError", message=str(err)))
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(RESULT_CHUNK)
+            if not chunk:
+                break
+            yield chunk

@@ -1,0 +1,149 @@
+"""The env contract: what every rank's process finds in its environment.
+
+Pure functions only, so the contract is unit-tested without Spark. The same names are
+documented in README.md ("The env contract").
+"""
+from __future__ import annotations
+
+import json
+from typing import Mapping, Sequence
+
+RANK = "SPARKTRAIN_RANK"
+SIZE = "SPARKTRAIN_SIZE"
+LOCAL_RANK = "SPARKTRAIN_LOCAL_RANK"
+LOCAL_SIZE = "SPARKTRAIN_LOCAL_SIZE"
+CROSS_RANK = "SPARKTRAIN_CROSS_RANK"
+CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
+RUN_ID = "SPARKTRAIN_RUN_ID"
+
+#: The variables that together define a rank; the worker API needs all of them or none.
+TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
+
+#: Every variable the contract sets; user ``env`` may not override these.
+RESERVED_VARS = frozenset(
+    TOPOLOGY_VARS
+    + (RUN_ID, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+       "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+)
+
+#: What CUDA_VISIBLE_DEVICES is set to when a rank must see no GPU.
+NO_GPU = "-1"
+
+
+def topology(hosts: Sequence[str], rank: int) -> dict[str, int]:
+    """Horovod's topology numbers for ``rank`` given every rank's host, in rank order.
+
+    ``local_rank`` counts the ranks before this one on the same host. ``cross_rank`` is the
+    index of this host among the hosts that run a process with the same ``local_rank``, and
+    ``cross_size`` is how many such hosts there are.
+
+    >>> topology(["a", "a", "b"], 2)
+    {'rank': 2, 'size': 3, 'local_rank': 0, 'local_size': 1, 'cross_rank': 1, 'cross_size': 2}
+    """
+    if not 0 <= rank < len(hosts):
+        raise ValueError(f"rank {rank} is outside 0..{len(hosts) - 1}")
+    host = hosts[rank]
+    local_rank = sum(1 for h in hosts[:rank] if h == host)
+    local_size = sum(1 for h in hosts if h == host)
+    # The hosts that have a process with this local_rank, in order of first appearance.
+    seen: dict[str, int] = {}
+    peers: list[str] = []
+    for h in hosts:
+        seen[h] = seen.get(h, -1) + 1
+        if seen[h] == local_rank:
+            peers.append(h)
+    return {
+        "rank": rank,
+        "size": len(hosts),
+        "local_rank": local_rank,
+        "local_size": local_size,
+        "cross_rank": peers.index(host),
+        "cross_size": len(peers),
+    }
+
+
+def translate_gpu_ids(addresses: Sequence[str], visible: str | None) -> str:
+    """Map the GPU addresses Spark assigned to a task onto ``CUDA_VISIBLE_DEVICES``.
+
+    Spark's addresses are indices into the devices the executor can see. When the executor
+    itself already runs under a ``CUDA_VISIBLE_DEVICES`` mask, address ``i`` means the
+    ``i``-th entry of that mask. An empty ``addresses`` hides every GPU.
+
+    >>> translate_gpu_ids(["1"], "4,5,6")
+    '5'
+    >>> translate_gpu_ids(["0"], None)
+    '0'
+    """
+    if not addresses:
+        return NO_GPU
+    if visible is None or visible.strip() == "":
+        return ",".join(str(a).strip() for a in addresses)
+    mask = [v.strip() for v in visible.split(",") if v.strip()]
+    out = []
+    for a in addresses:
+        try:
+            out.append(mask[int(a)])
+        except (ValueError, IndexError):
+            raise ValueError(
+                f"Spark assigned GPU address {a!r}, but the executor's CUDA_VISIBLE_DEVICES={visible!r} "
+                f"has only {len(mask)} entries; make the discovery script report indices into that mask"
+            ) from None
+    return ",".join(out)
+
+
+def build_worker_env(
+    *,
+    rank: int,
+    hosts: Sequence[str],
+    ports: Sequence[int],
+    master_port: int,
+    gpu_ids: str,
+    run_id: str,
+    user_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment one rank's process gets, on top of the executor's own.
+
+    Parameters
+    ----------
+    rank : this process's rank.
+    hosts : every rank's host, in rank order.
+    ports : every rank's port for the collective runtime (TensorFlow's server), in rank order.
+    master_port : the port rank 0 reserved for ``MASTER_PORT`` (PyTorch's rendezvous store).
+    gpu_ids : the value for ``CUDA_VISIBLE_DEVICES`` (see :func:`translate_gpu_ids`).
+    run_id : the run's id.
+    user_env : the ``env`` passed to ``run``; reserved names are refused earlier, on the driver.
+
+    Examples
+    --------
+    >>> env = build_worker_env(rank=1, hosts=["h", "h"], ports=[5000, 5001], master_port=5002,
+    ...                        gpu_ids="-1", run_id="r")
+    >>> env["SPARKTRAIN_LOCAL_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]
+    ('1', 'h', '5002')
+    """
+    if len(hosts) != len(ports):
+        raise ValueError(f"got {len(hosts)} hosts but {len(ports)} ports")
+    t = topology(hosts, rank)
+    # Output must reach the driver line by line, not when an 8 KiB buffer fills.
+    env = {"PYTHONUNBUFFERED": "1"}
+    env.update(user_env or {})
+    env.update({
+        RANK: str(t["rank"]),
+        SIZE: str(t["size"]),
+        LOCAL_RANK: str(t["local_rank"]),
+        LOCAL_SIZE: str(t["local_size"]),
+        CROSS_RANK: str(t["cross_rank"]),
+        CROSS_SIZE: str(t["cross_size"]),
+        RUN_ID: run_id,
+        "TF_CONFIG": json.dumps({
+            "cluster": {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]},
+            "task": {"type": "worker", "index": rank},
+        }),
+        "RANK": str(t["rank"]),
+        "WORLD_SIZE": str(t["size"]),
+        "LOCAL_RANK": str(t["local_rank"]),
+        "LOCAL_WORLD_SIZE": str(t["local_size"]),
+        "MASTER_ADDR": hosts[0],
+        "MASTER_PORT": str(master_port),
+        "CUDA_VISIBLE_DEVICES": gpu_ids,
+    })
+    return env
