@@ -6,7 +6,6 @@ are imported only inside the functions that need them.
 """
 from __future__ import annotations
 
-from .launcher import run
 from .context import cross_rank, cross_size, is_chief, local_rank, local_size, rank, size
 from .errors import (ClusterConfigError, InsufficientResourcesError, InvalidArgumentError, PicklingFailedError,
                      RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError, RunTimeoutError,
@@ -20,3 +19,14 @@ __all__ = [
     "InsufficientResourcesError", "StartTimeoutError", "RunTimeoutError", "RunCancelledError",
     "ResultTooLargeError", "RankFailedError", "RankFailure",
 ]
+
+
+def __getattr__(name: str):
+    # ``run`` lives with the driver-side machinery; rank processes import this package for
+    # the worker API alone and should not pay for the launcher's imports at start-up.
+    if name == "run":
+        from .launcher import run
+
+        globals()["run"] = run
+        return run
+    raise AttributeError(f"module 'sparktrain' has no attribute {name!r}")

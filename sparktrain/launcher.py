@@ -267,6 +267,7 @@ class _SparkJob:
         self.description = f"sparktrain.run({fn_name}) num_proc={spec.size} run {spec.run_id}"
         self.rows = None
         self.error: BaseException | None = None
+        self.on_done: Callable[[], None] = lambda: None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._collect, name=f"sparktrain-job-{spec.run_id}", daemon=True)
 
@@ -283,6 +284,7 @@ class _SparkJob:
             self.error = e
         finally:
             self._done.set()
+            self.on_done()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -333,6 +335,7 @@ class _LocalJob:
         self.error: BaseException | None = None
         self.errors: dict[int, BaseException] = {}
         self.chunks: list[bytes] = []
+        self.on_done: Callable[[], None] = lambda: None
         self._threads = [threading.Thread(target=self._rank, args=(r,), name=f"sparktrain-local-{r}", daemon=True)
                          for r in range(spec.size)]
         self._done = threading.Event()
@@ -359,6 +362,7 @@ class _LocalJob:
                     if self.errors:
                         self.error = self.errors[min(self.errors)]
                     self._done.set()
+                    self.on_done()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -413,9 +417,13 @@ class _Launch:
         self.started = time.monotonic()
         self.failures: dict[int, RankFailure] = {}
         self.all_started = False
+        self.said_hello: set[int] = set()
+        self.disconnected: set[int] = set()
         if job.spec.driver_address is not None:
             self.server = logstream.DriverServer(self.secret, size, host)
             job.spec = _with_address(job.spec, self.server.address)
+            events = self.server.events
+            job.on_done = lambda: events.put(("job done",))  # wakes the loop below at once
         stopping: SparkTrainError | None = None
         try:
             job.start()
@@ -488,7 +496,12 @@ class _Launch:
         elif kind == "failed":
             f = RankFailure.from_dict(event[2])
             self.failures.setdefault(f.rank, f)
-        elif kind == "hello" and not self.all_started and not self.server.missing_ranks():
+        elif kind == "closed":
+            self.disconnected.add(event[1])
+        elif kind == "hello":
+            self.said_hello.add(event[1])
+            if self.all_started or len(self.said_hello) < self.size:
+                return
             self.all_started = True
             log.info("sparktrain: all %d rank(s) started in %.2f s", self.size, time.monotonic() - self.started)
         elif kind == "refused":
@@ -500,16 +513,11 @@ class _Launch:
             return
         deadline = time.monotonic() + 5.0
         while True:
+            waiting = self.said_hello - self.disconnected
+            timeout = deadline - time.monotonic() if waiting else 0
             try:
-                self._handle(self.server.events.get(timeout=0.05))
-                continue
-            except queue.Empty:
-                pass
-            if not self.server.connected_ranks() or time.monotonic() > deadline:
-                break
-        while True:
-            try:
-                self._handle(self.server.events.get_nowait())
+                self._handle(self.server.events.get(timeout=max(0.0, timeout)) if timeout > 0
+                             else self.server.events.get_nowait())
             except queue.Empty:
                 return
 
@@ -517,14 +525,21 @@ class _Launch:
         """Stop every rank: ask them (they terminate their process groups), then cancel the Spark job."""
         if self.server is not None:
             self.server.abort(reason)
-            # Ranks stop their children within the grace period and then end their tasks.
-            job.wait(job.spec.grace_period + 2.0)
-        if not job.done():
+            # Ranks stop their process groups within the grace period, then disconnect and end
+            # their tasks; cancelling the Spark job first would kill them without that grace.
+            deadline = time.monotonic() + job.spec.grace_period + 2.0
+            while self.server.connected_ranks() and not job.wait(0.05) and time.monotonic() < deadline:
+                pass
+        # Cancel until the job ends: a cancel that lands before the job thread has submitted
+        # its stage would otherwise be lost.
+        deadline = time.monotonic() + 30.0
+        while not job.done() and time.monotonic() < deadline:
             try:
                 job.cancel()
             except Exception as e:  # noqa: BLE001
                 log.warning("sparktrain: could not cancel the Spark job group: %s", e)
-        if not job.wait(30.0):
+            job.wait(1.0)
+        if not job.done():
             log.warning("sparktrain: the run's tasks did not end within 30 s of being cancelled")
 
 

@@ -147,6 +147,7 @@ class DriverServer:
         self._hellos: dict[int, dict] = {}
         self._peers_sent = False
         self._closing = False
+        self._abort_reason: str | None = None
         self._threads: list[threading.Thread] = []
         self._pending: set[socket.socket] = set()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -214,11 +215,13 @@ class DriverServer:
 
     def _register(self, rank: int, chan: Channel, hello: dict) -> bool:
         with self._lock:
-            if not 0 <= rank < self.size or rank in self._hellos or self._closing:
+            if not 0 <= rank < self.size or rank in self._hellos or self._closing or self._abort_reason:
                 # A second hello for a rank is a retried Spark task; sparktrain does not retry
-                # inside a stage, so that attempt is told to stop at once.
-                why = "duplicate rank" if rank in self._hellos else "unknown rank"
-                chan.send({"type": "abort", "reason": f"{why} {rank}: this run does not accept it"})
+                # inside a stage, so that attempt is told to stop at once. A rank that starts
+                # after the run was stopped is told so too.
+                why = ("duplicate rank" if rank in self._hellos else "unknown rank") + \
+                    f" {rank}: this run does not accept it"
+                self._send_quietly(chan, {"type": "abort", "reason": self._abort_reason or why})
                 return False
             self._channels[rank] = chan
             self._hellos[rank] = hello
@@ -268,8 +271,9 @@ class DriverServer:
             return [r for r, c in self._channels.items() if not c.closed]
 
     def abort(self, reason: str) -> None:
-        """Tell every connected rank to stop its processes now."""
+        """Tell every connected rank to stop its processes now, and every later one not to start."""
         with self._lock:
+            self._abort_reason = self._abort_reason or reason
             channels = list(self._channels.values())
         for chan in channels:
             self._send_quietly(chan, {"type": "abort", "reason": reason})

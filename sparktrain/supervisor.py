@@ -71,7 +71,6 @@ class ChildProcess:
     def stop(self, grace: float) -> int:
         """Terminate the whole group, wait up to ``grace`` seconds, then kill what is left.
 
-        Also used after a normal exit, to end anything the child left behind in its group.
         Returns the child's exit code (negative: killed by that signal).
         """
         if self.proc.poll() is None or _group_alive(self.pgid):
@@ -85,6 +84,22 @@ class ChildProcess:
             while _group_alive(self.pgid) and time.monotonic() < deadline:
                 time.sleep(0.05)
             _signal_group(self.pgid, signal.SIGKILL)
+        return self._finish()
+
+    def reap(self, grace: float) -> int:
+        """After the child closed its output: wait for its exit, then end what it left in its group.
+
+        A child that closed its pipes but does not exit within ``grace`` is stopped.
+        """
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            return self.stop(grace)
+        if _group_alive(self.pgid):
+            return self.stop(grace)
+        return self._finish()
+
+    def _finish(self) -> int:
         code = self.proc.wait()
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:

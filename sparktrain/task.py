@@ -247,7 +247,9 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                                                traceback=traceback.format_exc())) from None
 
         state.pump(child)
-        code = child.stop(spec.grace_period)  # ends any descendants left in its group
+        # Stopped by the driver: already terminated. Otherwise let it exit, then end any
+        # descendants it left behind in its group.
+        code = child.stop(spec.grace_period) if state.abort_reason else child.reap(spec.grace_period)
         child.close_pipes()
         state.send({"type": "exited", "exitcode": code})
 

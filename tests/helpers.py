@@ -1,0 +1,74 @@
+"""Training functions and checks shared by the integration tests.
+
+Functions here are imported by reference on the executors (tests/ is on their sys.path
+through the child's PYTHONPATH), the way a user's own module would be.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import psutil
+
+
+def record_rank(outdir: str, tag: str = "", **extra) -> dict:
+    """Write what this rank sees to outdir/rank-<rank>.json and return it."""
+    import sparktrain
+
+    info = {
+        "rank": sparktrain.rank(), "size": sparktrain.size(), "local_rank": sparktrain.local_rank(),
+        "local_size": sparktrain.local_size(), "cross_rank": sparktrain.cross_rank(),
+        "cross_size": sparktrain.cross_size(), "pid": os.getpid(), "ppid": os.getppid(), "tag": tag,
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith(("SPARKTRAIN_", "MY_")) or k in ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                 "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                                 "CUDA_VISIBLE_DEVICES")},
+        **extra,
+    }
+    path = os.path.join(outdir, f"rank-{info['rank']}{tag}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f)
+    os.replace(path + ".tmp", path)
+    return info
+
+
+def read_ranks(outdir: str, tag: str = "") -> dict[int, dict]:
+    out = {}
+    for name in os.listdir(outdir):
+        if name.startswith("rank-") and name.endswith(f"{tag}.json") and (tag or name.count("-") == 1):
+            with open(os.path.join(outdir, name)) as f:
+                info = json.load(f)
+            out[info["rank"]] = info
+    return out
+
+
+def wait_pids_gone(pids, timeout: float = 10.0) -> list[int]:
+    """Wait (bounded) until none of ``pids`` is alive; returns the ones still alive."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_for_file(path: str, timeout: float = 60.0) -> None:
+    """Block until ``path`` exists (a rank signalling a test); fails loudly on timeout."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+def rank_processes() -> list[int]:
+    """Pids of live sparktrain rank processes anywhere on this machine."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "sparktrain.child" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p.info["pid"])
+    return out

@@ -1,0 +1,37 @@
+"""Errors survive pickling and put the root cause first."""
+import pickle
+
+import sparktrain
+from sparktrain.errors import RankError, RankFailure, failures_in
+
+
+def _failure(rank, t, **kw):
+    return RankFailure(rank=rank, host="h", local_rank=rank, time=t, **kw)
+
+
+def test_rank_failed_error_root_cause_first_and_pickles():
+    later = _failure(2, 20.0, exitcode=-9)
+    first = _failure(1, 10.0, exc_type="ValueError", message="bad shard", traceback="Traceback...\nValueError: bad shard",
+                     output_tail=("epoch 1", "epoch 2"))
+    err = sparktrain.RankFailedError({2: later, 1: first})
+    assert list(err.failures) == [1, 2]
+    assert err.root_cause.rank == 1
+    text = str(err)
+    assert text.startswith("2 ranks failed; root cause: rank 1 (local rank 1 on h): ValueError: bad shard")
+    assert "killed by SIGKILL" in text and "epoch 2" in text
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is sparktrain.RankFailedError and str(again) == text
+    assert again.failures[1].output_tail == ("epoch 1", "epoch 2")
+
+
+def test_simple_errors_pickle():
+    for cls in (sparktrain.InvalidArgumentError, sparktrain.StartTimeoutError, sparktrain.InsufficientResourcesError):
+        err = pickle.loads(pickle.dumps(cls("num_proc must be positive, got 0")))
+        assert type(err) is cls and "got 0" in str(err)
+
+
+def test_failure_marker_round_trips_through_foreign_text():
+    f = _failure(3, 1.0, exitcode=3, message="x")
+    wrapped = f"py4j error: blah\n{RankError(f)}\n  at org.apache.spark..."
+    assert failures_in(wrapped) == [f]
+    assert failures_in("no marker here") == []

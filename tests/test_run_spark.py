@@ -1,0 +1,253 @@
+"""sparktrain.run on a real local[3] Spark: ranks, arguments, output, results, failures, cleanup."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import threading
+import time
+
+import pytest
+
+import sparktrain
+from helpers import rank_processes, read_ranks, record_rank, wait_for_file, wait_pids_gone
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from conftest import make_spark
+
+    session = make_spark("local[3]", **{"spark.driver.maxResultSize": "20m"})
+    yield session
+    session.stop()
+
+
+def train_record(outdir, lr, epochs=3):
+    import sparktrain
+
+    info = record_rank(outdir, lr=lr, epochs=epochs)
+    print(f"hello from rank {info['rank']} of {info['size']}")
+    return {"rank": sparktrain.rank(), "lr": lr, "epochs": epochs} if sparktrain.is_chief() else "not rank 0"
+
+
+def test_distinct_ranks_args_kwargs_and_rank0_value(spark, tmp_path):
+    out = io.StringIO()
+    result = sparktrain.run(train_record, args=(str(tmp_path), 0.1), kwargs={"epochs": 2}, num_proc=3,
+                            stdout=out, env={"MY_SETTING": "on"})
+    assert result == {"rank": 0, "lr": 0.1, "epochs": 2}
+    ranks = read_ranks(str(tmp_path))
+    assert sorted(ranks) == [0, 1, 2]
+    assert {r["size"] for r in ranks.values()} == {3}
+    assert {(r["lr"], r["epochs"]) for r in ranks.values()} == {(0.1, 2)}
+    # local[3] is one host: local ranks 0..2, one cross group.
+    assert sorted(r["local_rank"] for r in ranks.values()) == [0, 1, 2]
+    assert {(r["local_size"], r["cross_rank"], r["cross_size"]) for r in ranks.values()} == {(3, 0, 1)}
+    envs = [ranks[r]["env"] for r in range(3)]
+    assert {e["MY_SETTING"] for e in envs} == {"on"}
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"-1"}
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    workers = json.loads(envs[0]["TF_CONFIG"])["cluster"]["worker"]
+    assert len(set(workers)) == 3 and all(json.loads(e["TF_CONFIG"])["cluster"]["worker"] == workers for e in envs)
+    assert [json.loads(e["TF_CONFIG"])["task"]["index"] for e in envs] == [0, 1, 2]
+    assert len({e["MASTER_PORT"] for e in envs}) == 1 and envs[0]["MASTER_ADDR"] == workers[0].split(":")[0]
+    # Every rank ran in its own fresh process, not in the reused PySpark worker, and is gone now.
+    pids = [r["pid"] for r in ranks.values()]
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+    assert wait_pids_gone(pids, timeout=5) == []
+    lines = out.getvalue().splitlines()
+    for r in range(3):
+        assert f"[{r}]<stdout>:hello from rank {r} of 3" in lines
+
+
+def chatty(n_lines):
+    import sys
+
+    import sparktrain
+
+    for i in range(n_lines):
+        print(f"line {i} of rank {sparktrain.rank()}")
+    print(f"warning from rank {sparktrain.rank()}", file=sys.stderr)
+
+
+def test_output_prefix_timestamp_and_rank_filter(spark):
+    out, err = io.StringIO(), io.StringIO()
+    sparktrain.run(chatty, args=(3,), num_proc=3, stdout=out, stderr=err, output_ranks=[0, 2],
+                   prefix_output_with_timestamp=True)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} "
+    assert all(re.match(stamp + r"\[[02]\]<stdout>:line \d of rank [02]$", line) for line in lines), lines
+    # Each rank's lines arrive in order.
+    assert [line.split(":")[-1] for line in lines if "[2]<stdout>" in line] == [
+        "line 0 of rank 2", "line 1 of rank 2", "line 2 of rank 2"]
+    assert sorted(re.sub(stamp, "", line) for line in err.getvalue().splitlines()) == [
+        "[0]<stderr>:warning from rank 0", "[2]<stderr>:warning from rank 2"]
+
+
+def fail_on_rank(bad_rank, outdir, how):
+    import os
+    import sys
+
+    import sparktrain
+
+    record_rank(outdir)
+    if sparktrain.rank() == bad_rank:
+        print("about to fail", flush=True)
+        print("details on stderr", file=sys.stderr, flush=True)
+        if how == "raise":
+            raise ValueError(f"bad shard on rank {bad_rank}")
+        os._exit(3)
+    # The healthy ranks would train for a long time: they must be stopped, not awaited.
+    wait_for_file(os.path.join(outdir, "never"), timeout=120)
+
+
+def test_exception_on_nonzero_rank_reaches_driver_with_traceback(spark, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(fail_on_rank, args=(1, str(tmp_path), "raise"), num_proc=3, stdout=io.StringIO(),
+                       stderr=io.StringIO())
+    elapsed = time.monotonic() - started
+    err = e.value
+    assert err.root_cause.rank == 1
+    assert list(err.failures) == [1]  # the ranks sparktrain stopped are not failures
+    root = err.root_cause
+    assert root.exc_type == "ValueError" and root.message == "bad shard on rank 1"
+    assert "in fail_on_rank" in root.traceback and "raise ValueError" in root.traceback
+    assert root.output_tail[-2:] == ("about to fail", "[stderr] details on stderr")
+    assert root.host and root.local_rank == 1
+    text = str(err)
+    assert text.startswith("1 rank failed; root cause: rank 1 (local rank 1 on ")
+    assert "Remote traceback (rank 1):" in text
+    pids = [r["pid"] for r in read_ranks(str(tmp_path)).values()]
+    assert len(pids) == 3 and wait_pids_gone(pids, timeout=10) == []
+    assert elapsed < 60, f"the healthy ranks were not stopped promptly ({elapsed:.1f} s)"
+
+
+def test_hard_exit_reports_exit_code(spark, tmp_path):
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(fail_on_rank, args=(2, str(tmp_path), "exit"), num_proc=3, stdout=io.StringIO(),
+                       stderr=io.StringIO())
+    root = e.value.root_cause
+    assert (root.rank, root.exitcode, root.exc_type) == (2, 3, "")
+    assert "rank 2 (local rank 2 on" in str(e.value) and "exited with code 3" in str(e.value)
+    pids = [r["pid"] for r in read_ranks(str(tmp_path)).values()]
+    assert wait_pids_gone(pids, timeout=10) == []
+
+
+def big_result(n_bytes):
+    import sparktrain
+
+    return os.urandom(n_bytes) if sparktrain.rank() == 0 else None
+
+
+def test_large_result_comes_back_in_chunks(spark):
+    data = sparktrain.run(big_result, args=(9 * 2**20,), num_proc=2, verbose=0)
+    assert isinstance(data, bytes) and len(data) == 9 * 2**20  # three 4 MiB chunks
+
+
+def test_result_over_max_result_size_is_refused_with_fix(spark):
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(big_result, args=(25 * 2**20,), num_proc=2, verbose=0)
+    root = e.value.root_cause
+    assert root.rank == 0 and "ResultTooLargeError" in root.exc_type
+    assert "spark.driver.maxResultSize (20 MiB)" in root.message and "return their URL" in root.message
+
+
+def unpicklable_result():
+    import threading
+
+    return threading.Lock()
+
+
+def test_unpicklable_return_value_is_named(spark):
+    with pytest.raises(sparktrain.RankFailedError, match=r"rank 0's return value \(lock\) cannot be pickled"):
+        sparktrain.run(unpicklable_result, num_proc=2, verbose=0)
+
+
+def quick(i):
+    import sparktrain
+
+    return (i, sparktrain.rank(), os.getpid())
+
+
+def test_ten_runs_in_a_row_leave_nothing_behind(spark):
+    pids = []
+    for i in range(10):
+        i_back, rank, pid = sparktrain.run(quick, args=(i,), num_proc=3, verbose=0)
+        assert (i_back, rank) == (i, 0)
+        pids.append(pid)
+    assert len(set(pids)) == 10  # a fresh process every time
+    assert wait_pids_gone(pids, timeout=5) == []
+    # No rank process survives anywhere (PySpark's own workers may idle for reuse).
+    assert rank_processes() == []
+
+
+def sleeper(outdir):
+    record_rank(outdir)
+    wait_for_file(os.path.join(outdir, "never"), timeout=120)
+
+
+def test_timeout_stops_the_run(spark, tmp_path):
+    with pytest.raises(sparktrain.RunTimeoutError, match="timeout=3 s"):
+        sparktrain.run(sleeper, args=(str(tmp_path),), num_proc=3, timeout=3, verbose=0)
+    pids = [r["pid"] for r in read_ranks(str(tmp_path)).values()]
+    assert wait_pids_gone(pids, timeout=10) == []
+
+
+def test_start_timeout_names_ranks_that_never_started(spark, tmp_path):
+    # Occupy one of the three task slots, so the barrier stage cannot be scheduled.
+    sc = spark.sparkContext
+    blocker_dir = str(tmp_path)
+
+    def hold(_):
+        from helpers import wait_for_file
+
+        open(os.path.join(blocker_dir, "holding"), "w").close()
+        try:
+            wait_for_file(os.path.join(blocker_dir, "release"), timeout=120)
+        except TimeoutError:
+            pass
+        return [1]
+
+    def blocker():
+        sc.setJobGroup("test-blocker", "holds a slot", interruptOnCancel=True)
+        try:
+            sc.parallelize([0], 1).mapPartitions(hold).collect()
+        except Exception:  # noqa: BLE001 - released on purpose
+            pass
+
+    t = threading.Thread(target=blocker)
+    t.start()
+    try:
+        wait_for_file(os.path.join(blocker_dir, "holding"), timeout=60)
+        with pytest.raises(sparktrain.StartTimeoutError, match=r"rank\(s\) \[0, 1, 2\] to start.*start_timeout"):
+            sparktrain.run(quick, args=(0,), num_proc=3, start_timeout=3, verbose=0)
+    finally:
+        open(os.path.join(blocker_dir, "release"), "w").close()
+        t.join(60)
+    # The cancelled barrier stage must not block the next run.
+    assert sparktrain.run(quick, args=(1,), num_proc=3, verbose=0)[0] == 1
+
+
+def test_barrier_rendezvous_path(spark, tmp_path, monkeypatch):
+    """The path for executors that cannot reach the driver: one Spark allGather, errors via Spark."""
+    monkeypatch.setenv("SPARKTRAIN_RENDEZVOUS", "barrier")
+    result = sparktrain.run(train_record, args=(str(tmp_path), 0.5), num_proc=3, verbose=0)
+    assert result["lr"] == 0.5
+    ranks = read_ranks(str(tmp_path))
+    assert sorted(ranks) == [0, 1, 2]
+    assert len({r["env"]["TF_CONFIG"] for r in ranks.values()}) == 3  # same cluster, different index
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(fail_on_rank, args=(2, str(tmp_path), "raise"), num_proc=3, verbose=0)
+    assert e.value.root_cause.rank == 2 and e.value.root_cause.exc_type == "ValueError"
+
+
+def test_captured_spark_session_is_refused_on_the_driver(spark):
+    def train():
+        return spark.range(3).count()
+
+    with pytest.raises(sparktrain.PicklingFailedError, match="'spark' captured by .*cannot travel to executors"):
+        sparktrain.run(train, num_proc=2)
