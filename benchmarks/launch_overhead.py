@@ -10,9 +10,9 @@ warm SparkSession that this script creates:
 - ``MirroredStrategyRunner(num_slots=3, use_gpu=False).run(noop)`` from spark-tensorflow-distributor;
 - ``TorchDistributor(num_processes=3, local_mode=False, use_gpu=False).run(noop)`` from pyspark.
 
-Each contender is warmed up once (not timed), then timed ``--repeats`` times, interleaved
-round-robin (the starting contender rotates every round) so that drift on the machine affects all
-of them alike. A peer that is not installed is reported as skipped; one that raises is reported as
+Each contender is warmed up once (not timed), then timed ``--repeats`` times, in a block of its
+own, after the machine has settled (see ``benchmark`` for why not round-robin).
+A peer that is not installed is reported as skipped; one that raises is reported as
 failed with a short reason (its full traceback goes to stderr) and the others carry on.
 
     python benchmarks/launch_overhead.py --repeats 8 --master 'local[3]' [--write benchmarks/RESULTS.md]
@@ -161,7 +161,18 @@ def timed_call(spark, c: Contender, timeout: float) -> float:
     return box["elapsed"]
 
 
+def settle(max_wait: float = 15.0, busy_percent: float = 25.0) -> None:
+    """Wait (bounded) until the machine is quiet, so the previous contender's teardown
+    (a torchrun tree exiting, a JVM collecting garbage) is not charged to the next one."""
+    import psutil
+
+    deadline = time.monotonic() + max_wait
+    while time.monotonic() < deadline and psutil.cpu_percent(interval=0.25) > busy_percent:
+        pass
+
+
 def attempt(spark, c: Contender, timeout: float, when: str) -> float | None:
+    settle()
     try:
         return timed_call(spark, c, timeout)
     except BaseException as e:  # noqa: BLE001 - a failing peer must not stop the benchmark
@@ -175,29 +186,28 @@ def attempt(spark, c: Contender, timeout: float, when: str) -> float | None:
 
 
 def benchmark(spark, contenders: list[Contender], repeats: int, timeout: float) -> None:
-    # Warm up the floor first: it starts Spark's Python workers, which every contender uses.
+    """Each contender in its own block: one untimed warm-up, then ``repeats`` timed runs.
+
+    Blocks, not round-robin: interleaved with TorchDistributor, every other contender slowed
+    down for seconds after each of its runs (the floor went from 0.15 s to 0.41 s median here),
+    which would charge its teardown to the others. The floor goes first because it starts
+    Spark's Python workers, which every contender uses.
+    """
     order = sorted(contenders, key=lambda c: c.name != FLOOR)
     for c in order:
         if not c.ok:
             continue
         elapsed = attempt(spark, c, timeout, "warm-up")
-        if elapsed is not None:
-            c.warmup_s = elapsed
-            print(f"warm-up  {c.name:<28} {elapsed:8.3f} s", file=sys.stderr, flush=True)
-    for r in range(repeats):
-        live = [c for c in contenders if c.ok]
-        if not live:
-            break
-        shift = r % len(live)
-        for c in live[shift:] + live[:shift]:
-            if not c.ok:
-                continue
+        if elapsed is None:
+            continue
+        c.warmup_s = elapsed
+        print(f"warm-up  {c.name:<28} {elapsed:8.3f} s", file=sys.stderr, flush=True)
+        for r in range(repeats):
             elapsed = attempt(spark, c, timeout, f"timed repeat {r + 1}")
-            if elapsed is not None:
-                c.times.append(elapsed)
-        done = "  ".join(f"{'floor' if c.name == FLOOR else c.name}={c.times[-1]:.3f}"
-                         for c in live if c.ok and c.times)
-        print(f"repeat {r + 1}/{repeats}  {done}", file=sys.stderr, flush=True)
+            if elapsed is None:
+                break
+            c.times.append(elapsed)
+        print(f"timed    {c.name:<28} {' '.join(f'{t:.3f}' for t in c.times)}", file=sys.stderr, flush=True)
 
 
 # -- reporting -----------------------------------------------------------------------------------
@@ -303,7 +313,7 @@ def markdown_section(rows, machine: str, command: str, targets: str, warmups: st
         "## Launch overhead",
         "",
         f"Wall time of one no-op run on {n} ranks, each as one barrier stage of the same warm SparkSession: "
-        f"one untimed warm-up per contender, then {repeats} timed runs each, interleaved round-robin. "
+        f"one untimed warm-up per contender, then {repeats} timed runs each, in a block per contender. "
         "Ratios are medians over medians. Written by `benchmarks/launch_overhead.py`.",
         "",
         f"Machine: {machine}",

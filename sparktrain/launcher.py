@@ -5,6 +5,7 @@ and works where only the worker API is used.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -170,7 +171,9 @@ def _session(num_proc: int | None):
         # The embedded executors must run this interpreter, where sparktrain and the user's
         # packages are; pyspark reads only this variable to choose the workers' Python.
         os.environ["PYSPARK_PYTHON"] = sys.executable
-    spark = SparkSession.builder.master(master).appName("sparktrain").getOrCreate()
+    # Ranks' output streams to this console; Spark's progress bar would cut through it.
+    spark = (SparkSession.builder.master(master).appName("sparktrain")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     log.info("sparktrain: no active SparkSession; started an embedded %s session", master)
     return spark
 
@@ -214,18 +217,16 @@ def _expected_executors(master: str, conf: Mapping[str, str]) -> int | None:
 def _wait_for_capacity(sc, conf, size: int, use_gpu: bool, wait: float) -> None:
     """Fail within seconds when the cluster cannot run every rank at once.
 
-    Spark's own barrier check retries for about 10 minutes. When even the configured cluster
-    (all expected executors registered) is too small, fail at once; otherwise give executors
-    that are still registering up to ``wait`` seconds.
+    Spark's own barrier check retries for about 10 minutes. sparktrain decides at once when it
+    knows how many executors to expect (local masters, local-cluster, spark.executor.instances)
+    and they are all registered, or when even all of them would be too few. Only executors that
+    are still registering get up to ``wait`` seconds.
     """
     cap = _capacity(sc, conf)
-    expected = _expected_executors(sc.master, conf)
-    if expected is not None and cap.executors < expected:
-        full = preflight.Capacity(expected, cap.cores_per_executor, cap.task_cpus, cap.gpus_per_executor,
-                                  cap.task_gpus)
-        if cap.cores_per_executor:
-            preflight.check_capacity(size, full, use_gpu)
-    deadline = time.monotonic() + wait
+    expected = 1 if sc.master.startswith("local[") or sc.master == "local" else _expected_executors(sc.master, conf)
+    if expected is not None and cap.executors < expected and cap.cores_per_executor:
+        preflight.check_capacity(size, dataclasses.replace(cap, executors=expected, spark_slots=None), use_gpu)
+    deadline = time.monotonic() + (0 if expected is not None and cap.executors >= expected else wait)
     while True:
         try:
             preflight.check_capacity(size, cap, use_gpu)
@@ -544,8 +545,6 @@ class _Launch:
 
 
 def _with_address(spec, address):
-    import dataclasses
-
     return dataclasses.replace(spec, driver_address=address)
 
 

@@ -1,0 +1,84 @@
+"""Local mode: N processes on the driver, same contract, supervision and result path, no Spark."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+import sparktrain
+from helpers import rank_processes, read_ranks, record_rank, wait_pids_gone
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def train(outdir, scale):
+    import sparktrain
+
+    info = record_rank(outdir)
+    print(f"rank {info['rank']} says hi")
+    return scale * 10 if sparktrain.rank() == 0 else None
+
+
+@pytest.mark.parametrize("how", [{"num_proc": -3}, {"num_proc": 3, "local_mode": True}])
+def test_local_mode_runs_ranks_without_spark(tmp_path, how):
+    from pyspark import SparkContext
+
+    out = io.StringIO()
+    assert sparktrain.run(train, args=(str(tmp_path), 4), stdout=out, **how) == 40
+    assert SparkContext._active_spark_context is None  # no Spark was started
+    ranks = read_ranks(str(tmp_path))
+    assert sorted(ranks) == [0, 1, 2]
+    assert [ranks[r]["env"]["SPARKTRAIN_LOCAL_RANK"] for r in range(3)] == ["0", "1", "2"]
+    assert {ranks[r]["env"]["MASTER_ADDR"] for r in range(3)} == {"127.0.0.1"}
+    assert {ranks[r]["env"]["CUDA_VISIBLE_DEVICES"] for r in range(3)} == {"-1"}
+    assert len({json.loads(ranks[r]["env"]["TF_CONFIG"])["cluster"]["worker"][r] for r in range(3)}) == 3
+    assert sorted(out.getvalue().splitlines()) == [f"[{r}]<stdout>:rank {r} says hi" for r in range(3)]
+    assert wait_pids_gone([r["pid"] for r in ranks.values()], timeout=5) == []
+
+
+def boom(outdir):
+    import sparktrain
+
+    record_rank(outdir)
+    if sparktrain.rank() == 1:
+        raise RuntimeError("local failure")
+    import time
+
+    time.sleep(120)  # a long training step; must be cut short when rank 1 fails
+
+
+def test_local_mode_failure_stops_every_rank(tmp_path):
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(boom, args=(str(tmp_path),), num_proc=-3, verbose=0, stderr=io.StringIO())
+    assert e.value.root_cause.rank == 1 and e.value.root_cause.message == "local failure"
+    assert wait_pids_gone([r["pid"] for r in read_ranks(str(tmp_path)).values()], timeout=10) == []
+    assert rank_processes() == []
+
+
+def test_local_mode_gpu_needs_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(sparktrain.InsufficientResourcesError, match="needs 2 GPUs.*shows 1"):
+        sparktrain.run(train, args=("/nonexistent", 1), num_proc=-2, use_gpu=True)
+
+
+def test_import_sparktrain_without_tensorflow_or_pyspark():
+    """`import sparktrain` and the worker API work where tensorflow (and pyspark) cannot be imported."""
+    import subprocess
+    import sys
+
+    code = r"""
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("tensorflow", "keras", "tf_keras", "pyspark", "torch"):
+            raise ImportError(f"blocked {name}")
+sys.meta_path.insert(0, Block())
+import sparktrain, sparktrain.child, sparktrain.task, sparktrain.launcher
+assert sparktrain.run is sparktrain.launcher.run
+assert not any(m.split(".")[0] in ("tensorflow", "keras", "pyspark") for m in sys.modules)
+print("ok", sparktrain.size())
+"""
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok 1"

@@ -1,0 +1,76 @@
+"""The rank process dies with its parent and takes its own children with it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import cloudpickle
+import pytest
+
+from helpers import wait_for_file, wait_pids_gone
+from sparktrain.supervisor import ChildProcess
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def spawn_and_wait(outdir):
+    """A rank that starts a grandchild and then blocks, as a stuck training step would."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(os.path.join(outdir, "pids.json"), "w") as f:
+        json.dump({"child": os.getpid(), "grandchild": grandchild.pid}, f)
+    time.sleep(300)
+
+
+def _workdir(tmp_path, fn, *args):
+    work = tmp_path / "work"
+    work.mkdir()
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    (work / "payload.pkl").write_bytes(cloudpickle.dumps((fn, args, {})))
+    return str(work)
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_rank_process_group_dies_with_its_parent(tmp_path, sig):
+    work = _workdir(tmp_path, spawn_and_wait, str(tmp_path))
+    parent_code = textwrap.dedent(f"""
+        import time
+        from sparktrain.supervisor import ChildProcess
+        child = ChildProcess({work!r}, __import__("os").environ)
+        time.sleep(300)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env())
+    try:
+        wait_for_file(str(tmp_path / "pids.json"), timeout=30)
+        pids = json.loads((tmp_path / "pids.json").read_text())
+        parent.send_signal(sig)  # like Spark destroying the PySpark worker
+        parent.wait(10)
+        assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
+    finally:
+        parent.kill()
+
+
+def test_stop_terminates_the_whole_group_after_grace(tmp_path):
+    work = _workdir(tmp_path, spawn_and_wait, str(tmp_path))
+    child = ChildProcess(work, _env())
+    wait_for_file(str(tmp_path / "pids.json"), timeout=30)
+    pids = json.loads((tmp_path / "pids.json").read_text())
+    code = child.stop(grace=2.0)
+    child.close_pipes()
+    assert code == 128 + signal.SIGTERM  # SIGTERM became SystemExit in the rank, so finally blocks ran
+    assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
