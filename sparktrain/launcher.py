@@ -19,7 +19,7 @@ import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 from . import logstream, preflight, settings
-from .errors import (InsufficientResourcesError, RankFailedError, RankFailure, RunCancelledError,
+from .errors import (ClusterConfigError, InsufficientResourcesError, RankFailedError, RankFailure, RunCancelledError,
                      RunTimeoutError, SparkTrainError, StartTimeoutError, failures_in)
 from .spec import TaskSpec
 
@@ -125,7 +125,12 @@ def run(
         return launch.supervise(_LocalJob(spec, gpus), "127.0.0.1", size)
 
     spark = _session(size)
-    sc = spark.sparkContext
+    try:
+        sc = spark.sparkContext
+    except Exception:  # noqa: BLE001 - Spark Connect raises its own not-implemented error
+        raise ClusterConfigError(
+            "this SparkSession has no SparkContext (a Spark Connect session?); sparktrain.run needs a classic "
+            "session for now. Run it where the driver has a SparkContext, or use local_mode=True") from None
     conf = dict(sc.getConf().getAll())
     preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
     if use_gpu is None:

@@ -118,7 +118,9 @@ class _Rank:
                 f"rank {self.rank} waited {spec.start_timeout:.0f} s for the other ranks to start "
                 "(start_timeout); see the driver's error for which ranks never started"
             ) from None
-        self.chan.sock.settimeout(None)
+        # A driver that stops reading must not block this rank's output (and so its training)
+        # for ever: a send that cannot finish in 30 s drops the channel instead.
+        self.chan.sock.settimeout(30.0)
         if msg is None:
             raise SparkTrainError(f"rank {self.rank}: the driver closed the channel during rendezvous")
         if msg["type"] == "abort":
@@ -142,7 +144,7 @@ class _Rank:
         buffers = {}
         for stream, f in (("stdout", child.stdout), ("stderr", child.stderr)):
             os.set_blocking(f.fileno(), False)
-            sel.register(f, selectors.EVENT_READ, stream)
+            sel.register(f.fileno(), selectors.EVENT_READ, stream)
             buffers[stream] = b""
         driver_sock = self.chan.sock if self.chan is not None else None
         if driver_sock is not None:
@@ -158,10 +160,11 @@ class _Rank:
                     if key.data == "driver" and self.chan is None:
                         continue
                     if key.data == "driver":
-                        self._on_driver_message(sel, child)
+                        self._on_driver_message(child)
                         continue
-                    chunk = key.fileobj.read(65536)
-                    if chunk is None:
+                    try:
+                        chunk = os.read(key.fd, 65536)
+                    except BlockingIOError:
                         continue
                     if not chunk:
                         sel.unregister(key.fileobj)
@@ -188,7 +191,7 @@ class _Rank:
             rest = rest[MAX_LINE:]
         return rest
 
-    def _on_driver_message(self, sel, child: ChildProcess) -> None:
+    def _on_driver_message(self, child: ChildProcess) -> None:
         try:
             msg = self.chan.recv()
         except (OSError, logstream.AuthenticationError):

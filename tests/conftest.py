@@ -1,4 +1,4 @@
-"""Shared fixtures: real Spark sessions (one per test module) and process bookkeeping."""
+"""Shared test set-up: real Spark sessions (each module starts and stops its own) and pickling."""
 from __future__ import annotations
 
 import os
@@ -9,33 +9,44 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _quiet_spark(builder):
-    return (builder.config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.sql.shuffle.partitions", "4")
-            .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={HERE}/log4j2-test.properties"))
+QUIET = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={HERE}/log4j2-test.properties",
+}
 
 
 def make_spark(master: str, **conf):
-    """A real SparkSession whose workers run this interpreter and can import tests/helpers.py."""
+    """A real SparkSession whose workers run this interpreter and can import tests/helpers.py.
+
+    Built from its own SparkConf, not SparkSession.builder: the builder's options are shared
+    by every builder in the process, so one module's settings (fake GPUs, say) would leak
+    into the next module's session.
+    """
     os.environ["PYSPARK_PYTHON"] = sys.executable
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if HERE not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *paths])
+    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
-    builder = _quiet_spark(SparkSession.builder.master(master).appName("sparktrain-tests"))
-    for k, v in conf.items():
-        builder = builder.config(k, v)
-    return builder.getOrCreate()
+    settings = {**QUIET, **conf}
+    spark_conf = SparkConf(loadDefaults=False).setMaster(master).setAppName("sparktrain-tests")
+    spark_conf.setAll(list(settings.items()))
+    session = SparkSession(SparkContext(conf=spark_conf))
+    session._test_settings = list(settings)
+    return session
 
 
-@pytest.fixture(scope="module")
-def spark():
-    """One local[3] session per test module."""
-    session = make_spark("local[3]")
-    yield session
+def stop_spark(session) -> None:
+    """Stop ``session`` and forget its settings, which Spark also left in JVM system properties."""
+    from pyspark import SparkContext
+
+    jvm = SparkContext._jvm
     session.stop()
+    for key in getattr(session, "_test_settings", []):
+        jvm.System.clearProperty(key)
 
 
 @pytest.fixture(autouse=True, scope="module")

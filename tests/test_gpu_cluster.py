@@ -7,7 +7,7 @@ import time
 import pytest
 
 import sparktrain
-from conftest import HERE, make_spark
+from conftest import HERE, make_spark, stop_spark
 from helpers import read_ranks, record_rank
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
@@ -28,7 +28,7 @@ def cluster():
         },
     )
     yield session
-    session.stop()
+    stop_spark(session)
 
 
 def see_gpus(outdir):

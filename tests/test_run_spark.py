@@ -18,11 +18,11 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
 
 @pytest.fixture(scope="module")
 def spark():
-    from conftest import make_spark
+    from conftest import make_spark, stop_spark
 
     session = make_spark("local[3]", **{"spark.driver.maxResultSize": "20m"})
     yield session
-    session.stop()
+    stop_spark(session)
 
 
 def train_record(outdir, lr, epochs=3):
@@ -251,3 +251,25 @@ def test_captured_spark_session_is_refused_on_the_driver(spark):
 
     with pytest.raises(sparktrain.PicklingFailedError, match="'spark' captured by .*cannot travel to executors"):
         sparktrain.run(train, num_proc=2)
+
+
+def test_keyboard_interrupt_cancels_the_run_and_ends_every_rank(spark, tmp_path):
+    """A notebook's stop button: KeyboardInterrupt in the driver's thread."""
+    import _thread
+
+    def interrupt_when_all_started():
+        for r in range(3):
+            wait_for_file(os.path.join(tmp_path, f"rank-{r}.json"), timeout=60)
+        _thread.interrupt_main()
+
+    t = threading.Thread(target=interrupt_when_all_started)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sparktrain.run(sleeper, args=(str(tmp_path),), num_proc=3, verbose=0)
+    finally:
+        t.join(60)
+    pids = [r["pid"] for r in read_ranks(str(tmp_path)).values()]
+    assert len(pids) == 3 and wait_pids_gone(pids, timeout=5) == []
+    # The session is fine afterwards.
+    assert sparktrain.run(quick, args=(7,), num_proc=3, verbose=0)[0] == 7
