@@ -1,5 +1,6 @@
 """Argument checks, pickling diagnostics and slot arithmetic: pure, no Spark job."""
 import threading
+import warnings
 
 import cloudpickle
 import pytest
@@ -184,3 +185,15 @@ def test_run_refuses_bad_input_before_spark(monkeypatch):
                         ({"num_proc": 2, "start_timeout": 0}, InvalidArgumentError)]:
         with pytest.raises(exc):
             sparktrain.run(noop, **kwargs)
+
+
+def test_large_pickle_warns(caplog):
+    from sparktrain import launcher
+
+    big = b"x" * (11 * 1024 * 1024)
+    with pytest.warns(ResourceWarning, match=r"pickles to 11\.0 MiB"):
+        data = launcher._pickle(noop, (big,), {}, cloudpickle)
+    assert len(data) > len(big)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launcher._pickle(noop, (b"small",), {}, cloudpickle)

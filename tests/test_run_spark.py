@@ -273,3 +273,14 @@ def test_keyboard_interrupt_cancels_the_run_and_ends_every_rank(spark, tmp_path)
     assert len(pids) == 3 and wait_pids_gone(pids, timeout=5) == []
     # The session is fine afterwards.
     assert sparktrain.run(quick, args=(7,), num_proc=3, verbose=0)[0] == 7
+
+
+def test_each_run_has_its_own_job_group(spark, caplog):
+    caplog.set_level("INFO", logger="sparktrain")
+    sparktrain.run(quick, args=(1,), num_proc=3)
+    sparktrain.run(quick, args=(2,), num_proc=3)
+    run_ids = re.findall(r"launching 3 rank\(s\) of quick, run (\w+)", caplog.text)
+    assert len(run_ids) == 2 and run_ids[0] != run_ids[1]
+    tracker = spark.sparkContext.statusTracker()
+    for run_id in run_ids:
+        assert len(tracker.getJobIdsForGroup(f"sparktrain-{run_id}")) == 1
