@@ -135,7 +135,7 @@ def run(
     preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
     if use_gpu is None:
         use_gpu = float(conf.get("spark.task.resource.gpu.amount", "0") or 0) > 0
-    preflight.check_gpu_conf(conf, use_gpu, sc.master.startswith("local"))
+    preflight.check_gpu_conf(conf, use_gpu)
     if size is None:
         size = max(1, _capacity(sc, conf).slots(use_gpu))
     _wait_for_capacity(sc, conf, size, use_gpu, settings.resolve("capacity_wait", conf=conf))
@@ -263,18 +263,36 @@ def _local_gpus(size: int) -> list[list[str]]:
 
 # -- jobs: the thing the driver waits on ---------------------------------------------------------
 
-class _SparkJob:
+class _Job:
+    """What the driver waits on: it runs in the background and says when it is done."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.error: BaseException | None = None
+        #: Called once, from the job's own thread, when it ends.
+        self.on_done: Callable[[], None] = lambda: None
+        self._done = threading.Event()
+
+    def _finish(self) -> None:
+        self._done.set()
+        self.on_done()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+
+class _SparkJob(_Job):
     """One barrier stage of ``size`` tasks, collected on a background thread."""
 
     def __init__(self, spark, spec, fn_name: str):
+        super().__init__(spec)
         self.spark = spark
-        self.spec = spec
         self.group = f"sparktrain-{spec.run_id}"
         self.description = f"sparktrain.run({fn_name}) num_proc={spec.size} run {spec.run_id}"
         self.rows = None
-        self.error: BaseException | None = None
-        self.on_done: Callable[[], None] = lambda: None
-        self._done = threading.Event()
         self._thread = threading.Thread(target=self._collect, name=f"sparktrain-job-{spec.run_id}", daemon=True)
 
     def start(self) -> None:
@@ -289,14 +307,7 @@ class _SparkJob:
         except BaseException as e:  # noqa: BLE001 - handed to the supervising thread
             self.error = e
         finally:
-            self._done.set()
-            self.on_done()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float) -> bool:
-        return self._done.wait(timeout)
+            self._finish()
 
     def cancel(self) -> None:
         self.spark.sparkContext.cancelJobGroup(self.group)
@@ -332,19 +343,16 @@ def _barrier_fn(spec):
     return barrier_task
 
 
-class _LocalJob:
+class _LocalJob(_Job):
     """Local mode: each rank's executor-side code runs on a driver thread; no Spark."""
 
     def __init__(self, spec, gpus: list[list[str]] | None):
-        self.spec = spec
+        super().__init__(spec)
         self.gpus = gpus
-        self.error: BaseException | None = None
         self.errors: dict[int, BaseException] = {}
         self.chunks: list[bytes] = []
-        self.on_done: Callable[[], None] = lambda: None
         self._threads = [threading.Thread(target=self._rank, args=(r,), name=f"sparktrain-local-{r}", daemon=True)
                          for r in range(spec.size)]
-        self._done = threading.Event()
         self._left = spec.size
         self._lock = threading.Lock()
 
@@ -367,14 +375,7 @@ class _LocalJob:
                 if self._left == 0:
                     if self.errors:
                         self.error = self.errors[min(self.errors)]
-                    self._done.set()
-                    self.on_done()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float) -> bool:
-        return self._done.wait(timeout)
+                    self._finish()
 
     def cancel(self) -> None:
         pass  # the ranks stop when the channel tells them to, or when the channel closes

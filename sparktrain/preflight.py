@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
 from typing import Any, Callable, Iterable, Mapping
 
 from . import worker_env
@@ -219,7 +218,7 @@ class Capacity:
         return slots if self.spark_slots is None else min(slots, self.spark_slots)
 
 
-def check_gpu_conf(conf: Mapping[str, str], use_gpu: bool, local_master: bool) -> None:
+def check_gpu_conf(conf: Mapping[str, str], use_gpu: bool) -> None:
     if not use_gpu:
         return
     amount = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
@@ -256,12 +255,3 @@ def check_capacity(required: int, cap: Capacity, use_gpu: bool) -> None:
         f"gang-schedules every rank), but the cluster has {available}; limited by {limiting}: {detail}. "
         f"Fix: {fix}"
     )
-
-
-def max_result_bytes(conf_value: int) -> int:
-    """``spark.driver.maxResultSize`` in bytes; 0 means unlimited, as in Spark."""
-    return max(0, int(conf_value))
-
-
-def dumps_with(module: Any) -> Callable[[Any], bytes]:
-    return lambda obj: module.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

@@ -149,8 +149,8 @@ def test_ssl_refused_unless_overridden():
 
 def test_use_gpu_without_gpu_conf():
     with pytest.raises(ClusterConfigError, match="spark.task.resource.gpu.amount=1"):
-        preflight.check_gpu_conf({}, True, False)
-    preflight.check_gpu_conf({"spark.task.resource.gpu.amount": "1"}, True, False)
+        preflight.check_gpu_conf({}, True)
+    preflight.check_gpu_conf({"spark.task.resource.gpu.amount": "1"}, True)
 
 
 def test_slot_arithmetic():
