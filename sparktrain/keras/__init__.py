@@ -1,0 +1,87 @@
+"""Keras 3 data-parallel training with Horovod's ``horovod.tensorflow.keras`` API.
+
+Inside ``train_fn``::
+
+    import keras
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x_shard, y_shard, batch_size=64, epochs=5, verbose=1 if hvd.rank() == 0 else 0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hvd.callbacks.MetricAverageCallback()])
+    hvd.save_model(model, "/dbfs/models/model.keras")   # every rank may call it; rank 0 writes
+
+Gradients are averaged across ranks inside ``model.fit``'s compiled train step, in one fused
+collective per dtype. Keras 3 runs without any tf.distribute strategy scope.
+"""
+from __future__ import annotations
+
+import os
+
+from .. import tensorflow as _tfc
+from ..errors import SparkTrainError
+from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
+from ..tensorflow import init, local_rank, local_size, rank, size  # noqa: F401
+from . import callbacks  # noqa: F401
+
+_wrapped_classes: dict[type, type] = {}
+
+
+def DistributedOptimizer(optimizer, op: str = Average):  # noqa: N802 - Horovod's name
+    """Wrap a Keras 3 optimizer so every ``apply`` first averages the gradients over all ranks.
+
+    The wrapper is a subclass of the optimizer's own class, built from its config, so
+    learning-rate schedules, clipping and the optimizer's state behave as before. Gradients are
+    reduced before clipping, as with Horovod.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise SparkTrainError(
+            f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
+            "for tf_keras use sparktrain.tensorflow.strategy()")
+    _tfc._check_op(op)
+    base = type(optimizer)
+    if getattr(base, "_sparktrain_distributed", False):
+        return optimizer
+    cls = _wrapped_classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (base,), {
+            "apply": _distributed_apply,
+            "_sparktrain_distributed": True,
+            "__module__": base.__module__,
+            "__doc__": f"{base.__name__} whose gradients are averaged over every sparktrain rank.",
+        })
+        _wrapped_classes[base] = cls
+    wrapped = cls.from_config(optimizer.get_config())
+    wrapped._sparktrain_op = op
+    return wrapped
+
+
+def _distributed_apply(self, grads, trainable_variables=None):
+    grads = _tfc.average_gradients(list(grads), getattr(self, "_sparktrain_op", Average))
+    return super(type(self), self).apply(grads, trainable_variables)
+
+
+def save_model(model, filepath: str, **kwargs) -> str | None:
+    """Save ``model`` from rank 0 only; every rank may call it and none waits for another.
+
+    Keras 3 ``model.save`` runs no collective, so the other ranks simply return None. Returns
+    the path on rank 0.
+    """
+    if rank() != 0:
+        return None
+    directory = os.path.dirname(os.path.abspath(filepath))
+    os.makedirs(directory, exist_ok=True)
+    # Write beside the target and rename, so a reader never finds half a file.
+    base, ext = os.path.splitext(filepath)
+    tmp = f"{base}.partial-{os.getpid()}{ext}"
+    try:
+        model.save(tmp, **kwargs)
+        os.replace(tmp, filepath)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return filepath

@@ -1,0 +1,313 @@
+"""TensorFlow collectives across the ranks of ``sparktrain.run``: Horovod's ``horovod.tensorflow``.
+
+Inside ``train_fn``::
+
+    import sparktrain.tensorflow as hvd
+    hvd.init()
+    total = hvd.allreduce(tf.constant([hvd.rank()]), op=hvd.Sum)
+
+The collective runtime is TensorFlow's own (``CollectiveReduceV2`` and friends): NCCL on GPU,
+a ring over gRPC/TCP on CPU. ``init`` brings it up from the ``TF_CONFIG`` that ``run`` wrote.
+Every rank must issue the same collectives in the same order, as with Horovod; each call gets
+the next instance key from a per-process counter, so the keys agree across ranks. Inside a
+``tf.function`` the key is fixed when the function is traced, as MultiWorkerMirroredStrategy
+does, so every rank must trace the same functions in the same order.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Iterable
+
+from .. import context as _ctx
+from ..errors import SparkTrainError
+
+Average = "average"
+Sum = "sum"
+
+#: Default seconds a collective may wait for its peers before failing (DeadlineExceeded).
+DEFAULT_TIMEOUT = 600.0
+COLLECTIVE_TIMEOUT_ENV = "SPARKTRAIN_COLLECTIVE_TIMEOUT"
+
+# Keys far from the ones MultiWorkerMirroredStrategy hands out for its own collectives.
+_GROUP_KEY = 0x5A17
+_FIRST_INSTANCE_KEY = 1 << 20
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.initialized = False
+        self.size = 1
+        self.rank = 0
+        self.gpu = False
+        self.timeout = DEFAULT_TIMEOUT
+        self.strategy = None
+        self.next_key = _FIRST_INSTANCE_KEY
+
+
+_state = _State()
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def init(timeout: float | None = None) -> None:
+    """Bring up the collective runtime among the ranks. Idempotent; call it first in ``train_fn``.
+
+    Parameters
+    ----------
+    timeout : seconds a collective may wait for the other ranks before it fails, so that a rank
+        that died or hangs never blocks the others for ever. Default: ``SPARKTRAIN_COLLECTIVE_TIMEOUT``
+        or 600.
+
+    On GPU, the rank sees exactly the one GPU ``run`` pinned for it (``CUDA_VISIBLE_DEVICES``) and
+    memory growth is turned on, so TensorFlow does not take all of its memory up front.
+    """
+    with _state.lock:
+        if _state.initialized:
+            return
+        if timeout is None:
+            raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+            timeout = float(raw) if raw else DEFAULT_TIMEOUT
+        if not timeout > 0:
+            raise SparkTrainError(f"the collective timeout must be a positive number of seconds, got {timeout!r}")
+        tf = _tf()
+        gpus = tf.config.list_physical_devices("GPU")
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        _state.gpu = bool(gpus)
+        _state.size = _ctx.size()
+        _state.rank = _ctx.rank()
+        _state.timeout = float(timeout)
+        if _state.size > 1:
+            if "TF_CONFIG" not in os.environ:
+                raise SparkTrainError("TF_CONFIG is not set: sparktrain.tensorflow.init() must run inside sparktrain.run")
+            # Constructing the strategy is TensorFlow's supported way to start this process's
+            # server from TF_CONFIG and configure the collective runtime (NCCL or ring) with
+            # health checks. Keras 3 models are not placed under its scope: the collectives
+            # below are issued directly.
+            impl = (tf.distribute.experimental.CommunicationImplementation.NCCL if _state.gpu
+                    else tf.distribute.experimental.CommunicationImplementation.RING)
+            options = tf.distribute.experimental.CommunicationOptions(implementation=impl,
+                                                                      timeout_seconds=_state.timeout)
+            _state.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        _state.initialized = True
+
+
+def _require_init() -> None:
+    if not _state.initialized:
+        raise SparkTrainError("call sparktrain.tensorflow.init() (or sparktrain.keras.init()) first")
+
+
+def rank() -> int:
+    """This process's rank."""
+    return _ctx.rank()
+
+
+def size() -> int:
+    """The number of ranks."""
+    return _ctx.size()
+
+
+def local_rank() -> int:
+    """This process's index among the ranks on its host."""
+    return _ctx.local_rank()
+
+
+def local_size() -> int:
+    """The number of ranks on this host."""
+    return _ctx.local_size()
+
+
+def is_initialized() -> bool:
+    return _state.initialized
+
+
+def strategy():
+    """A MultiWorkerMirroredStrategy wired from the run's env, for tf_keras (``TF_USE_LEGACY_KERAS=1``).
+
+    Keras 3 does not support this strategy (``model.fit`` fails with "Attempt to convert a value
+    (PerReplica...)"); use ``sparktrain.keras.DistributedOptimizer`` there. Under the strategy,
+    tf_keras runs collectives inside ``model.save`` too, so every rank must call it.
+    """
+    init()
+    if _state.strategy is None:
+        _state.strategy = _tf().distribute.MultiWorkerMirroredStrategy()
+    return _state.strategy
+
+
+# -- collectives -------------------------------------------------------------------------------
+
+def _next_key() -> int:
+    with _state.lock:
+        key = _state.next_key
+        _state.next_key += 1
+    return key
+
+
+def _hint() -> str:
+    return "nccl" if _state.gpu else "ring"
+
+
+def _check_op(op: str) -> str:
+    if op not in (Average, Sum):
+        raise SparkTrainError(f"op must be sparktrain.tensorflow.Average or Sum, got {op!r}")
+    return op
+
+
+def allreduce(tensor, op: str = Average, name: str | None = None):
+    """Reduce ``tensor`` over all ranks: the mean (``Average``, default) or the sum (``Sum``).
+
+    Integer tensors averaged are divided with integer division, as TensorFlow's collectives do.
+    """
+    _require_init()
+    tf = _tf()
+    _check_op(op)
+    tensor = tf.convert_to_tensor(tensor)
+    if _state.size == 1:
+        return tf.identity(tensor)
+    final = "Div" if op == Average else "Id"
+    return tf.raw_ops.CollectiveReduceV2(
+        input=tensor, group_size=_state.size, group_key=_GROUP_KEY, instance_key=_next_key(),
+        ordering_token=[], merge_op="Add", final_op=final, communication_hint=_hint(),
+        timeout_seconds=_state.timeout, name=name)
+
+
+def grouped_allreduce(tensors: Iterable, op: str = Average) -> list:
+    """Allreduce many tensors in as few collectives as possible: one per dtype.
+
+    The tensors of each dtype are flattened into one buffer, reduced once, and split back.
+    """
+    _require_init()
+    tf = _tf()
+    _check_op(op)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if _state.size == 1:
+        return [tf.identity(t) for t in tensors]
+    out: list[Any] = [None] * len(tensors)
+    by_dtype: dict = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order on every rank
+        idx = by_dtype[dtype]
+        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in idx], axis=0)
+        reduced = allreduce(flat, op=op)
+        sizes = [tf.size(tensors[i]) for i in idx]
+        for i, part in zip(idx, tf.split(reduced, sizes)):
+            out[i] = tf.reshape(part, tf.shape(tensors[i]))
+    return out
+
+
+def allgather(tensor, name: str | None = None):
+    """Concatenate ``tensor`` from every rank along the first dimension, in rank order.
+
+    The first dimension may differ between ranks; the other dimensions must match.
+    """
+    _require_init()
+    tf = _tf()
+    tensor = tf.convert_to_tensor(tensor)
+    if _state.size == 1:
+        return tf.identity(tensor)
+    if tensor.shape.rank == 0:
+        tensor = tf.reshape(tensor, [1])
+    # Gather every rank's length, pad to the longest, gather, then cut the padding out.
+    n = tf.shape(tensor, out_type=tf.int64)[:1]
+    lengths = _gather(n)
+    longest = tf.reduce_max(lengths)
+    pad = tf.concat([[[0, longest - n[0]]], tf.zeros([tf.rank(tensor) - 1, 2], tf.int64)], axis=0)
+    gathered = _gather(tf.pad(tensor, pad), name=name)
+    mask = tf.sequence_mask(lengths, longest)
+    return tf.boolean_mask(tf.reshape(gathered, tf.concat([[_state.size, longest], tf.shape(tensor, out_type=tf.int64)[1:]], 0)),
+                           mask)
+
+
+def _gather(tensor, name=None):
+    tf = _tf()
+    return tf.raw_ops.CollectiveGatherV2(
+        input=tensor, group_size=_state.size, group_key=_GROUP_KEY, instance_key=_next_key(),
+        ordering_token=[], communication_hint=_hint(), timeout_seconds=_state.timeout, name=name)
+
+
+def broadcast(tensor, root_rank: int = 0, name: str | None = None):
+    """``tensor`` as it is on ``root_rank``, on every rank (same shape and dtype everywhere)."""
+    _require_init()
+    tf = _tf()
+    _check_root(root_rank)
+    tensor = tf.convert_to_tensor(tensor)
+    if _state.size == 1:
+        return tf.identity(tensor)
+    common = dict(group_size=_state.size, group_key=_GROUP_KEY, instance_key=_next_key(),
+                  communication_hint=_hint(), timeout_seconds=_state.timeout, name=name)
+    if _ctx.rank() == root_rank:
+        return tf.raw_ops.CollectiveBcastSendV2(input=tensor, **common)
+    return tf.raw_ops.CollectiveBcastRecvV2(T=tensor.dtype, shape=tf.shape(tensor), **common)
+
+
+def _check_root(root_rank: int) -> None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < _state.size:
+        raise SparkTrainError(f"root_rank must be a rank in 0..{_state.size - 1}, got {root_rank!r}")
+
+
+def broadcast_variables(variables: Iterable, root_rank: int = 0) -> None:
+    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype."""
+    _require_init()
+    tf = _tf()
+    variables = list(variables)
+    if _state.size == 1 or not variables:
+        return
+    _check_root(root_rank)
+    by_dtype: dict = {}
+    for v in variables:  # Keras 3 variables report their dtype as a string
+        by_dtype.setdefault(tf.as_dtype(v.dtype), []).append(v)
+    for dtype in sorted(by_dtype, key=lambda d: d.name):
+        group = by_dtype[dtype]
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], axis=0)
+        flat = broadcast(flat, root_rank)
+        sizes = [int(tf.size(tf.convert_to_tensor(v))) for v in group]
+        for v, part in zip(group, tf.split(flat, sizes)):
+            v.assign(tf.reshape(part, v.shape))
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (a tiny allreduce)."""
+    allreduce(_tf().constant(0, _tf().int32), op=Sum)
+
+
+class DistributedGradientTape:
+    """Wrap a ``tf.GradientTape`` so ``gradient()`` returns gradients averaged over all ranks.
+
+    Example
+    -------
+    >>> with tf.GradientTape() as tape:            # doctest: +SKIP
+    ...     loss = loss_fn(y, model(x, training=True))
+    >>> tape = hvd.DistributedGradientTape(tape)
+    >>> grads = tape.gradient(loss, model.trainable_variables)
+    """
+
+    def __init__(self, tape, op: str = Average):
+        self._tape = tape
+        self._op = _check_op(op)
+
+    def __getattr__(self, name):
+        return getattr(self._tape, name)
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
+        return average_gradients(grads, self._op)
+
+
+def average_gradients(grads, op: str = Average):
+    """Allreduce a (possibly nested) list of gradients in fused collectives; None stays None."""
+    tf = _tf()
+    flat = tf.nest.flatten(grads, expand_composites=False)
+    present = [i for i, g in enumerate(flat) if g is not None]
+    dense = [tf.convert_to_tensor(flat[i]) for i in present]  # IndexedSlices become dense
+    reduced = grouped_allreduce(dense, op=op) if dense else []
+    out = list(flat)
+    for i, r in zip(present, reduced):
+        out[i] = r
+    return tf.nest.pack_sequence_as(grads, out)
