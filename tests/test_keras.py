@@ -1,0 +1,266 @@
+"""Keras 3 data-parallel training and TensorFlow collectives on 3 real TensorFlow processes (CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+import sparktrain
+from helpers import digits, read_ranks, record_rank, weights_digest
+
+pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.timeout(300)
+
+#: Quiet TensorFlow's C++ logging in the ranks; a short collective timeout so nothing can hang long.
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
+
+
+def collectives(outdir):
+    import numpy as np
+    import tensorflow as tf
+
+    import sparktrain.tensorflow as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    got = {}
+    for dtype in ("float32", "float64", "int32"):
+        t = tf.cast(tf.reshape(tf.range(6), [2, 3]) + r, dtype)
+        got[f"sum_{dtype}"] = hvd.allreduce(t, op=hvd.Sum).numpy().tolist()
+        got[f"avg_{dtype}"] = hvd.allreduce(t).numpy().tolist()
+        got[f"gather_{dtype}"] = hvd.allgather(tf.cast(tf.fill([r + 1, 2], r), dtype)).numpy().tolist()
+        got[f"bcast_{dtype}"] = hvd.broadcast(tf.cast(tf.fill([2, 2], r), dtype), root_rank=1).numpy().tolist()
+
+    @tf.function
+    def in_graph(x):
+        return hvd.allreduce(x, op=hvd.Sum), hvd.allgather(x), hvd.broadcast(x, root_rank=2)
+
+    for step in range(3):  # the traced function runs repeatedly with its fixed keys
+        s, g, b = in_graph(tf.constant([float(r + step)]))
+    got["graph"] = [s.numpy().tolist(), g.numpy().tolist(), b.numpy().tolist()]
+    v = tf.Variable(np.full([3], r, np.float32))
+    hvd.broadcast_variables([v], root_rank=2)
+    got["variable"] = v.numpy().tolist()
+    record_rank(outdir, got=got)
+
+
+def test_collectives_eager_and_in_tf_function(tmp_path):
+    sparktrain.run(collectives, args=(str(tmp_path),), num_proc=-3, env=ENV, verbose=0)
+    ranks = read_ranks(str(tmp_path))
+    assert sorted(ranks) == [0, 1, 2]
+    base = [[0, 1, 2], [3, 4, 5]]
+    for r, info in ranks.items():
+        got = info["got"]
+        for dtype in ("float32", "float64", "int32"):
+            assert got[f"sum_{dtype}"] == [[3 * v + 3 for v in row] for row in base], (r, dtype)
+            assert got[f"avg_{dtype}"] == [[v + 1 for v in row] for row in base], (r, dtype)
+            assert got[f"gather_{dtype}"] == [[0, 0], [1, 1], [1, 1], [2, 2], [2, 2], [2, 2]], (r, dtype)
+            assert got[f"bcast_{dtype}"] == [[1, 1], [1, 1]], (r, dtype)
+        # Last step: x = rank + 2 on each rank.
+        assert got["graph"] == [[9.0], [2.0, 3.0, 4.0], [4.0]], r
+        assert got["variable"] == [2.0, 2.0, 2.0], r
+
+
+def fit_digits(outdir, epochs, per_rank_batch, lr, seed_by_rank):
+    import keras
+
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    (x, y), (x_test, y_test) = digits(r, n)
+    keras.utils.set_random_seed(r if seed_by_rank else 0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    initial = weights_digest(model.get_weights())
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(lr * n))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=per_rank_batch, epochs=epochs, verbose=2 if r == 0 else 0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   hvd.callbacks.MetricAverageCallback()])
+    accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
+    record_rank(outdir, initial=initial, final=weights_digest(model.get_weights()), accuracy=accuracy,
+                history=history.history, optimizer=type(model.optimizer).__name__)
+    return accuracy
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from conftest import make_spark, stop_spark
+
+    session = make_spark("local[3]")
+    yield session
+    stop_spark(session)
+
+
+def test_keras_fit_on_3_ranks_matches_one_process(spark, tmp_path):
+    epochs, batch, lr = 10, 32, 0.001
+    (tmp_path / "one").mkdir()
+    # One process with the same global batch (3 x 32) and the same learning rate (0.001 x 3).
+    one = sparktrain.run(fit_digits, args=(str(tmp_path / "one"), epochs, batch * 3, lr * 3, False),
+                         num_proc=-1, env=ENV, verbose=0)
+    (tmp_path / "three").mkdir()
+    three = sparktrain.run(fit_digits, args=(str(tmp_path / "three"), epochs, batch, lr, True), num_proc=3,
+                           env=ENV, verbose=0)
+    ranks = read_ranks(str(tmp_path / "three"))
+    assert sorted(ranks) == [0, 1, 2]
+    # Different initial weights (seeded by rank), made equal by the broadcast callback...
+    assert len({info["initial"] for info in ranks.values()}) == 3
+    # ...and kept equal, bit for bit, by averaging every step's gradients.
+    assert len({info["final"] for info in ranks.values()}) == 1
+    assert {info["optimizer"] for info in ranks.values()} == {"Adam"}
+    # MetricAverageCallback: every rank ends each epoch with the same (averaged) metrics.
+    histories = [json.dumps(info["history"], sort_keys=True) for info in ranks.values()]
+    assert len(set(histories)) == 1
+    assert three > 0.85 and abs(three - one) <= 0.02, (three, one)
+
+
+def custom_loop(outdir, steps):
+    import keras
+    import tensorflow as tf
+
+    import sparktrain.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    (x, y), _ = digits(r, n)
+    keras.utils.set_random_seed(r)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    opt = keras.optimizers.SGD(0.5)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    after_broadcast = weights_digest(model.get_weights())
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+        return hvd.allreduce(loss)
+
+    losses = [float(step(x[i % 10 * 50:(i % 10 + 1) * 50], y[i % 10 * 50:(i % 10 + 1) * 50])) for i in range(steps)]
+    record_rank(outdir, after_broadcast=after_broadcast, final=weights_digest(model.get_weights()), losses=losses)
+
+
+def test_custom_loop_with_distributed_gradient_tape(tmp_path):
+    sparktrain.run(custom_loop, args=(str(tmp_path), 25), num_proc=-3, env=ENV, verbose=0)
+    ranks = read_ranks(str(tmp_path))
+    assert len({info["after_broadcast"] for info in ranks.values()}) == 1
+    assert len({info["final"] for info in ranks.values()}) == 1
+    losses = ranks[0]["losses"]
+    assert losses[-1] < losses[0] * 0.6, losses
+
+
+def legacy_strategy_fit(outdir):
+    import tensorflow as tf
+    import tf_keras
+
+    import sparktrain.tensorflow as hvd
+
+    strategy = hvd.strategy()
+    r, n = hvd.rank(), hvd.size()
+    (x, y), (x_test, y_test) = digits()  # the strategy shards the dataset itself
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(96).with_options(options)
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.layers.Dense(32, activation="relu", input_shape=(64,)),
+                                     tf_keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer=tf_keras.optimizers.Adam(0.003), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+    model.fit(data, epochs=6, verbose=0)
+    accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
+    record_rank(outdir, accuracy=accuracy, mwms=isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy),
+                workers=strategy.num_replicas_in_sync)
+    return accuracy
+
+
+def test_tf_keras_strategy_path_trains(tmp_path):
+    accuracy = sparktrain.run(legacy_strategy_fit, args=(str(tmp_path),), num_proc=-3,
+                              env={**ENV, "TF_USE_LEGACY_KERAS": "1"}, verbose=0)
+    ranks = read_ranks(str(tmp_path))
+    assert sorted(ranks) == [0, 1, 2]
+    assert {(info["mwms"], info["workers"]) for info in ranks.values()} == {(True, 3)}
+    assert accuracy > 0.8
+
+
+def crash_mid_epoch(outdir):
+    import keras
+
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    (x, y), _ = digits(r, n)
+    record_rank(outdir)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if r == 1 and batch == 5:
+                raise RuntimeError("rank 1 crashed at batch 5")
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), Crash()])
+
+
+def test_rank_crash_mid_epoch_fails_the_run_with_its_error(tmp_path):
+    from helpers import wait_pids_gone
+
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(crash_mid_epoch, args=(str(tmp_path),), num_proc=-3, env=ENV, verbose=0)
+    root = e.value.root_cause
+    assert root.rank == 1 and root.message == "rank 1 crashed at batch 5"
+    assert wait_pids_gone([i["pid"] for i in read_ranks(str(tmp_path)).values()], timeout=10) == []
+
+
+def uneven_fit():
+    import keras
+
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    (x, y), _ = digits(r, n)
+    if r == 2:
+        x, y = x[:300], y[:300]  # 10 batches of 30 where the others have 17
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=30, epochs=1, verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+
+def test_uneven_data_is_a_clear_error_not_a_hang():
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(uneven_fit, num_proc=-3, env=ENV, verbose=0)
+    msg = e.value.root_cause.message
+    assert "different numbers of steps per epoch (rank 0: 17, rank 1: 17, rank 2: 10)" in msg, msg
+    assert "steps_per_epoch=10" in msg
+
+
+def rank_2_leaves(outdir):
+    import tensorflow as tf
+
+    import sparktrain.tensorflow as hvd
+
+    hvd.init(timeout=3)
+    record_rank(outdir)
+    if hvd.rank() == 2:
+        return None  # never joins the collective below
+    return hvd.allreduce(tf.constant(1.0)).numpy()
+
+
+def test_collective_fails_within_its_timeout_when_a_peer_is_gone(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(rank_2_leaves, args=(str(tmp_path),), num_proc=-3, env=ENV, verbose=0)
+    root = e.value.root_cause
+    assert root.rank in (0, 1) and root.exc_type.startswith("tensorflow.python.framework.errors_impl."), root
+    assert time.monotonic() - started < 120
+    assert os.path.exists(tmp_path / "rank-2.json")
