@@ -74,17 +74,7 @@ def rank_processes() -> list[int]:
     return out
 
 
-def digits(rank: int = 0, size: int = 1, n_train: int = 1500):
-    """scikit-learn's bundled digits (nothing is downloaded): rank's training shard and the test set."""
-    import numpy as np
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    y = y.astype("int32")
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = x[order], y[order]
-    return (x[:n_train][rank::size], y[:n_train][rank::size]), (x[n_train:], y[n_train:])
+from sparktrain.demo import digits  # noqa: E402,F401 - the demo's data loader, shared by the tests
 
 
 def weights_digest(weights) -> str:

@@ -264,3 +264,20 @@ def test_collective_fails_within_its_timeout_when_a_peer_is_gone(tmp_path):
     assert root.rank in (0, 1) and root.exc_type.startswith("tensorflow.python.framework.errors_impl."), root
     assert time.monotonic() - started < 120
     assert os.path.exists(tmp_path / "rank-2.json")
+
+
+def test_readme_demo_trains_a_cnn_on_3_ranks(tmp_path):
+    """`sparktrain demo`, as README runs it, in a fresh process with its own embedded Spark."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "sparktrain", "demo", "--epochs", "6"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    epochs = [line for line in proc.stdout.splitlines() if line.startswith("[0]<stdout>:Epoch ")]
+    assert len(epochs) == 6
+    assert not any(line.startswith(("[1]", "[2]")) for line in proc.stdout.splitlines())  # rank 0 only
+    final = proc.stdout.strip().splitlines()[-1]
+    assert final.startswith("trained on 3 ranks") and "test accuracy 0.9" in final, final
+    assert (tmp_path / "sparktrain-demo-model.keras").stat().st_size > 10_000
+    assert "started an embedded local[3] session" in proc.stderr
