@@ -330,17 +330,21 @@ def markdown_section(rows, machine: str, command: str, targets: str, warmups: st
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, section: str) -> None:
-    """Put ``section`` in ``path`` in place of the old one (or at the end), keeping everything else."""
+def write_section(path: str, section: str, begin_marker: str = SECTION_BEGIN, end_marker: str = SECTION_END) -> None:
+    """Put ``section`` in ``path`` in place of the old one (or at the end), keeping everything else.
+
+    The old section is the text from ``begin_marker`` through ``end_marker``; the other benchmark
+    scripts import this helper and pass their own markers.
+    """
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         text = ""
-    begin = text.find(SECTION_BEGIN)
+    begin = text.find(begin_marker)
     if begin >= 0:
-        end = text.find(SECTION_END, begin)
-        tail = text[end + len(SECTION_END):].lstrip("\n") if end >= 0 else ""
+        end = text.find(end_marker, begin)
+        tail = text[end + len(end_marker):].lstrip("\n") if end >= 0 else ""
         text = text[:begin] + section + ("\n" + tail if tail else "")
     else:
         text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section

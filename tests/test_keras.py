@@ -40,6 +40,13 @@ def collectives(outdir):
     for step in range(3):  # the traced function runs repeatedly with its fixed keys
         s, g, b = in_graph(tf.constant([float(r + step)]))
     got["graph"] = [s.numpy().tolist(), g.numpy().tolist(), b.numpy().tolist()]
+    # Collectives inside functions (every training step) must not leave a thread behind each.
+    import psutil
+
+    threads_before = psutil.Process().num_threads()
+    for step in range(300):
+        in_graph(tf.constant([1.0]))
+    got["thread_growth"] = psutil.Process().num_threads() - threads_before
     v = tf.Variable(np.full([3], r, np.float32))
     hvd.broadcast_variables([v], root_rank=2)
     got["variable"] = v.numpy().tolist()
@@ -61,6 +68,7 @@ def test_collectives_eager_and_in_tf_function(tmp_path):
         # Last step: x = rank + 2 on each rank.
         assert got["graph"] == [[9.0], [2.0, 3.0, 4.0], [4.0]], r
         assert got["variable"] == [2.0, 2.0, 2.0], r
+        assert got["thread_growth"] < 50, (r, got["thread_growth"])  # 900 collectives ran
 
 
 def fit_digits(outdir, epochs, per_rank_batch, lr, seed_by_rank):
@@ -261,7 +269,10 @@ def test_collective_fails_within_its_timeout_when_a_peer_is_gone(tmp_path):
     with pytest.raises(sparktrain.RankFailedError) as e:
         sparktrain.run(rank_2_leaves, args=(str(tmp_path),), num_proc=-3, env=ENV, verbose=0)
     root = e.value.root_cause
-    assert root.rank in (0, 1) and root.exc_type.startswith("tensorflow.python.framework.errors_impl."), root
+    assert root.rank in (0, 1), root
+    # TensorFlow reports DeadlineExceeded; at times its process then dies of SIGSEGV while aborting.
+    said = " ".join([root.exc_type, root.message, *root.output_tail])
+    assert root.exc_type.startswith("tensorflow.python.framework.errors_impl.") or "DEADLINE_EXCEEDED" in said, root
     assert time.monotonic() - started < 120
     assert os.path.exists(tmp_path / "rank-2.json")
 

@@ -95,6 +95,8 @@ def fail_on_rank(bad_rank, outdir, how):
 
     record_rank(outdir)
     if sparktrain.rank() == bad_rank:
+        for r in range(sparktrain.size()):  # fail once every rank is running, so each pid is known
+            wait_for_file(os.path.join(outdir, f"rank-{r}.json"), timeout=60)
         print("about to fail", flush=True)
         print("details on stderr", file=sys.stderr, flush=True)
         if how == "raise":

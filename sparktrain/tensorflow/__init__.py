@@ -87,15 +87,45 @@ def init(timeout: float | None = None) -> None:
             if "TF_CONFIG" not in os.environ:
                 raise SparkTrainError("TF_CONFIG is not set: sparktrain.tensorflow.init() must run inside sparktrain.run")
             # Constructing the strategy is TensorFlow's supported way to start this process's
-            # server from TF_CONFIG and configure the collective runtime (NCCL or ring) with
-            # health checks. Keras 3 models are not placed under its scope: the collectives
-            # below are issued directly.
+            # server from TF_CONFIG and configure the collective runtime (NCCL or ring). Keras 3
+            # models are not placed under its scope: the collectives below are issued directly.
+            _configure_health_checks(_state.timeout)
             impl = (tf.distribute.experimental.CommunicationImplementation.NCCL if _state.gpu
                     else tf.distribute.experimental.CommunicationImplementation.RING)
-            options = tf.distribute.experimental.CommunicationOptions(implementation=impl,
-                                                                      timeout_seconds=_state.timeout)
+            # No timeout_seconds here: TensorFlow starts a thread per collective call that
+            # sleeps out the timeout, so a per-step timeout piles up thousands of threads
+            # (measured: 6,700 per process after 468 tf_keras steps, then a crash).
+            options = tf.distribute.experimental.CommunicationOptions(implementation=impl)
             _state.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         _state.initialized = True
+
+
+def _configure_health_checks(timeout: float) -> None:
+    """Make the runtime's peer health check notice a dead or frozen rank within about ``timeout``.
+
+    The strategy pings every peer on a background thread and aborts all collectives when one
+    stops answering; that is what bounds collectives inside ``tf.function`` (see ``_timeout``).
+    """
+    try:
+        from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+
+        ext = cars.CollectiveAllReduceExtended
+        # Three attempts of check_timeout each, every interval: detection within ~timeout.
+        ext._check_health_timeout = max(1, int(timeout / 6))
+        ext._check_health_interval = max(1, int(timeout / 2))
+        ext._check_health_initial_timeout = max(1, int(timeout))  # every rank must reach init() by then
+    except (ImportError, AttributeError):  # a TensorFlow without these knobs keeps its defaults
+        pass
+
+
+def _timeout() -> float:
+    """The per-op timeout: the collective timeout when eager, none inside ``tf.function``.
+
+    TensorFlow implements an op's timeout with a thread that sleeps it out, one per call; per
+    training step that leaks threads until the process dies. Inside functions (every training
+    step) the runtime's health check bounds the wait instead.
+    """
+    return _state.timeout if _tf().executing_eagerly() else 0.0
 
 
 def _require_init() -> None:
@@ -174,7 +204,7 @@ def allreduce(tensor, op: str = Average, name: str | None = None):
     return tf.raw_ops.CollectiveReduceV2(
         input=tensor, group_size=_state.size, group_key=_GROUP_KEY, instance_key=_next_key(),
         ordering_token=[], merge_op="Add", final_op=final, communication_hint=_hint(),
-        timeout_seconds=_state.timeout, name=name)
+        timeout_seconds=_timeout(), name=name)
 
 
 def grouped_allreduce(tensors: Iterable, op: str = Average) -> list:
@@ -229,7 +259,7 @@ def _gather(tensor, name=None):
     tf = _tf()
     return tf.raw_ops.CollectiveGatherV2(
         input=tensor, group_size=_state.size, group_key=_GROUP_KEY, instance_key=_next_key(),
-        ordering_token=[], communication_hint=_hint(), timeout_seconds=_state.timeout, name=name)
+        ordering_token=[], communication_hint=_hint(), timeout_seconds=_timeout(), name=name)
 
 
 def broadcast(tensor, root_rank: int = 0, name: str | None = None):
@@ -241,7 +271,7 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None):
     if _state.size == 1:
         return tf.identity(tensor)
     common = dict(group_size=_state.size, group_key=_GROUP_KEY, instance_key=_next_key(),
-                  communication_hint=_hint(), timeout_seconds=_state.timeout, name=name)
+                  communication_hint=_hint(), timeout_seconds=_timeout(), name=name)
     if _ctx.rank() == root_rank:
         return tf.raw_ops.CollectiveBcastSendV2(input=tensor, **common)
     return tf.raw_ops.CollectiveBcastRecvV2(T=tensor.dtype, shape=tf.shape(tensor), **common)

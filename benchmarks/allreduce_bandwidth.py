@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Allreduce bandwidth of ``sparktrain.tensorflow.allreduce`` on 3 ranks, eager and inside a tf.function.
+
+One ``sparktrain.run`` (local mode by default: ``--num-proc`` processes on this machine, no
+Spark; ``--spark`` launches through an embedded Spark session instead) starts the ranks. Each
+rank, for every size (float32 tensors of 4 KiB to 64 MiB by default) and for each of two modes:
+
+- ``eager``: ``hvd.allreduce(x, op=hvd.Sum)`` called eagerly (a new collective instance per call);
+- ``tf.function``: the same call traced once into a ``tf.function`` (one collective instance,
+  run again and again, as a training step does);
+
+waits at a barrier, runs ``--warmup`` untimed calls (the first traces the tf.function) and
+checks the result (every element must be the number of ranks), then times ``--iters`` calls
+one by one with ``time.perf_counter`` (fewer for sizes where ``--iters`` calls would take longer
+than ``--budget`` seconds, at least ``--min-iters``; rank 0 decides and tells the others, so all
+ranks run the same calls). The table gives rank 0's median time per call, the algorithm bandwidth
+``algbw = bytes / time`` and the bus bandwidth ``busbw = algbw * 2(n-1)/n`` (what each rank's link
+carries in a ring allreduce), in MB/s (10^6 bytes per second). tf.function is the primary
+column: it is how gradients are reduced inside ``model.fit`` and a custom training step.
+
+    python benchmarks/allreduce_bandwidth.py [--max-size 64M] [--write benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+
+from launch_overhead import _cpu_model, _nproc, _version, write_section
+
+SECTION_BEGIN = "<!-- allreduce_bandwidth:begin -->"
+SECTION_END = "<!-- allreduce_bandwidth:end -->"
+
+MODES = ("tf.function", "eager")
+
+
+# -- what the ranks run (self-contained: cloudpickle ships it by value) --------------------------
+
+def measure(sizes: list[int], modes: list[str], op_name: str, warmup: int, iters: int, min_iters: int,
+            budget: float) -> list[dict]:
+    """Every rank runs this; rank 0's timings come back to the driver."""
+    import statistics
+
+    import tensorflow as tf
+
+    import sparktrain.tensorflow as hvd
+
+    hvd.init()
+    op = hvd.Sum if op_name == "sum" else hvd.Average
+    expected = float(hvd.size()) if op == hvd.Sum else 1.0
+    results = []
+    for nbytes in sizes:
+        x = tf.ones([nbytes // 4], tf.float32)
+        row: dict = {"bytes": nbytes}
+        for mode in modes:
+            if mode == "eager":
+                def call(t):
+                    return hvd.allreduce(t, op=op)
+            else:
+                # A fresh tf.function per size: traced once (in the warm-up), one collective instance.
+                call = tf.function(lambda t: hvd.allreduce(t, op=op))
+            hvd.barrier()
+            warm = []
+            for _ in range(warmup):
+                start = time.perf_counter()
+                out = call(x)
+                warm.append(time.perf_counter() - start)
+            lo, hi = float(tf.reduce_min(out)), float(tf.reduce_max(out))
+            if lo != expected or hi != expected:
+                raise RuntimeError(f"{mode} allreduce of {nbytes} bytes gave values in [{lo}, {hi}], "
+                                   f"expected {expected}")
+            # Every rank must issue the same calls: rank 0 picks the count and broadcasts it.
+            per_call = min(warm[1:]) if len(warm) > 1 else warm[0]  # the first call may include tracing
+            count = max(min_iters, min(iters, int(budget / max(per_call, 1e-9))))
+            count = int(hvd.broadcast(tf.constant([count], tf.int32), root_rank=0).numpy()[0])
+            hvd.barrier()
+            times = []
+            for _ in range(count):
+                start = time.perf_counter()
+                call(x)
+                times.append(time.perf_counter() - start)
+            row[mode] = {"median": statistics.median(times), "min": min(times), "iters": count}
+        results.append(row)
+    return results
+
+
+# -- driver side ---------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'4K', '64M', '1GiB', '4096' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4K, 1M, 64M)")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def size_label(nbytes: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor} {unit}"
+    return f"{nbytes} B"
+
+
+def sizes_between(lo: int, hi: int, factor: int) -> list[int]:
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+def header(modes: list[str]) -> list[str]:
+    cols = ["size", "float32 elements"]
+    for mode in modes:
+        cols += [f"{mode} iters", f"{mode} median ms", f"{mode} algbw MB/s", f"{mode} busbw MB/s"]
+    return cols
+
+
+def table_rows(results: list[dict], modes: list[str], n: int) -> list[list[str]]:
+    rows = []
+    for row in results:
+        cells = [size_label(row["bytes"]), f"{row['bytes'] // 4:,}"]
+        for mode in modes:
+            m = row[mode]
+            algbw = row["bytes"] / m["median"] / 1e6
+            cells += [str(m["iters"]), f"{m['median'] * 1e3:.3f}", f"{algbw:,.1f}", f"{algbw * 2 * (n - 1) / n:,.1f}"]
+        rows.append(cells)
+    return rows
+
+
+def text_table(cols: list[str], rows: list[list[str]]) -> str:
+    widths = [max([len(cols[i])] + [len(r[i]) for r in rows]) for i in range(len(cols))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def machine_line(args) -> str:
+    parts = [f"nproc {_nproc()}", f"CPU {_cpu_model()}", f"Python {platform.python_version()}"]
+    for dist in ("sparktrain", "tensorflow"):
+        v = _version(dist)
+        if v:
+            parts.append(f"{dist} {v}")
+    if args.spark:
+        parts += [f"pyspark {_version('pyspark')}", f"master {args.master}"]
+    else:
+        parts.append("local mode (no Spark)")
+    parts.append(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    return ", ".join(parts)
+
+
+def summary_line(results: list[dict], modes: list[str], n: int) -> str:
+    mode = modes[0]
+    best = max(results, key=lambda r: r["bytes"] / r[mode]["median"])
+    small = results[0]
+    busbw = best["bytes"] / best[mode]["median"] * 2 * (n - 1) / n / 1e6
+    return (f"{mode}: peak busbw {busbw:,.1f} MB/s at {size_label(best['bytes'])}; "
+            f"{size_label(small['bytes'])} takes {small[mode]['median'] * 1e3:.3f} ms per call (latency)")
+
+
+def markdown_section(cols, rows, machine: str, method: str, summary: str, command: str) -> str:
+    out = [
+        SECTION_BEGIN,
+        "## Allreduce bandwidth",
+        "",
+        ("Time per `sparktrain.tensorflow.allreduce` call on float32 tensors, rank 0's median over the timed "
+         "calls after a warm-up; algbw = bytes / time, busbw = algbw x 2(n-1)/n, in MB/s (10^6 B/s). "
+         "Written by `benchmarks/allreduce_bandwidth.py`."),
+        "",
+        f"Machine: {machine}",
+        "",
+        method,
+        "",
+        f"Command: `{command}`",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join(["---:"] * len(cols)) + "|",
+    ]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    out += ["", summary[0].upper() + summary[1:], SECTION_END]
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--min-size", type=parse_size, default=parse_size("4K"), help="smallest tensor (default 4K)")
+    p.add_argument("--max-size", type=parse_size, default=parse_size("64M"), help="largest tensor (default 64M)")
+    p.add_argument("--factor", type=int, default=4, help="each size is this many times the last (default 4)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per size and mode (default 20)")
+    p.add_argument("--min-iters", type=int, default=3,
+                   help="timed calls per size and mode even when they exceed --budget (default 3)")
+    p.add_argument("--budget", type=float, default=10.0, metavar="S",
+                   help="time fewer than --iters calls where they would take longer than S seconds (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size and mode first (default 2)")
+    p.add_argument("--mode", choices=("both", *MODES), default="both",
+                   help="tf.function, eager or both (default both; tf.function is the primary column)")
+    p.add_argument("--op", choices=("sum", "average"), default="sum", help="reduction (default sum)")
+    p.add_argument("--num-proc", type=int, default=3, help="ranks (default 3)")
+    p.add_argument("--spark", action="store_true",
+                   help="launch through an embedded Spark session (--master) instead of local processes")
+    p.add_argument("--master", default="local[3]", help="master of the embedded session with --spark (default local[3])")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds the whole run may take (default 900)")
+    p.add_argument("--write", metavar="PATH",
+                   help="write or replace the allreduce-bandwidth section of this markdown file")
+    args = p.parse_args(argv)
+    if args.min_size < 4 or args.min_size % 4 or args.max_size < args.min_size:
+        p.error("sizes must be multiples of 4 bytes (float32) with --min-size <= --max-size")
+    if args.factor < 2:
+        p.error("--factor must be at least 2")
+    if args.num_proc < 2:
+        p.error("--num-proc must be at least 2: an allreduce on one rank moves nothing")
+    if args.warmup < 1 or args.min_iters < 1 or args.iters < args.min_iters:
+        p.error("--warmup and --min-iters must be at least 1, and --iters at least --min-iters")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = shlex.join([sys.executable] + (sys.argv if argv is None else [sys.argv[0], *argv]))
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    modes = list(MODES) if args.mode == "both" else [args.mode]
+    sizes = sizes_between(args.min_size, args.max_size, args.factor)
+
+    import sparktrain
+
+    spark = None
+    if args.spark:
+        from pyspark.sql import SparkSession
+
+        spark = (SparkSession.builder.master(args.master).appName("sparktrain-allreduce-bandwidth")
+                 .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+                 .getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
+    started = time.perf_counter()
+    try:
+        results = sparktrain.run(
+            measure, args=(sizes, modes, args.op, args.warmup, args.iters, args.min_iters, args.budget),
+            num_proc=args.num_proc if args.spark else -args.num_proc, env={"TF_CPP_MIN_LOG_LEVEL": "3"},
+            verbose=0, output_ranks=[0], stdout=sys.stderr, timeout=args.timeout)
+    finally:
+        if spark is not None:
+            spark.stop()
+    print(f"run took {time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+    n = args.num_proc
+    cols, rows = header(modes), table_rows(results, modes, n)
+    machine, summary = machine_line(args), summary_line(results, modes, n)
+    method = (f"{n} ranks, op {args.op}, {args.warmup} untimed warm-up call(s) then up to {args.iters} timed "
+              f"calls per size and mode (at least {args.min_iters}; fewer than {args.iters} where they would "
+              f"exceed {args.budget:g} s). Primary: {modes[0]}.")
+    print()
+    print(f"allreduce bandwidth, {n} ranks, {'Spark ' + args.master if args.spark else 'local mode'}")
+    print(f"machine: {machine}")
+    print(method)
+    print()
+    print(text_table(cols, rows))
+    print()
+    print(summary)
+    if args.write:
+        write_section(args.write, markdown_section(cols, rows, machine, method, summary, command),
+                      SECTION_BEGIN, SECTION_END)
+        print(f"wrote the allreduce-bandwidth section of {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

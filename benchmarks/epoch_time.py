@@ -1,0 +1,389 @@
+#!/usr/bin/env python
+"""Epoch time of Keras 3 with sparktrain.keras.DistributedOptimizer next to tf_keras under MultiWorkerMirroredStrategy.
+
+Three contenders train the same model on the same data with the same global batch, one after
+the other in this invocation, each as one ``sparktrain.run``:
+
+- ``DistributedOptimizer (Keras 3)``: ``--num-proc`` ranks (default 3), Keras 3 with
+  ``sparktrain.keras.DistributedOptimizer(Adam)``, ``BroadcastGlobalVariablesCallback(0)`` and
+  ``MetricAverageCallback()``; each rank trains on its shard ``x[rank::size]`` with batch
+  ``global_batch / size``;
+- ``tf_keras strategy``: the same ranks, tf_keras (``TF_USE_LEGACY_KERAS=1``) under
+  ``sparktrain.tensorflow.strategy()`` (a MultiWorkerMirroredStrategy); the same shards and
+  per-rank batch, fed through ``strategy.distribute_datasets_from_function``;
+- ``one process (Keras 3)``: one rank, Keras 3 with the plain Adam, all the data, the global batch.
+
+The data are scikit-learn's bundled 8x8 digits (``sparktrain.demo.digits``, nothing is
+downloaded), tiled ``--repeat-data`` times and cut to a whole number of global batches, so every
+contender runs the same steps per epoch on the same samples. Every rank feeds its data through
+the same in-memory ``tf.data`` pipeline (slices, batch, repeat, prefetch; no shuffling). The model is
+``sparktrain.demo.build_cnn``'s CNN (or an MLP with ``--model mlp``), built layer for layer with
+Keras 3 or tf_keras. Every contender compiles with Adam(0.001 x global batch / 32), the loss and the
+accuracy metric, without XLA.
+
+A callback inside the ranks takes ``time.perf_counter()`` at ``on_epoch_begin`` and
+``on_epoch_end``; rank 0's epoch times come back. The first epoch of each run (tracing, warm-up)
+is discarded; the table shows the median of the rest.
+
+    python benchmarks/epoch_time.py [--epochs 6 --repeat-data 10 --rounds 2] [--spark] [--write benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+
+from launch_overhead import _cpu_model, _nproc, _version, settle, short_reason, write_section
+
+SECTION_BEGIN = "<!-- epoch_time:begin -->"
+SECTION_END = "<!-- epoch_time:end -->"
+
+OURS = "DistributedOptimizer (Keras 3)"
+PEER = "tf_keras strategy"
+SINGLE = "one process (Keras 3)"
+
+#: Environment of every rank: TensorFlow's C++ logging off.
+BASE_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+# -- what the ranks run (self-contained: cloudpickle ships these functions by value) -------------
+
+def load_data(repeat: int, global_batch: int):
+    """The digits training images as (N, 8, 8, 1), tiled ``repeat`` times, cut to whole global batches."""
+    import numpy as np
+
+    from sparktrain.demo import digits
+
+    (x, y), _ = digits()
+    x = np.tile(x, (repeat, 1))
+    y = np.tile(y, repeat)
+    n = len(x) // global_batch * global_batch
+    return x[:n].reshape(-1, 8, 8, 1), y[:n]
+
+
+def build_model(k, kind: str):
+    """The same layers with Keras 3 (``k`` = keras) or tf_keras (``k`` = tf_keras).
+
+    ``cnn`` is ``sparktrain.demo.build_cnn``'s network.
+    """
+    if kind == "cnn":
+        layers = [
+            k.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            k.layers.MaxPooling2D(),
+            k.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            k.layers.Flatten(),
+            k.layers.Dense(64, activation="relu"),
+            k.layers.Dense(10, activation="softmax"),
+        ]
+    else:
+        layers = [
+            k.layers.Flatten(),
+            k.layers.Dense(256, activation="relu"),
+            k.layers.Dense(128, activation="relu"),
+            k.layers.Dense(10, activation="softmax"),
+        ]
+    return k.Sequential([k.Input((8, 8, 1)), *layers])
+
+
+def epoch_timer(base):
+    """A callback class (subclass of ``base``) that records each epoch's wall time."""
+
+    class EpochTimer(base):
+        def __init__(self):
+            super().__init__()
+            self.seconds: list[float] = []
+            self._start = 0.0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds.append(time.perf_counter() - self._start)
+
+    return EpochTimer()
+
+
+def pipeline(tf, x, y, batch: int):
+    return (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).repeat()
+            .prefetch(tf.data.AUTOTUNE))
+
+
+def train_keras3(kind: str, repeat: int, global_batch: int, epochs: int, lr: float, distributed: bool) -> dict:
+    """Keras 3: with DistributedOptimizer on every rank, or the plain optimizer in one process."""
+    import keras
+    import tensorflow as tf
+
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x, y = load_data(repeat, global_batch)
+    steps = len(x) // global_batch
+    x, y = x[r::n], y[r::n]
+    model = build_model(keras, kind)
+    opt = keras.optimizers.Adam(lr)
+    callbacks = []
+    if distributed:
+        opt = hvd.DistributedOptimizer(opt)
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    timer = epoch_timer(keras.callbacks.Callback)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False)
+    history = model.fit(pipeline(tf, x, y, global_batch // n), steps_per_epoch=steps, epochs=epochs, shuffle=False,
+                        verbose=0, callbacks=[*callbacks, timer])  # the timer last: its epoch end follows the averaging
+    return {"epoch_s": timer.seconds, "steps": steps, "params": int(model.count_params()),
+            "loss": float(history.history["loss"][-1]), "ranks": n}
+
+
+def train_tf_keras_strategy(kind: str, repeat: int, global_batch: int, epochs: int, lr: float) -> dict:
+    """tf_keras under MultiWorkerMirroredStrategy, from ``sparktrain.tensorflow.strategy()``."""
+    import tensorflow as tf
+    import tf_keras
+
+    import sparktrain.tensorflow as hvd
+
+    strategy = hvd.strategy()
+    x, y = load_data(repeat, global_batch)
+    steps = len(x) // global_batch
+
+    def dataset_fn(ctx):  # each worker reads its own shard, like the Keras 3 ranks do
+        i, k = ctx.input_pipeline_id, ctx.num_input_pipelines
+        return pipeline(tf, x[i::k], y[i::k], ctx.get_per_replica_batch_size(global_batch))
+
+    data = strategy.distribute_datasets_from_function(dataset_fn)
+    with strategy.scope():
+        model = build_model(tf_keras, kind)
+        model.compile(optimizer=tf_keras.optimizers.Adam(lr), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], jit_compile=False)
+    timer = epoch_timer(tf_keras.callbacks.Callback)
+    history = model.fit(data, steps_per_epoch=steps, epochs=epochs, verbose=0, callbacks=[timer])
+    return {"epoch_s": timer.seconds, "steps": steps, "params": int(model.count_params()),
+            "loss": float(history.history["loss"][-1]), "ranks": strategy.num_replicas_in_sync}
+
+
+# -- driver side ---------------------------------------------------------------------------------
+
+class Contender:
+    def __init__(self, name: str, fn, args: tuple, num_proc: int, env: dict):
+        self.name, self.fn, self.args, self.num_proc, self.env = name, fn, args, num_proc, env
+        self.epochs: list[float] = []  # timed epochs, first epoch of every run dropped
+        self.first: list[float] = []   # the dropped first epochs
+        self.info: dict = {}
+        self.status: str | None = None  # why there are no numbers
+
+    def median(self) -> float | None:
+        return statistics.median(self.epochs) if self.status is None and self.epochs else None
+
+
+def build_contenders(args) -> list[Contender]:
+    n, sign = args.num_proc, (1 if args.spark else -1)
+    # One learning rate for all: they all take steps of the same global batch.
+    common = (args.model, args.repeat_data, args.global_batch, args.epochs, 0.001 * args.global_batch / 32)
+    return [
+        Contender(OURS, train_keras3, (*common, True), sign * n, BASE_ENV),
+        Contender(PEER, train_tf_keras_strategy, common, sign * n, {**BASE_ENV, "TF_USE_LEGACY_KERAS": "1"}),
+        Contender(SINGLE, train_keras3, (*common, False), sign * 1, BASE_ENV),
+    ]
+
+
+def run_once(c: Contender, timeout: float | None) -> None:
+    import sparktrain
+
+    started = time.perf_counter()
+    out = sparktrain.run(c.fn, args=c.args, num_proc=c.num_proc, env=c.env, verbose=0, output_ranks=[0],
+                         stdout=sys.stderr, timeout=timeout)
+    wall = time.perf_counter() - started
+    c.first.append(out["epoch_s"][0])
+    c.epochs.extend(out["epoch_s"][1:])
+    c.info = {k: v for k, v in out.items() if k != "epoch_s"}
+    print(f"{c.name:<31} run {wall:6.1f} s, epochs " + " ".join(f"{s:.3f}" for s in out["epoch_s"])
+          + f" s, last loss {out['loss']:.4f}", file=sys.stderr, flush=True)
+
+
+def benchmark(contenders: list[Contender], rounds: int, settle_s: float, timeout: float | None) -> None:
+    """``rounds`` times: every contender once, in order. A failing contender is dropped, the rest go on."""
+    for _ in range(rounds):
+        for c in contenders:
+            if c.status is not None:
+                continue
+            if settle_s > 0:
+                settle(settle_s)
+            try:
+                run_once(c, timeout)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - one contender failing must not stop the others
+                c.status = f"failed: {short_reason(e)}"
+                print(f"--- {c.name} failed; full error follows ---", file=sys.stderr)
+                traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+                print(f"--- end of {c.name} error ---", file=sys.stderr, flush=True)
+
+
+HEADER = ["contender", "ranks x batch", "steps/epoch", "timed epochs", "median epoch s", "min s", "max s",
+          "ratio to tf_keras strategy", "samples/s", "last loss"]
+
+
+def table_rows(contenders: list[Contender], global_batch: int) -> list[list[str]]:
+    peer = next(c for c in contenders if c.name == PEER).median()
+    rows = []
+    for c in contenders:
+        med = c.median()
+        shape = f"{abs(c.num_proc)} x {global_batch // abs(c.num_proc)}"
+        if med is None:
+            rows.append([c.name, shape, c.status or "no timed epochs"])
+            continue
+        steps = c.info["steps"]
+        rows.append([c.name, shape, str(steps), str(len(c.epochs)), f"{med:.3f}", f"{min(c.epochs):.3f}",
+                     f"{max(c.epochs):.3f}", f"{med / peer:.2f}x" if peer else "n/a",
+                     f"{steps * global_batch / med:,.0f}", f"{c.info['loss']:.4f}"])
+    return rows
+
+
+def target_line(contenders: list[Contender]) -> str:
+    by = {c.name: c.median() for c in contenders}
+    ours, peer = by[OURS], by[PEER]
+    if ours is None or peer is None:
+        return f"target ({OURS} faster than {PEER}): not measured"
+    ratio = peer / ours
+    return (f"target: {PEER} / {OURS} = {ratio:.2f}x (> 1 means DistributedOptimizer is faster): "
+            f"{'yes' if ratio > 1 else 'NO'}")
+
+
+def model_line(contenders: list[Contender], args) -> str:
+    params = sorted({c.info["params"] for c in contenders if c.info})
+    samples = next((c.info["steps"] * args.global_batch for c in contenders if c.info), None)
+    return (f"model {args.model} ({', '.join(map(str, params)) or '?'} parameters), digits x {args.repeat_data} = "
+            f"{f'{samples:,}' if samples is not None else '?'} samples per epoch, global batch {args.global_batch}, "
+            f"{args.epochs} epochs per run (first dropped), {args.rounds} round(s)")
+
+
+def machine_line(args) -> str:
+    parts = [f"nproc {_nproc()}", f"CPU {_cpu_model()}", f"Python {platform.python_version()}"]
+    for dist in ("sparktrain", "tensorflow", "keras", "tf_keras"):
+        v = _version(dist)
+        if v:
+            parts.append(f"{dist} {v}")
+    if args.spark:
+        parts += [f"pyspark {_version('pyspark')}", f"master {args.master}"]
+    else:
+        parts.append("local mode (no Spark)")
+    parts.append(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    return ", ".join(parts)
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    full = [r for r in rows if len(r) == len(header)]
+    widths = [max([len(header[i])] + [len(r[i]) for r in full]) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(cells, widths)))
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    for r in rows:  # a failed row: its reason takes the rest of the line
+        out.append(line(r) if len(r) == len(header) else "  ".join([r[0].ljust(widths[0]), *r[1:]]))
+    return "\n".join(out)
+
+
+def markdown_section(rows, header, machine: str, model: str, target: str, command: str) -> str:
+    out = [
+        SECTION_BEGIN,
+        "## Epoch time",
+        "",
+        ("Median epoch time of the same model, data and global batch, each contender run by `sparktrain.run` "
+         "in the same invocation, timed inside the ranks (rank 0's view) with the first epoch of every run "
+         "dropped. Written by `benchmarks/epoch_time.py`."),
+        "",
+        f"Machine: {machine}",
+        "",
+        model[0].upper() + model[1:] + ".",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|",
+    ]
+    for r in rows:
+        cells = r if len(r) == len(header) else [r[0], r[1], " ".join(r[2:])] + [""] * (len(header) - 3)
+        out.append("| " + " | ".join(v.replace("|", "/") for v in cells) + " |")
+    out += ["", target[0].upper() + target[1:], SECTION_END]
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--epochs", type=int, default=6,
+                   help="epochs per run, the first of which is dropped (default 6: 5 timed)")
+    p.add_argument("--repeat-data", type=int, default=10,
+                   help="tile the 1500 digits training images this many times (default 10: 14,976 samples, "
+                        "156 steps of 96 per epoch)")
+    p.add_argument("--global-batch", type=int, default=96, help="global batch (default 96 = 3 ranks x 32)")
+    p.add_argument("--num-proc", type=int, default=3, help="ranks of the two distributed contenders (default 3)")
+    p.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
+                   help="cnn: sparktrain.demo.build_cnn's network (default); mlp: 64-256-128-10")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="run all contenders this many times, in turn, pooling their timed epochs (default 2)")
+    p.add_argument("--spark", action="store_true",
+                   help="launch through an embedded Spark session (--master) instead of local processes")
+    p.add_argument("--master", default="local[3]", help="master of the embedded session with --spark (default local[3])")
+    p.add_argument("--settle", type=float, default=15.0, metavar="S",
+                   help="before each run, wait at most S seconds for the CPU to go quiet (default 15; 0 skips)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
+    p.add_argument("--write", metavar="PATH", help="write or replace the epoch-time section of this markdown file")
+    args = p.parse_args(argv)
+    if args.epochs < 2:
+        p.error("--epochs must be at least 2: the first epoch is dropped")
+    if min(args.repeat_data, args.num_proc, args.rounds, args.global_batch) < 1:
+        p.error("--repeat-data, --num-proc, --rounds and --global-batch must be at least 1")
+    if args.global_batch % args.num_proc:
+        p.error(f"--global-batch {args.global_batch} must be a multiple of --num-proc {args.num_proc}")
+    if 1500 * args.repeat_data < args.global_batch:
+        p.error("--repeat-data is too small for one global batch")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = shlex.join([sys.executable] + (sys.argv if argv is None else [sys.argv[0], *argv]))
+    # The ranks must run this interpreter, where sparktrain, TensorFlow and tf_keras are installed.
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+
+    spark = None
+    if args.spark:
+        from pyspark.sql import SparkSession
+
+        spark = (SparkSession.builder.master(args.master).appName("sparktrain-epoch-time")
+                 .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+                 .getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
+    contenders = build_contenders(args)
+    try:
+        benchmark(contenders, args.rounds, args.settle, args.timeout)
+    finally:
+        if spark is not None:
+            spark.stop()
+
+    rows = table_rows(contenders, args.global_batch)
+    machine, model, target = machine_line(args), model_line(contenders, args), target_line(contenders)
+    print()
+    print(f"epoch time, {args.num_proc} ranks vs one process, "
+          f"{'Spark ' + args.master if args.spark else 'local mode'}")
+    print(f"machine: {machine}")
+    print(model)
+    print()
+    print(text_table(HEADER, rows))
+    print()
+    print(target)
+    if args.write:
+        write_section(args.write, markdown_section(rows, HEADER, machine, model, target, command),
+                      SECTION_BEGIN, SECTION_END)
+        print(f"wrote the epoch-time section of {args.write}")
+    return 0 if all(c.status is None for c in contenders) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
