@@ -292,3 +292,35 @@ def test_readme_demo_trains_a_cnn_on_3_ranks(tmp_path):
     assert final.startswith("trained on 3 ranks") and "test accuracy 0.9" in final, final
     assert (tmp_path / "sparktrain-demo-model.keras").stat().st_size > 10_000
     assert "started an embedded local[3] session" in proc.stderr
+
+
+def warmup_fit(outdir):
+    import keras
+
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    (x, y), _ = digits(r, n, n_train=400)  # 200 per rank: 10 batches of 20
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=20, epochs=3, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2), Record()])
+    record_rank(outdir, lrs=seen)
+
+
+def test_learning_rate_warmup_ramps_from_lr_over_size(tmp_path):
+    sparktrain.run(warmup_fit, args=(str(tmp_path),), num_proc=-2, env=ENV, verbose=0)
+    lrs = read_ranks(str(tmp_path))[0]["lrs"]
+    assert len(lrs) == 30
+    assert lrs[0] == pytest.approx(0.2)  # initial_lr / size at the first batch
+    assert all(a < b for a, b in zip(lrs[:20], lrs[1:20]))  # rising through the 2 warm-up epochs
+    assert lrs[19] == pytest.approx(0.2 * (1 + 19 / 20), rel=1e-5)
+    assert lrs[20:] == pytest.approx([0.4] * 10)  # then the full rate
