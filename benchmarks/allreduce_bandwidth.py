@@ -23,15 +23,13 @@ column: it is how gradients are reduced inside ``model.fit`` and a custom traini
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import re
 import shlex
 import sys
 import time
 
-from launch_overhead import _cpu_model, _nproc, _version, write_section
+from common import machine_line, text_table, write_section
 
 SECTION_BEGIN = "<!-- allreduce_bandwidth:begin -->"
 SECTION_END = "<!-- allreduce_bandwidth:end -->"
@@ -137,27 +135,6 @@ def table_rows(results: list[dict], modes: list[str], n: int) -> list[list[str]]
     return rows
 
 
-def text_table(cols: list[str], rows: list[list[str]]) -> str:
-    widths = [max([len(cols[i])] + [len(r[i]) for r in rows]) for i in range(len(cols))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
-    return "\n".join(out)
-
-
-def machine_line(args) -> str:
-    parts = [f"nproc {_nproc()}", f"CPU {_cpu_model()}", f"Python {platform.python_version()}"]
-    for dist in ("sparktrain", "tensorflow"):
-        v = _version(dist)
-        if v:
-            parts.append(f"{dist} {v}")
-    if args.spark:
-        parts += [f"pyspark {_version('pyspark')}", f"master {args.master}"]
-    else:
-        parts.append("local mode (no Spark)")
-    parts.append(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    return ", ".join(parts)
-
-
 def summary_line(results: list[dict], modes: list[str], n: int) -> str:
     mode = modes[0]
     best = max(results, key=lambda r: r["bytes"] / r[mode]["median"])
@@ -253,7 +230,7 @@ def main(argv=None) -> int:
 
     n = args.num_proc
     cols, rows = header(modes), table_rows(results, modes, n)
-    machine, summary = machine_line(args), summary_line(results, modes, n)
+    machine, summary = machine_line(("sparktrain", "tensorflow"), args.master if args.spark else None), summary_line(results, modes, n)
     method = (f"{n} ranks, op {args.op}, {args.warmup} untimed warm-up call(s) then up to {args.iters} timed "
               f"calls per size and mode (at least {args.min_iters}; fewer than {args.iters} where they would "
               f"exceed {args.budget:g} s). Primary: {modes[0]}.")

@@ -30,16 +30,14 @@ is discarded; the table shows the median of the rest.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import shlex
 import statistics
 import sys
 import time
 import traceback
 
-from launch_overhead import _cpu_model, _nproc, _version, settle, short_reason, write_section
+from common import machine_line, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- epoch_time:begin -->"
 SECTION_END = "<!-- epoch_time:end -->"
@@ -262,33 +260,6 @@ def model_line(contenders: list[Contender], args) -> str:
             f"{args.epochs} epochs per run (first dropped), {args.rounds} round(s)")
 
 
-def machine_line(args) -> str:
-    parts = [f"nproc {_nproc()}", f"CPU {_cpu_model()}", f"Python {platform.python_version()}"]
-    for dist in ("sparktrain", "tensorflow", "keras", "tf_keras"):
-        v = _version(dist)
-        if v:
-            parts.append(f"{dist} {v}")
-    if args.spark:
-        parts += [f"pyspark {_version('pyspark')}", f"master {args.master}"]
-    else:
-        parts.append("local mode (no Spark)")
-    parts.append(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    return ", ".join(parts)
-
-
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    full = [r for r in rows if len(r) == len(header)]
-    widths = [max([len(header[i])] + [len(r[i]) for r in full]) for i in range(len(header))]
-
-    def line(cells):
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(cells, widths)))
-
-    out = [line(header), "  ".join("-" * w for w in widths)]
-    for r in rows:  # a failed row: its reason takes the rest of the line
-        out.append(line(r) if len(r) == len(header) else "  ".join([r[0].ljust(widths[0]), *r[1:]]))
-    return "\n".join(out)
-
-
 def markdown_section(rows, header, machine: str, model: str, target: str, command: str) -> str:
     out = [
         SECTION_BEGIN,
@@ -368,7 +339,7 @@ def main(argv=None) -> int:
             spark.stop()
 
     rows = table_rows(contenders, args.global_batch)
-    machine, model, target = machine_line(args), model_line(contenders, args), target_line(contenders)
+    machine, model, target = machine_line(("sparktrain", "tensorflow", "keras", "tf_keras"), args.master if args.spark else None), model_line(contenders, args), target_line(contenders)
     print()
     print(f"epoch time, {args.num_proc} ranks vs one process, "
           f"{'Spark ' + args.master if args.spark else 'local mode'}")

@@ -20,12 +20,9 @@ failed with a short reason (its full traceback goes to stderr) and the others ca
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import logging
 import os
-import platform
-import re
 import shlex
 import statistics
 import sys
@@ -33,6 +30,8 @@ import threading
 import time
 import traceback
 from typing import Any, Callable
+
+from common import machine_line, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- launch_overhead:begin -->"
 SECTION_END = "<!-- launch_overhead:end -->"
@@ -120,21 +119,6 @@ def build_contenders(spark, n: int) -> list[Contender]:
     return contenders
 
 
-def short_reason(exc: BaseException, limit: int = 160) -> str:
-    """One line out of an exception, preferring the innermost ``SomeError: message`` line.
-
-    Spark wraps a task's Python traceback (and a JVM stack) inside its own message; the last
-    ``...Error:``/``...Exception:`` line is usually the one that says what went wrong.
-    """
-    text = f"{type(exc).__name__}: {exc}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    pattern = re.compile(r"^([\w.]+(Error|Exception|Exit|Interrupt)):\s*\S")
-    picked = [ln for ln in lines if pattern.match(ln) and not ln.startswith("at ")]
-    line = picked[-1] if picked else (lines[0] if lines else type(exc).__name__)
-    line = re.sub(r"\s+", " ", line).replace("|", "/")
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 def timed_call(spark, c: Contender, timeout: float) -> float:
     """Run ``c.call`` once and return its wall time; raise what it raised, or TimeoutError."""
     box: dict[str, Any] = {}
@@ -159,16 +143,6 @@ def timed_call(spark, c: Contender, timeout: float) -> float:
     if box.get("result") != 0:
         raise RuntimeError(f"expected 0 back from rank 0, got {box.get('result')!r}")
     return box["elapsed"]
-
-
-def settle(max_wait: float = 15.0, busy_percent: float = 25.0) -> None:
-    """Wait (bounded) until the machine is quiet, so the previous contender's teardown
-    (a torchrun tree exiting, a JVM collecting garbage) is not charged to the next one."""
-    import psutil
-
-    deadline = time.monotonic() + max_wait
-    while time.monotonic() < deadline and psutil.cpu_percent(interval=0.25) > busy_percent:
-        pass
 
 
 def attempt(spark, c: Contender, timeout: float, when: str) -> float | None:
@@ -212,46 +186,6 @@ def benchmark(spark, contenders: list[Contender], repeats: int, timeout: float) 
 
 # -- reporting -----------------------------------------------------------------------------------
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def _nproc() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_line(master: str) -> str:
-    import pyspark
-
-    parts = [f"nproc {_nproc()}", f"CPU {_cpu_model()}", f"Python {platform.python_version()}",
-             f"pyspark {pyspark.__version__}", f"master {master}"]
-    for dist in ("sparktrain", "spark-tensorflow-distributor", "tensorflow", "torch"):
-        v = _version(dist)
-        if v:
-            parts.append(f"{dist} {v}")
-    parts.append(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    return ", ".join(parts)
-
-
 def table_rows(contenders: list[Contender]) -> list[list[str]]:
     by_name = {c.name: c for c in contenders}
     ours = by_name[SPARKTRAIN].median()
@@ -294,19 +228,6 @@ def warmup_line(contenders: list[Contender]) -> str:
     return "untimed warm-up (first run in the session), s: " + (", ".join(parts) or "none")
 
 
-def text_table(rows: list[list[str]]) -> str:
-    # A failed row's reason may be long: it takes the rest of the line instead of widening columns.
-    widths = [max([len(HEADER[i])] + [len(r[i]) for r in rows if r[2] or i == 0]) for i in range(len(HEADER))]
-    out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(HEADER, widths)))]
-    out.append("  ".join("-" * w for w in widths))
-    for r in rows:
-        if not r[2]:
-            out.append(f"{r[0].ljust(widths[0])}  {r[1]}")
-        else:
-            out.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
-    return "\n".join(out)
-
-
 def markdown_section(rows, machine: str, command: str, targets: str, warmups: str, n: int, repeats: int) -> str:
     lines = [
         SECTION_BEGIN,
@@ -328,32 +249,6 @@ def markdown_section(rows, machine: str, command: str, targets: str, warmups: st
     lines += ["", targets.replace("targets:", "Targets:", 1), "",
               warmups.replace("untimed", "Untimed", 1), SECTION_END]
     return "\n".join(lines) + "\n"
-
-
-def write_section(path: str, section: str, begin_marker: str = SECTION_BEGIN, end_marker: str = SECTION_END) -> None:
-    """Put ``section`` in ``path`` in place of the old one (or at the end), keeping everything else.
-
-    The old section is the text from ``begin_marker`` through ``end_marker``; the other benchmark
-    scripts import this helper and pass their own markers.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        text = ""
-    begin = text.find(begin_marker)
-    if begin >= 0:
-        end = text.find(end_marker, begin)
-        tail = text[end + len(end_marker):].lstrip("\n") if end >= 0 else ""
-        text = text[:begin] + section + ("\n" + tail if tail else "")
-    else:
-        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -396,7 +291,7 @@ def main(argv=None) -> int:
         contenders = build_contenders(spark, args.num_proc)
         benchmark(spark, contenders, args.repeats, args.timeout)
     finally:
-        machine = machine_line(args.master)
+        machine = machine_line(("sparktrain", "spark-tensorflow-distributor", "tensorflow", "torch"), args.master)
         spark.stop()
 
     rows = table_rows(contenders)
@@ -406,13 +301,13 @@ def main(argv=None) -> int:
     print(f"launch overhead, {args.num_proc} ranks, {args.repeats} timed runs each (after one warm-up)")
     print(f"machine: {machine}")
     print()
-    print(text_table(rows))
+    print(text_table(HEADER, [r if r[2] else r[:2] for r in rows]))
     print()
     print(targets)
     print(warmups)
     if args.write:
         write_section(args.write, markdown_section(rows, machine, command, targets, warmups,
-                                                   args.num_proc, args.repeats))
+                                                   args.num_proc, args.repeats), SECTION_BEGIN, SECTION_END)
         print(f"wrote the launch-overhead section of {args.write}")
     return 0
 

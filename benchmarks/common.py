@@ -1,0 +1,116 @@
+"""Helpers the benchmark scripts share: machine description, settling, tables, RESULTS.md sections."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import time
+
+
+def settle(max_wait: float = 15.0, busy_percent: float = 25.0) -> None:
+    """Wait (bounded) until the machine is quiet, so the previous contender's teardown
+    (a torchrun tree exiting, a JVM collecting garbage) is not charged to the next one."""
+    import psutil
+
+    deadline = time.monotonic() + max_wait
+    while time.monotonic() < deadline and psutil.cpu_percent(interval=0.25) > busy_percent:
+        pass
+
+
+def short_reason(exc: BaseException, limit: int = 160) -> str:
+    """One line out of an exception, preferring the innermost ``SomeError: message`` line.
+
+    Spark wraps a task's Python traceback (and a JVM stack) inside its own message; the last
+    ``...Error:``/``...Exception:`` line is usually the one that says what went wrong.
+    """
+    text = f"{type(exc).__name__}: {exc}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    pattern = re.compile(r"^([\w.]+(Error|Exception|Exit|Interrupt)):\s*\S")
+    picked = [ln for ln in lines if pattern.match(ln) and not ln.startswith("at ")]
+    line = picked[-1] if picked else (lines[0] if lines else type(exc).__name__)
+    line = re.sub(r"\s+", " ", line).replace("|", "/")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def nproc() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_line(dists, master: str | None = None) -> str:
+    """nproc, CPU, Python, Spark (or local mode), the versions of ``dists`` and the date."""
+    parts = [f"nproc {nproc()}", f"CPU {cpu_model()}", f"Python {platform.python_version()}"]
+    if master:
+        parts += [f"pyspark {version('pyspark')}", f"master {master}"]
+    else:
+        parts.append("local mode (no Spark)")
+    for dist in dists:
+        v = version(dist)
+        if v:
+            parts.append(f"{dist} {v}")
+    parts.append(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    return ", ".join(parts)
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table; the first column left-aligned. A row shorter than the header (a failed
+    contender and its reason) takes the rest of the line instead of widening the columns."""
+    full = [r for r in rows if len(r) == len(header)]
+    widths = [max([len(header[i])] + [len(r[i]) for r in full]) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(cells, widths)))
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    for r in rows:
+        out.append(line(r) if len(r) == len(header) else "  ".join([r[0].ljust(widths[0]), *r[1:]]))
+    return "\n".join(out)
+
+
+def write_section(path: str, section: str, begin_marker: str, end_marker: str) -> None:
+    """Put ``section`` in ``path`` in place of the old one (or at the end), keeping everything else.
+
+    The old section is the text from ``begin_marker`` through ``end_marker``; each script has
+    its own markers.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = ""
+    begin = text.find(begin_marker)
+    if begin >= 0:
+        end = text.find(end_marker, begin)
+        tail = text[end + len(end_marker):].lstrip("\n") if end >= 0 else ""
+        text = text[:begin] + section + ("\n" + tail if tail else "")
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
