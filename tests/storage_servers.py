@@ -1,0 +1,107 @@
+"""Real storage servers for the tests: Azurite (the Azure Blob emulator, from npm) and moto's S3 server.
+
+Each fixture starts its server on 127.0.0.1 with a free port and stops it at the end.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The Azure Storage emulator's published development account (not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)  # no event for "a port started listening"; bounded poll
+    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout} s")
+
+
+def azurite_binary() -> str | None:
+    local = os.path.join(ROOT, ".node", "node_modules", ".bin", "azurite-blob")
+    return local if os.path.exists(local) else shutil.which("azurite-blob")
+
+
+class Azurite:
+    """One azurite-blob process with its own workspace; restartable on the same port and data."""
+
+    def __init__(self):
+        self.binary = azurite_binary()
+        self.port = free_port()
+        self.workspace = tempfile.mkdtemp(prefix="azurite-")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self.workspace,
+             "--silent", "--disableTelemetry", "--skipApiVersionCheck", "--loose"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_listening(self.port, self.proc)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def connection_string(self, key: str = AZURITE_KEY) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
+                f"BlobEndpoint=http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT};")
+
+    def options(self, key: str = AZURITE_KEY) -> dict:
+        return {"account_name": AZURITE_ACCOUNT, "connection_string": self.connection_string(key)}
+
+
+@pytest.fixture(scope="session")
+def azurite():
+    if azurite_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("azurite-blob is not installed: run `npm install --prefix .node azurite` (see README)")
+        pytest.skip("azurite-blob is not installed (npm install --prefix .node azurite)")
+    server = Azurite()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.workspace, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    wait_listening(port)
+    yield {"key": "testing", "secret": "testing",
+           "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "eu-west-1"}}
+    server.stop()
