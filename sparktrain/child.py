@@ -96,6 +96,21 @@ def _report_error(workdir: str, exc: BaseException, message: str | None = None) 
     _write_atomic(os.path.join(workdir, "error.json"), json.dumps(info).encode())
 
 
+def _upload(result, url: str, storage_options) -> str:
+    """Send rank 0's value straight to ``url``: bytes as they are, a local file or directory by path."""
+    from . import storage
+
+    if isinstance(result, (bytes, bytearray, memoryview)):
+        return storage.put_bytes(url, bytes(result), storage_options)
+    if isinstance(result, (str, os.PathLike)) and os.path.isfile(result):
+        return storage.put_file(os.fspath(result), url, storage_options)
+    if isinstance(result, (str, os.PathLike)) and os.path.isdir(result):
+        return storage.put_dir(os.fspath(result), url, storage_options)
+    raise TypeError(
+        f"with checkpoint_url, rank 0's train_fn must return bytes or the path of a local file or directory; "
+        f"it returned {type(result).__name__}: {str(result)[:100]!r}")
+
+
 def main(argv: list[str]) -> int:
     workdir, parent_pid = argv[0], int(argv[1])
     _install_lifeline(parent_pid)
@@ -121,6 +136,15 @@ def main(argv: list[str]) -> int:
         return 1
 
     if os.environ.get(worker_env.RANK) == "0":
+        target = os.path.join(workdir, "checkpoint.pkl")
+        if os.path.exists(target):
+            try:
+                with open(target, "rb") as f:
+                    url, storage_options = cloudpickle.load(f)
+                result = _upload(result, url, storage_options)
+            except BaseException as e:  # noqa: BLE001
+                _report_error(workdir, e)
+                return 1
         path = os.path.join(workdir, "result.pkl")
         try:
             # Straight to disk: a large result is not held twice in memory.

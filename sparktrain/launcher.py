@@ -19,7 +19,8 @@ import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 from . import logstream, preflight, settings
-from .errors import (ClusterConfigError, InsufficientResourcesError, RankFailedError, RankFailure, RunCancelledError,
+from .errors import (ClusterConfigError, InsufficientResourcesError, PicklingFailedError, RankFailedError,
+                     RankFailure, RunCancelledError,
                      RunTimeoutError, SparkTrainError, StartTimeoutError, failures_in)
 from .spec import TaskSpec
 
@@ -56,6 +57,8 @@ def run(
     local_mode: bool = False,
     timeout: float | None = None,
     output_ranks: int | Iterable[int] | str | None = None,
+    checkpoint_url: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -80,10 +83,16 @@ def run(
     local_mode : run on the driver without Spark, like a negative ``num_proc``.
     timeout : seconds the whole run may take; None (default) is no limit.
     output_ranks : which ranks' output to show: None or "all" (default), a rank, or a list.
+    checkpoint_url : send rank 0's value straight from its executor to this fsspec URL (abfs://,
+        s3://, file://, ...), atomically and with a checksum, and return the URL. Rank 0 must return
+        bytes or the path of a local file or directory. Use it for checkpoints larger than
+        ``spark.driver.maxResultSize`` allows through Spark.
+    storage_options : credentials and options for ``checkpoint_url``'s backend (see
+        ``sparktrain.storage``); never logged.
 
     Returns
     -------
-    Whatever ``train_fn`` returned on rank 0. (``horovod.spark.run`` returns a list of every
+    Whatever ``train_fn`` returned on rank 0, or ``checkpoint_url`` when it is given. (``horovod.spark.run`` returns a list of every
     rank's value; the other ranks' values are discarded here.)
 
     Raises
@@ -110,6 +119,17 @@ def run(
     _configure_logging(verbose)
     import cloudpickle
 
+    checkpoint = None
+    if checkpoint_url is not None:
+        from . import storage
+
+        storage.check_url(checkpoint_url, storage_options)  # an unknown scheme or missing backend fails here
+        try:
+            checkpoint = cloudpickle.dumps((checkpoint_url, dict(storage_options or {})))
+        except Exception as e:  # noqa: BLE001
+            raise PicklingFailedError(f"cannot pickle storage_options for {checkpoint_url!r}: {type(e).__name__}") \
+                from None
+
     fn_name = getattr(train_fn, "__qualname__", type(train_fn).__name__)
     run_id = uuid.uuid4().hex[:12]
     launch = _Launch(run_id=run_id, fn_name=fn_name, stdout=stdout, stderr=stderr,
@@ -120,7 +140,7 @@ def run(
         payload = _pickle(train_fn, args, kwargs, cloudpickle)
         conf: dict[str, str] = {}
         launch.start_timeout = settings.resolve("start_timeout", start_timeout, conf=conf)
-        spec = launch.spec(size, payload, ("127.0.0.1", 0), bool(use_gpu), output, 0, env, conf)
+        spec = launch.spec(size, payload, ("127.0.0.1", 0), bool(use_gpu), output, 0, env, conf, checkpoint)
         gpus = _local_gpus(size) if use_gpu else None
         return launch.supervise(_LocalJob(spec, gpus), "127.0.0.1", size)
 
@@ -146,7 +166,7 @@ def run(
     driver_host = conf.get("spark.driver.host", "127.0.0.1")
     max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
     spec = launch.spec(size, payload, (driver_host, 0) if rendezvous != "barrier" else None, use_gpu, output,
-                       max_result, env, conf)
+                       max_result, env, conf, checkpoint)
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d", run_id, size, use_gpu, launch.start_timeout,
               timeout, rendezvous, spec.grace_period, max_result)
@@ -398,11 +418,11 @@ class _Launch:
         self.secret = logstream.new_secret()
         self.server: logstream.DriverServer | None = None
 
-    def spec(self, size, payload, driver_address, use_gpu, output, max_result, env, conf):
+    def spec(self, size, payload, driver_address, use_gpu, output, max_result, env, conf, checkpoint=None):
         return TaskSpec(
             run_id=self.run_id, size=size, payload=payload, secret=self.secret, driver_address=driver_address,
             use_gpu=use_gpu, output_ranks=output, max_result_bytes=max_result, start_timeout=self.start_timeout,
-            grace_period=settings.resolve("grace_period", conf=conf), user_env=env,
+            grace_period=settings.resolve("grace_period", conf=conf), user_env=env, checkpoint=checkpoint,
         )
 
     def _write(self, rank: int, stream: str, line: str, when: float) -> None:

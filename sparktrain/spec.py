@@ -21,3 +21,5 @@ class TaskSpec:
     start_timeout: float
     grace_period: float
     user_env: dict[str, str]
+    #: cloudpickled ``(checkpoint_url, storage_options)`` when rank 0's value goes to storage.
+    checkpoint: bytes | None = None

@@ -241,6 +241,9 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             env["PYTHONPATH"] = _child_pythonpath()
             with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
                 f.write(spec.payload)
+            if spec.checkpoint is not None and rank == 0:
+                with open(os.path.join(workdir, "checkpoint.pkl"), "wb") as f:
+                    f.write(spec.checkpoint)
             child = ChildProcess(workdir, env)
         except SparkTrainError as e:
             raise _failed(state, state.failure(exc_type="SparkTrainError", message=str(e))) from None

@@ -12,6 +12,7 @@ import pytest
 
 import sparktrain
 from helpers import rank_processes, read_ranks, record_rank, wait_for_file, wait_pids_gone
+from storage_servers import azurite, moto_s3  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
 
@@ -286,3 +287,54 @@ def test_each_run_has_its_own_job_group(spark, caplog):
     tracker = spark.sparkContext.statusTracker()
     for run_id in run_ids:
         assert len(tracker.getJobIdsForGroup(f"sparktrain-{run_id}")) == 1
+
+
+def checkpoint_producer(n_bytes, as_file):
+    import os
+    import tempfile
+
+    import sparktrain
+
+    data = bytes(range(256)) * (n_bytes // 256)
+    if not sparktrain.is_chief():
+        return None
+    if not as_file:
+        return data
+    path = os.path.join(tempfile.mkdtemp(), "model.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+@pytest.mark.parametrize("backend", ["file", "abfs", "s3"])
+def test_checkpoint_url_sends_rank0_value_straight_to_storage(spark, tmp_path, backend, request):
+    """30 MiB from rank 0 through a session whose spark.driver.maxResultSize is 20m."""
+    import uuid
+
+    from sparktrain import storage
+
+    options = None
+    if backend == "file":
+        url = f"file://{tmp_path}/ckpt/model.bin"
+    else:
+        options = request.getfixturevalue("azurite").options() if backend == "abfs" else \
+            request.getfixturevalue("moto_s3")
+        fs, _ = storage.filesystem(f"{backend}://x", options)
+        bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
+        fs.mkdir(bucket)
+        url = f"{backend}://{bucket}/run/model.bin"
+    n = 30 * 2**20
+    for as_file in (False, True):
+        got = sparktrain.run(checkpoint_producer, args=(n, as_file), num_proc=3, verbose=0, checkpoint_url=url,
+                             storage_options=options)
+        assert got == url
+        assert storage.get_bytes(url, options) == bytes(range(256)) * (n // 256)
+
+
+def test_checkpoint_url_is_checked_before_launch(spark):
+    from sparktrain import storage
+
+    with pytest.raises(storage.UnknownSchemeError, match="unknown URL scheme 'nosuch'"):
+        sparktrain.run(quick, args=(0,), num_proc=3, checkpoint_url="nosuch://x/y")
+    with pytest.raises(sparktrain.RankFailedError, match="must return bytes or the path"):
+        sparktrain.run(quick, args=(0,), num_proc=3, verbose=0, checkpoint_url="memory://x/y")
