@@ -173,9 +173,9 @@ def _retry(what: str, url: str, storage_options, fn: Callable[[], T], attempts: 
 
 # -- objects ---------------------------------------------------------------------------------------
 
-def _manifest(size: int, sha256: str) -> bytes:
+def _manifest(size: int, sha256: str, metadata: Mapping[str, Any] | None = None) -> bytes:
     return json.dumps({"format": "sparktrain-checkpoint/1", "size": size, "sha256": sha256,
-                       "written": time.time()}).encode()
+                       "written": time.time(), "metadata": dict(metadata or {})}).encode()
 
 
 def _stream_up(fs, path: str, chunks) -> tuple[int, str]:
@@ -200,13 +200,13 @@ def _stream_up(fs, path: str, chunks) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _put(url: str, chunks: Callable[[], Any], storage_options) -> str:
+def _put(url: str, chunks: Callable[[], Any], storage_options, metadata=None) -> str:
     fs, path = filesystem(url, storage_options)
     _mkdirs(fs, path)
 
     def attempt():
         size, sha = _stream_up(fs, path, chunks)
-        fs.pipe_file(path + MANIFEST_SUFFIX, _manifest(size, sha))
+        fs.pipe_file(path + MANIFEST_SUFFIX, _manifest(size, sha, metadata))
         return url
 
     return _retry("writing", url, storage_options, attempt)
@@ -219,13 +219,18 @@ def _mkdirs(fs, path: str) -> None:
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
 
 
-def put_bytes(url: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> str:
-    """Write ``data`` to ``url`` atomically, with its size and checksum. Returns ``url``."""
+def put_bytes(url: str, data: bytes, storage_options: Mapping[str, Any] | None = None,
+              metadata: Mapping[str, Any] | None = None) -> str:
+    """Write ``data`` to ``url`` atomically, with its size and checksum. Returns ``url``.
+
+    ``metadata`` (JSON-able) is kept in the manifest; see :func:`read_manifest`.
+    """
     view = memoryview(data)
-    return _put(url, lambda: (view[i:i + CHUNK] for i in range(0, len(view), CHUNK)), storage_options)
+    return _put(url, lambda: (view[i:i + CHUNK] for i in range(0, len(view), CHUNK)), storage_options, metadata)
 
 
-def put_file(local_path: str, url: str, storage_options: Mapping[str, Any] | None = None) -> str:
+def put_file(local_path: str, url: str, storage_options: Mapping[str, Any] | None = None,
+             metadata: Mapping[str, Any] | None = None) -> str:
     """Stream a local file to ``url`` atomically, in chunks (memory does not grow with its size)."""
     def chunks():
         with open(local_path, "rb") as f:
@@ -235,7 +240,7 @@ def put_file(local_path: str, url: str, storage_options: Mapping[str, Any] | Non
                     return
                 yield chunk
 
-    return _put(url, chunks, storage_options)
+    return _put(url, chunks, storage_options, metadata)
 
 
 def _read_manifest(fs, path: str, url: str) -> dict:
@@ -246,6 +251,12 @@ def _read_manifest(fs, path: str, url: str) -> dict:
             raise NotFoundError(f"{url} exists but was never committed (no manifest): a writer died or is "
                                 "still writing") from None
         raise NotFoundError(f"{url}: no such checkpoint") from None
+
+
+def read_manifest(url: str, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """The manifest of a committed object: ``size``, ``sha256``, ``written`` (time) and ``metadata``."""
+    fs, path = filesystem(url, storage_options)
+    return _retry("reading", url, storage_options, lambda: _read_manifest(fs, path, url))
 
 
 def _stream_down(url: str, storage_options, start: Callable[[], Callable[[bytes], None]]) -> dict:
@@ -346,6 +357,7 @@ def list_checkpoints(prefix: str, storage_options: Mapping[str, Any] | None = No
     scheme = _scheme(prefix)
 
     def listing():
+        fs.invalidate_cache(path)  # backends cache listings; another process may have committed since
         try:
             return fs.ls(path, detail=False)
         except FileNotFoundError:

@@ -9,6 +9,7 @@ import pytest
 
 import sparktrain
 from helpers import digits, read_ranks, record_rank, weights_digest
+from storage_servers import azurite  # noqa: F401 - fixture
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.timeout(300)
@@ -324,3 +325,54 @@ def test_learning_rate_warmup_ramps_from_lr_over_size(tmp_path):
     assert all(a < b for a, b in zip(lrs[:20], lrs[1:20]))  # rising through the 2 warm-up epochs
     assert lrs[19] == pytest.approx(0.2 * (1 + 19 / 20), rel=1e-5)
     assert lrs[20:] == pytest.approx([0.4] * 10)  # then the full rate
+
+
+def train_with_remote_checkpoints(prefix, options, epochs):
+    import keras
+
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    (x, y), (x_test, y_test) = digits(r, n, n_train=600)
+    model, initial_epoch = hvd.restore(prefix, options)
+    restored = None if model is None else weights_digest(model.get_weights())
+    if model is None:
+        keras.utils.set_random_seed(r)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.003)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=20, epochs=epochs, initial_epoch=initial_epoch, verbose=0,
+                        validation_data=(x_test, y_test),
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   hvd.callbacks.MetricAverageCallback(),
+                                   hvd.callbacks.RemoteCheckpoint(prefix + "/epoch-{epoch:02d}.keras",
+                                                                  storage_options=options)])
+    return {"initial_epoch": initial_epoch, "restored": restored, "epochs_run": len(history.history["loss"]),
+            "final": weights_digest(model.get_weights()), "optimizer": type(model.optimizer).__name__,
+            "distributed": getattr(model.optimizer, "_sparktrain_distributed", False)}
+
+
+def test_remote_checkpoint_on_azurite_and_resume(azurite):
+    import uuid
+
+    from sparktrain import storage
+
+    options = azurite.options()
+    fs, _ = storage.filesystem("abfs://x", options)
+    container = f"models-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(container)
+    prefix = f"abfs://{container}/run1"
+    first = sparktrain.run(train_with_remote_checkpoints, args=(prefix, options, 2), num_proc=-3, env=ENV, verbose=0)
+    assert (first["initial_epoch"], first["restored"], first["epochs_run"]) == (0, None, 2)
+    names = [u.rsplit("/", 1)[-1] for u in storage.list_checkpoints(prefix, options)]
+    assert names == ["epoch-01.keras", "epoch-02.keras"]
+    assert storage.read_manifest(f"{prefix}/epoch-02.keras", options)["metadata"]["epoch"] == 2
+
+    second = sparktrain.run(train_with_remote_checkpoints, args=(prefix, options, 3), num_proc=-3, env=ENV, verbose=0)
+    # The epoch counter continues, from the weights that were saved, with a distributed optimizer.
+    assert (second["initial_epoch"], second["epochs_run"]) == (2, 1)
+    assert second["restored"] == first["final"]
+    assert (second["optimizer"], second["distributed"]) == ("Adam", True)
+    assert storage.latest_checkpoint(prefix, options).endswith("epoch-03.keras")

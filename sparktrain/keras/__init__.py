@@ -46,6 +46,12 @@ def DistributedOptimizer(optimizer, op: str = Average):  # noqa: N802 - Horovod'
     base = type(optimizer)
     if getattr(base, "_sparktrain_distributed", False):
         return optimizer
+    wrapped = _distributed_class(base).from_config(optimizer.get_config())
+    wrapped._sparktrain_op = op
+    return wrapped
+
+
+def _distributed_class(base: type) -> type:
     cls = _wrapped_classes.get(base)
     if cls is None:
         cls = type(base.__name__, (base,), {
@@ -55,9 +61,7 @@ def DistributedOptimizer(optimizer, op: str = Average):  # noqa: N802 - Horovod'
             "__doc__": f"{base.__name__} whose gradients are averaged over every sparktrain rank.",
         })
         _wrapped_classes[base] = cls
-    wrapped = cls.from_config(optimizer.get_config())
-    wrapped._sparktrain_op = op
-    return wrapped
+    return cls
 
 
 def _distributed_apply(self, grads, trainable_variables=None):
@@ -85,3 +89,49 @@ def save_model(model, filepath: str, **kwargs) -> str | None:
         if os.path.exists(tmp):
             os.remove(tmp)
     return filepath
+
+
+def load_model(filepath: str, **kwargs):
+    """``keras.models.load_model`` whose optimizer comes back distributed, with its state.
+
+    Keras's built-in optimizers are loaded as their DistributedOptimizer subclasses, as Horovod's
+    ``hvd.load_model`` does, so training continues data-parallel where it stopped.
+    """
+    import keras
+
+    custom = {}
+    for name in dir(keras.optimizers):
+        obj = getattr(keras.optimizers, name)
+        if isinstance(obj, type) and issubclass(obj, keras.optimizers.Optimizer) and obj is not keras.optimizers.Optimizer:
+            custom[name] = _distributed_class(obj)
+    custom.update(kwargs.pop("custom_objects", None) or {})
+    return keras.models.load_model(filepath, custom_objects=custom, **kwargs)
+
+
+def restore(prefix: str, storage_options=None):
+    """Load the latest checkpoint :class:`callbacks.RemoteCheckpoint` committed under ``prefix``.
+
+    Returns ``(model, initial_epoch)``, or ``(None, 0)`` when there is none yet, so a script can
+    resume or start fresh with the same code::
+
+        model, initial_epoch = hvd.restore("abfs://models/run1")
+        if model is None:
+            model = build_and_compile()
+        model.fit(..., initial_epoch=initial_epoch, callbacks=[..., RemoteCheckpoint(...)])
+
+    Every rank reads the checkpoint itself; the broadcast callback keeps them equal afterwards.
+    """
+    import tempfile
+
+    from .. import storage
+
+    latest = storage.latest_checkpoint(prefix, storage_options)
+    if latest is None:
+        return None, 0
+    epoch = int(storage.read_manifest(latest, storage_options).get("metadata", {}).get("epoch", 0))
+    name = latest.rstrip("/").rsplit("/", 1)[-1]
+    suffix = ".h5" if name.endswith(".h5") else ".keras"
+    with tempfile.TemporaryDirectory(prefix="sparktrain-restore-") as tmp:
+        local = os.path.join(tmp, "model" + suffix)
+        storage.get_file(latest, local, storage_options)
+        return load_model(local), epoch

@@ -118,3 +118,75 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             self.model.optimizer.learning_rate.assign(self.initial_lr)
             if self.verbose and _tfc.rank() == 0:
                 print(f"Epoch {epoch + 1}: finished learning-rate warm-up to {self.initial_lr:g}.")
+
+
+class RemoteCheckpoint(keras.callbacks.Callback):
+    """Save the model to a storage URL at the end of each epoch; rank 0 writes, the others skip.
+
+    Parameters
+    ----------
+    url : where to save; may contain ``{epoch}`` (1-based, like Keras's ModelCheckpoint) and any
+        metric name, e.g. ``"abfss://models@acct.dfs.core.windows.net/run1/epoch-{epoch:03d}.keras"``.
+        The file format follows the extension (``.keras``, ``.h5``, ``.weights.h5``).
+    monitor, mode, save_best_only : as in ``keras.callbacks.ModelCheckpoint``.
+    storage_options : credentials for the URL's backend (see ``sparktrain.storage``).
+
+    Each checkpoint is uploaded atomically with its checksum, and its epoch is recorded so that
+    :func:`sparktrain.keras.restore` can continue from it. No collective runs inside, so ranks
+    other than 0 never wait. Put it after ``MetricAverageCallback`` to monitor averaged metrics.
+    """
+
+    def __init__(self, url: str, monitor: str = "val_loss", save_best_only: bool = False, mode: str = "auto",
+                 storage_options=None):
+        super().__init__()
+        from .. import storage
+
+        storage.check_url(url.split("{", 1)[0], storage_options)  # the scheme, before any epoch exists
+        if mode not in ("auto", "min", "max"):
+            raise SparkTrainError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        self.url = url
+        self.monitor = monitor
+        self.save_best_only = save_best_only
+        self.storage_options = storage_options
+        self.greater_is_better = mode == "max" or (mode == "auto" and ("acc" in monitor or monitor.startswith("f")))
+        self.best = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = dict(logs or {})
+        if self.save_best_only:
+            value = logs.get(self.monitor)
+            if value is None:
+                raise SparkTrainError(f"RemoteCheckpoint monitors {self.monitor!r}, but the epoch's logs have only "
+                                      f"{sorted(logs)}; pass monitor= one of those")
+            better = self.best is None or (value > self.best if self.greater_is_better else value < self.best)
+            if not better:
+                return
+            self.best = value
+        save_checkpoint(self.model, self.url.format(epoch=epoch + 1, **logs), epoch=epoch + 1,
+                        storage_options=self.storage_options, metrics=logs)
+
+
+def save_checkpoint(model, url: str, epoch: int, storage_options=None, metrics=None) -> str | None:
+    """Save ``model`` to ``url`` from rank 0 (the callable form of :class:`RemoteCheckpoint`).
+
+    Every rank may call it; ranks other than 0 return None at once. ``epoch`` is the number of
+    epochs completed, recorded for :func:`sparktrain.keras.restore`.
+    """
+    import os
+    import tempfile
+
+    from .. import storage
+
+    if _tfc.rank() != 0:
+        return None
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    suffix = next((s for s in (".weights.h5", ".keras", ".h5") if name.endswith(s)), ".keras")
+    with tempfile.TemporaryDirectory(prefix="sparktrain-ckpt-") as tmp:
+        local = os.path.join(tmp, "model" + suffix)
+        if suffix == ".weights.h5":
+            model.save_weights(local)
+        else:
+            model.save(local)
+        metadata = {"epoch": int(epoch), "metrics": {k: float(v) for k, v in (metrics or {}).items()
+                                                     if isinstance(v, (int, float))}}
+        return storage.put_file(local, url, storage_options, metadata=metadata)
