@@ -184,7 +184,7 @@ def _stream_up(fs, path: str, chunks) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
     try:
-        with fs.open(tmp, "wb") as f:
+        with fs.open(tmp, "wb", block_size=CHUNK) as f:  # the backend buffers one block at a time
             for chunk in chunks():
                 digest.update(chunk)
                 size += len(chunk)
@@ -268,7 +268,7 @@ def _stream_down(url: str, storage_options, start: Callable[[], Callable[[bytes]
         sink = start()
         digest = hashlib.sha256()
         size = 0
-        with fs.open(path, "rb", block_size=CHUNK) as f:
+        with fs.open(path, "rb", block_size=CHUNK, cache_type="none") as f:  # no read-ahead cache to grow
             while True:
                 chunk = f.read(CHUNK)
                 if not chunk:

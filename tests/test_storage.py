@@ -111,3 +111,47 @@ def test_azure_wrong_credentials_and_missing_container(azurite):
 def test_s3_missing_bucket(moto_s3):
     with pytest.raises(storage.NotFoundError, match="no such container or bucket"):
         storage.put_bytes(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x.bin", b"x", moto_s3)
+
+
+LARGE_SCRIPT = r"""
+import os, resource, sys
+from sparktrain import storage
+url, options, src, dst = sys.argv[1], eval(sys.argv[2]), sys.argv[3], sys.argv[4]
+storage.filesystem(url, options)  # import the backend before the baseline
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+base = peak_mib()
+storage.put_file(src, url, options)
+after_put = peak_mib()
+storage.get_file(url, dst, options)
+print(base, after_put, peak_mib())
+"""
+
+
+@pytest.mark.timeout(300)
+def test_one_gib_round_trip_in_bounded_memory(azurite, tmp_path):
+    """1 GiB through put_file and get_file on Azurite; the process's peak RSS grows by less than 256 MiB."""
+    import subprocess
+    import sys
+
+    options = azurite.options()
+    fs, _ = storage.filesystem("abfs://x", options)
+    container = f"large-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(container)
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    block = os.urandom(1 << 20)
+    with open(src, "wb") as f:
+        for _ in range(1024):
+            f.write(block)
+    proc = subprocess.run([sys.executable, "-c", LARGE_SCRIPT, f"abfs://{container}/big.bin", repr(options),
+                           str(src), str(dst)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base, after_put, after_get = map(float, proc.stdout.split())
+    assert after_get - base < 256, (base, after_put, after_get)
+    assert os.path.getsize(dst) == 1 << 30
+    with open(src, "rb") as a, open(dst, "rb") as b:
+        while True:
+            x, y = a.read(1 << 24), b.read(1 << 24)
+            assert x == y
+            if not x:
+                break
