@@ -31,6 +31,8 @@ from .errors import SparkTrainError
 log = logging.getLogger("sparktrain")
 
 CHUNK = 8 * 1024 * 1024
+#: Reads ask for larger ranges: fewer round trips, still bounded memory.
+READ_CHUNK = 32 * 1024 * 1024
 MANIFEST_SUFFIX = ".sparktrain.json"
 DIR_MARKER = "_SPARKTRAIN_COMMITTED"
 RETRIES = 5
@@ -268,9 +270,9 @@ def _stream_down(url: str, storage_options, start: Callable[[], Callable[[bytes]
         sink = start()
         digest = hashlib.sha256()
         size = 0
-        with fs.open(path, "rb", block_size=CHUNK, cache_type="none") as f:  # no read-ahead cache to grow
+        with fs.open(path, "rb", block_size=READ_CHUNK, cache_type="none") as f:  # no read-ahead cache to grow
             while True:
-                chunk = f.read(CHUNK)
+                chunk = f.read(READ_CHUNK)
                 if not chunk:
                     break
                 digest.update(chunk)
