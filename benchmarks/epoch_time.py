@@ -71,21 +71,15 @@ def build_model(k, kind: str):
     ``cnn`` is ``sparktrain.demo.build_cnn``'s network.
     """
     if kind == "cnn":
-        layers = [
-            k.layers.Conv2D(16, 3, padding="same", activation="relu"),
-            k.layers.MaxPooling2D(),
-            k.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            k.layers.Flatten(),
-            k.layers.Dense(64, activation="relu"),
-            k.layers.Dense(10, activation="softmax"),
-        ]
-    else:
-        layers = [
-            k.layers.Flatten(),
-            k.layers.Dense(256, activation="relu"),
-            k.layers.Dense(128, activation="relu"),
-            k.layers.Dense(10, activation="softmax"),
-        ]
+        from sparktrain.demo import build_cnn
+
+        return build_cnn(k)
+    layers = [
+        k.layers.Flatten(),
+        k.layers.Dense(256, activation="relu"),
+        k.layers.Dense(128, activation="relu"),
+        k.layers.Dense(10, activation="softmax"),
+    ]
     return k.Sequential([k.Input((8, 8, 1)), *layers])
 
 

@@ -21,8 +21,10 @@ def digits(rank: int = 0, size: int = 1, n_train: int = 1500):
     return (x[:n_train][rank::size], y[:n_train][rank::size]), (x[n_train:], y[n_train:])
 
 
-def build_cnn():
-    import keras
+def build_cnn(keras=None):
+    """The demo's CNN for 8x8 digits; ``keras`` may be another Keras module (tf_keras) with the same layers."""
+    if keras is None:
+        import keras
 
     return keras.Sequential([
         keras.Input((8, 8, 1)),

@@ -73,6 +73,16 @@ class CorruptCheckpointError(StorageError):
     """The bytes read do not match the size or checksum recorded when they were written."""
 
 
+def file_chunks(path: str, size: int):
+    """The bytes of a local file, ``size`` at a time."""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(size)
+            if not chunk:
+                return
+            yield chunk
+
+
 def _scheme(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else "file"
 
@@ -234,15 +244,7 @@ def put_bytes(url: str, data: bytes, storage_options: Mapping[str, Any] | None =
 def put_file(local_path: str, url: str, storage_options: Mapping[str, Any] | None = None,
              metadata: Mapping[str, Any] | None = None) -> str:
     """Stream a local file to ``url`` atomically, in chunks (memory does not grow with its size)."""
-    def chunks():
-        with open(local_path, "rb") as f:
-            while True:
-                chunk = f.read(CHUNK)
-                if not chunk:
-                    return
-                yield chunk
-
-    return _put(url, chunks, storage_options, metadata)
+    return _put(url, lambda: file_chunks(local_path, CHUNK), storage_options, metadata)
 
 
 def _read_manifest(fs, path: str, url: str) -> dict:

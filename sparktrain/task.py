@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 from . import logstream, worker_env
 from .errors import RankError, RankFailure, ResultTooLargeError, SparkTrainError
 from .spec import TaskSpec
+from .storage import file_chunks
 from .supervisor import ChildProcess
 
 #: Lines of output each rank keeps for its failure report.
@@ -297,9 +298,4 @@ def _result_chunks(state: _Rank, path: str) -> Iterator[bytes]:
             f"or raise spark.driver.maxResultSize (for example to {max(2 * size, 1 << 30) // 2**20}m)"
         )
         raise _failed(state, state.failure(exc_type="sparktrain.errors.ResultTooLargeError", message=str(err)))
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(RESULT_CHUNK)
-            if not chunk:
-                break
-            yield chunk
+    yield from file_chunks(path, RESULT_CHUNK)

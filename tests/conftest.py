@@ -8,6 +8,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+#: Fixtures that start real storage servers (azurite, moto_s3).
+pytest_plugins = ["storage_servers"]
+
 
 QUIET = {
     "spark.ui.enabled": "false",

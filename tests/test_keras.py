@@ -9,7 +9,6 @@ import pytest
 
 import sparktrain
 from helpers import digits, read_ranks, record_rank, weights_digest
-from storage_servers import azurite  # noqa: F401 - fixture
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.timeout(300)
@@ -171,7 +170,6 @@ def legacy_strategy_fit(outdir):
     import sparktrain.tensorflow as hvd
 
     strategy = hvd.strategy()
-    r, n = hvd.rank(), hvd.size()
     (x, y), (x_test, y_test) = digits()  # the strategy shards the dataset itself
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA

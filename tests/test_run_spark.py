@@ -12,7 +12,6 @@ import pytest
 
 import sparktrain
 from helpers import rank_processes, read_ranks, record_rank, wait_for_file, wait_pids_gone
-from storage_servers import azurite, moto_s3  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
 

@@ -7,7 +7,6 @@ import uuid
 import pytest
 
 from sparktrain import storage
-from storage_servers import azurite, moto_s3  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(120)
 
