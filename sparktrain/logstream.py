@@ -145,7 +145,6 @@ class DriverServer:
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
         self._hellos: dict[int, dict] = {}
-        self._peers_sent = False
         self._closing = False
         self._abort_reason: str | None = None
         self._threads: list[threading.Thread] = []
@@ -240,7 +239,6 @@ class DriverServer:
                 "ports": [int(h["port"]) for h in ordered],
                 "master_port": int(ordered[0]["master_port"]),
             }
-            self._peers_sent = True
             channels = list(self._channels.values())
         for chan in channels:
             self._send_quietly(chan, peers)
