@@ -29,7 +29,7 @@ import shlex
 import sys
 import time
 
-from common import machine_line, text_table, write_section
+from common import machine_line, markdown_section, text_table, write_section
 
 SECTION_BEGIN = "<!-- allreduce_bandwidth:begin -->"
 SECTION_END = "<!-- allreduce_bandwidth:end -->"
@@ -144,29 +144,6 @@ def summary_line(results: list[dict], modes: list[str], n: int) -> str:
             f"{size_label(small['bytes'])} takes {small[mode]['median'] * 1e3:.3f} ms per call (latency)")
 
 
-def markdown_section(cols, rows, machine: str, method: str, summary: str, command: str) -> str:
-    out = [
-        SECTION_BEGIN,
-        "## Allreduce bandwidth",
-        "",
-        ("Time per `sparktrain.tensorflow.allreduce` call on float32 tensors, rank 0's median over the timed "
-         "calls after a warm-up; algbw = bytes / time, busbw = algbw x 2(n-1)/n, in MB/s (10^6 B/s). "
-         "Written by `benchmarks/allreduce_bandwidth.py`."),
-        "",
-        f"Machine: {machine}",
-        "",
-        method,
-        "",
-        f"Command: `{command}`",
-        "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "|".join(["---:"] * len(cols)) + "|",
-    ]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    out += ["", summary[0].upper() + summary[1:], SECTION_END]
-    return "\n".join(out) + "\n"
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--min-size", type=parse_size, default=parse_size("4K"), help="smallest tensor (default 4K)")
@@ -243,7 +220,13 @@ def main(argv=None) -> int:
     print()
     print(summary)
     if args.write:
-        write_section(args.write, markdown_section(cols, rows, machine, method, summary, command),
+        write_section(args.write, markdown_section(
+            SECTION_BEGIN, SECTION_END, "Allreduce bandwidth",
+            "Time per `sparktrain.tensorflow.allreduce` call on float32 tensors, rank 0's median over the timed "
+            "calls after a warm-up; algbw = bytes / time, busbw = algbw x 2(n-1)/n, in MB/s (10^6 B/s). "
+            "Written by `benchmarks/allreduce_bandwidth.py`.",
+            machine, command, cols, rows, before_command=[method], after_table=[summary[0].upper() + summary[1:]],
+            first_left=False),
                       SECTION_BEGIN, SECTION_END)
         print(f"wrote the allreduce-bandwidth section of {args.write}")
     return 0

@@ -90,6 +90,27 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def markdown_section(begin: str, end: str, title: str, intro: str, machine: str, command: str,
+                     header: list[str], rows: list[list[str]], before_command=(), after_table=(),
+                     first_left: bool = True) -> str:
+    """A RESULTS.md section between ``begin`` and ``end``: what was measured, where, how, the table.
+
+    A row shorter than the header (a failed contender and its reason) is padded with empty cells.
+    """
+    lines = [begin, f"## {title}", "", intro, "", f"Machine: {machine}", ""]
+    for paragraph in before_command:
+        lines += [paragraph, ""]
+    lines += [f"Command: `{command}`", "", "| " + " | ".join(header) + " |",
+              "|" + "|".join(([":---"] if first_left else ["---:"]) + ["---:"] * (len(header) - 1)) + "|"]
+    for r in rows:
+        cells = list(r) + [""] * (len(header) - len(r))
+        lines.append("| " + " | ".join(v.replace("|", "/") for v in cells) + " |")
+    for paragraph in after_table:
+        lines += ["", paragraph]
+    lines.append(end)
+    return "\n".join(lines) + "\n"
+
+
 def write_section(path: str, section: str, begin_marker: str, end_marker: str) -> None:
     """Put ``section`` in ``path`` in place of the old one (or at the end), keeping everything else.
 

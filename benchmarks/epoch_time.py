@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 
-from common import machine_line, settle, short_reason, text_table, write_section
+from common import machine_line, markdown_section, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- epoch_time:begin -->"
 SECTION_END = "<!-- epoch_time:end -->"
@@ -254,31 +254,6 @@ def model_line(contenders: list[Contender], args) -> str:
             f"{args.epochs} epochs per run (first dropped), {args.rounds} round(s)")
 
 
-def markdown_section(rows, header, machine: str, model: str, target: str, command: str) -> str:
-    out = [
-        SECTION_BEGIN,
-        "## Epoch time",
-        "",
-        ("Median epoch time of the same model, data and global batch, each contender run by `sparktrain.run` "
-         "in the same invocation, timed inside the ranks (rank 0's view) with the first epoch of every run "
-         "dropped. Written by `benchmarks/epoch_time.py`."),
-        "",
-        f"Machine: {machine}",
-        "",
-        model[0].upper() + model[1:] + ".",
-        "",
-        f"Command: `{command}`",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|",
-    ]
-    for r in rows:
-        cells = r if len(r) == len(header) else [r[0], r[1], " ".join(r[2:])] + [""] * (len(header) - 3)
-        out.append("| " + " | ".join(v.replace("|", "/") for v in cells) + " |")
-    out += ["", target[0].upper() + target[1:], SECTION_END]
-    return "\n".join(out) + "\n"
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=6,
@@ -344,7 +319,13 @@ def main(argv=None) -> int:
     print()
     print(target)
     if args.write:
-        write_section(args.write, markdown_section(rows, HEADER, machine, model, target, command),
+        write_section(args.write, markdown_section(
+            SECTION_BEGIN, SECTION_END, "Epoch time",
+            "Median epoch time of the same model, data and global batch, each contender run by `sparktrain.run` "
+            "in the same invocation, timed inside the ranks (rank 0's view) with the first epoch of every run "
+            "dropped. Written by `benchmarks/epoch_time.py`.",
+            machine, command, HEADER, rows, before_command=[model[0].upper() + model[1:] + "."],
+            after_table=[target[0].upper() + target[1:]]),
                       SECTION_BEGIN, SECTION_END)
         print(f"wrote the epoch-time section of {args.write}")
     return 0 if all(c.status is None for c in contenders) else 1

@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from common import machine_line, settle, short_reason, text_table, write_section
+from common import machine_line, markdown_section, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- launch_overhead:begin -->"
 SECTION_END = "<!-- launch_overhead:end -->"
@@ -228,29 +228,6 @@ def warmup_line(contenders: list[Contender]) -> str:
     return "untimed warm-up (first run in the session), s: " + (", ".join(parts) or "none")
 
 
-def markdown_section(rows, machine: str, command: str, targets: str, warmups: str, n: int, repeats: int) -> str:
-    lines = [
-        SECTION_BEGIN,
-        "## Launch overhead",
-        "",
-        f"Wall time of one no-op run on {n} ranks, each as one barrier stage of the same warm SparkSession: "
-        f"one untimed warm-up per contender, then {repeats} timed runs each, in a block per contender. "
-        "Ratios are medians over medians. Written by `benchmarks/launch_overhead.py`.",
-        "",
-        f"Machine: {machine}",
-        "",
-        f"Command: `{command}`",
-        "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "|".join([":---"] + ["---:"] * (len(HEADER) - 1)) + "|",
-    ]
-    for r in rows:
-        lines.append("| " + " | ".join(v.replace("|", "/") for v in r) + " |")
-    lines += ["", targets.replace("targets:", "Targets:", 1), "",
-              warmups.replace("untimed", "Untimed", 1), SECTION_END]
-    return "\n".join(lines) + "\n"
-
-
 # -- main ----------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -306,8 +283,13 @@ def main(argv=None) -> int:
     print(targets)
     print(warmups)
     if args.write:
-        write_section(args.write, markdown_section(rows, machine, command, targets, warmups,
-                                                   args.num_proc, args.repeats), SECTION_BEGIN, SECTION_END)
+        intro = (f"Wall time of one no-op run on {args.num_proc} ranks, each as one barrier stage of the same warm "
+                 f"SparkSession: one untimed warm-up per contender, then {args.repeats} timed runs each, in a block "
+                 "per contender. Ratios are medians over medians. Written by `benchmarks/launch_overhead.py`.")
+        write_section(args.write, markdown_section(
+            SECTION_BEGIN, SECTION_END, "Launch overhead", intro, machine, command, HEADER, rows,
+            after_table=[targets.replace("targets:", "Targets:", 1), warmups.replace("untimed", "Untimed", 1)]),
+            SECTION_BEGIN, SECTION_END)
         print(f"wrote the launch-overhead section of {args.write}")
     return 0
 

@@ -21,7 +21,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from common import machine_line, text_table, write_section  # noqa: E402
+from common import machine_line, markdown_section, text_table, write_section  # noqa: E402
 from storage_servers import Azurite  # noqa: E402 - the test suite's Azurite launcher
 
 SECTION_BEGIN = "<!-- storage_throughput:begin -->"
@@ -105,16 +105,13 @@ def main(argv=None) -> int:
     print(f"machine: {machine}\n")
     print(text_table(header, rows))
     if args.write:
-        lines = [SECTION_BEGIN, "## Storage throughput", "",
-                 f"{args.size_mib} MiB to Azurite on 127.0.0.1, {args.repeats} runs each, each run in a fresh "
+        intro = (f"{args.size_mib} MiB to Azurite on 127.0.0.1, {args.repeats} runs each, each run in a fresh "
                  "process so its peak RSS growth is its own. sparktrain.storage streams a local file "
                  "(put_file/get_file: atomic, with a checksum); adlfs directly moves bytes already in memory "
-                 "(fs.pipe/fs.cat). Written by `benchmarks/storage_throughput.py`.", "",
-                 f"Machine: {machine}", "", f"Command: `{command}`", "",
-                 "| " + " | ".join(header) + " |", "|:---|" + "---:|" * (len(header) - 1)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        lines.append(SECTION_END)
-        write_section(args.write, "\n".join(lines) + "\n", SECTION_BEGIN, SECTION_END)
+                 "(fs.pipe/fs.cat). Written by `benchmarks/storage_throughput.py`.")
+        section = markdown_section(SECTION_BEGIN, SECTION_END, "Storage throughput", intro, machine, command,
+                                   header, rows)
+        write_section(args.write, section, SECTION_BEGIN, SECTION_END)
         print(f"wrote the storage section of {args.write}")
     return 0
 
