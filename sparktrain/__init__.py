@@ -6,18 +6,18 @@ are imported only inside the functions that need them.
 """
 from __future__ import annotations
 
-from .context import cross_rank, cross_size, is_chief, local_rank, local_size, rank, size
+from .context import attempt, cross_rank, cross_size, is_chief, local_rank, local_size, rank, size
 from .errors import (ClusterConfigError, InsufficientResourcesError, InvalidArgumentError, PicklingFailedError,
                      RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError, RunTimeoutError,
-                     SparkTrainError, StartTimeoutError)
+                     SparkTrainError, StartTimeoutError, VersionMismatchError)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "run", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_chief",
+    "run", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_chief", "attempt",
     "SparkTrainError", "InvalidArgumentError", "PicklingFailedError", "ClusterConfigError",
     "InsufficientResourcesError", "StartTimeoutError", "RunTimeoutError", "RunCancelledError",
-    "ResultTooLargeError", "RankFailedError", "RankFailure",
+    "ResultTooLargeError", "RankFailedError", "RankFailure", "VersionMismatchError",
 ]
 
 

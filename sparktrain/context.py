@@ -82,3 +82,19 @@ def cross_size() -> int:
 def is_chief() -> bool:
     """True on rank 0, the rank whose return value ``run`` returns."""
     return rank() == 0
+
+
+def attempt() -> int:
+    """Which attempt of the run this is: 1, then 2, ... when ``run(..., max_attempts=N)`` re-runs it.
+
+    A retried ``train_fn`` can use it to log, or to resume from its latest checkpoint. Outside a
+    run it is 1.
+    """
+    raw = os.environ.get(_we.ATTEMPT)
+    if raw is None:
+        return 1
+    try:
+        return int(raw)
+    except ValueError:
+        raise SparkTrainError(f"{_we.ATTEMPT}={raw!r} is not an integer; the sparktrain environment is corrupted") \
+            from None

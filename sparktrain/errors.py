@@ -55,6 +55,10 @@ class RunCancelledError(SparkTrainError):
     """The run's Spark job group was cancelled from outside."""
 
 
+class VersionMismatchError(SparkTrainError):
+    """An executor runs other versions of Python or key packages than the driver."""
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -111,11 +115,14 @@ class RankFailedError(SparkTrainError):
     traceback and output tail; the other failed ranks follow in time order.
     """
 
-    def __init__(self, failures: Sequence[RankFailure] | Mapping[int, RankFailure], attempts: int = 1):
+    def __init__(self, failures: Sequence[RankFailure] | Mapping[int, RankFailure], attempts: int = 1,
+                 earlier: Sequence[str] = ()):
         items = list(failures.values()) if isinstance(failures, Mapping) else list(failures)
         items.sort(key=lambda f: f.time)
         self.failures: dict[int, RankFailure] = {f.rank: f for f in items}
+        #: How many attempts were made (``run(..., max_attempts=N)``), and why the earlier ones failed.
         self.attempts = attempts
+        self.earlier = tuple(earlier)
         super().__init__(self._message())
 
     @property
@@ -137,10 +144,13 @@ class RankFailedError(SparkTrainError):
         if others:
             lines += ["", "Other failed ranks, in the order they failed:"]
             lines += [f"  {f.headline()}" for f in others]
+        if self.attempts > 1:
+            lines[0] = f"attempt {self.attempts} of {self.attempts}: " + lines[0]
+            lines += ["", "Earlier attempts:"] + [f"  attempt {i}: {why}" for i, why in enumerate(self.earlier, 1)]
         return "\n".join(lines)
 
     def __reduce__(self):
-        return (type(self), (list(self.failures.values()), self.attempts))
+        return (type(self), (list(self.failures.values()), self.attempts, self.earlier))
 
 
 _FAILURE_MARK = "SPARKTRAIN-FAILURE:"
@@ -148,15 +158,23 @@ _FAILURE_RE = re.compile(_FAILURE_MARK + r"([A-Za-z0-9+/=]+):END")
 
 
 class RankError(SparkTrainError):
-    """Raised in a task so Spark fails the stage; carries the structured failure in its message."""
+    """Raised in a task so Spark fails the stage.
 
-    def __init__(self, failure: RankFailure):
+    With ``carry_report`` the structured failure rides in the message, for the paths where the
+    driver learns of it only through Spark's exception text.
+    """
+
+    def __init__(self, failure: RankFailure, carry_report: bool = True):
         self.failure = failure
-        encoded = base64.b64encode(json.dumps(failure.to_dict()).encode()).decode()
-        super().__init__(f"sparktrain {failure.headline()}\n{_FAILURE_MARK}{encoded}:END")
+        self.carry_report = carry_report
+        text = f"sparktrain {failure.headline()}"
+        if carry_report:
+            encoded = base64.b64encode(json.dumps(failure.to_dict()).encode()).decode()
+            text += f"\n{_FAILURE_MARK}{encoded}:END"
+        super().__init__(text)
 
     def __reduce__(self):
-        return (type(self), (self.failure,))
+        return (type(self), (self.failure, self.carry_report))
 
 
 def failures_in(text: str) -> list[RankFailure]:

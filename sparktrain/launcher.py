@@ -18,7 +18,7 @@ import uuid
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
-from . import logstream, preflight, settings
+from . import logstream, preflight, settings, versions
 from .errors import (ClusterConfigError, InsufficientResourcesError, PicklingFailedError, RankFailedError,
                      RankFailure, RunCancelledError,
                      RunTimeoutError, SparkTrainError, StartTimeoutError, failures_in)
@@ -59,6 +59,7 @@ def run(
     output_ranks: int | Iterable[int] | str | None = None,
     checkpoint_url: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    max_attempts: int | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -89,6 +90,12 @@ def run(
         ``spark.driver.maxResultSize`` allows through Spark.
     storage_options : credentials and options for ``checkpoint_url``'s backend (see
         ``sparktrain.storage``); never logged.
+    max_attempts : how many times to start the whole gang when an attempt fails (default 1;
+        also ``SPARKTRAIN_MAX_ATTEMPTS`` or ``spark.sparktrain.maxAttempts``). Ranks read the
+        attempt number with ``sparktrain.attempt()``; with ``sparktrain.keras.restore`` and
+        ``RemoteCheckpoint`` a retried run resumes from its latest checkpoint. A cancelled or
+        timed-out run, and failures that would recur (a result too large, mismatched versions),
+        are not retried.
 
     Returns
     -------
@@ -116,6 +123,8 @@ def run(
         train_fn, args, kwargs, env, stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks)
     start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
     timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
+    if max_attempts is not None:
+        max_attempts = settings.resolve("max_attempts", max_attempts)
     _configure_logging(verbose)
     import cloudpickle
 
@@ -131,18 +140,18 @@ def run(
                 from None
 
     fn_name = getattr(train_fn, "__qualname__", type(train_fn).__name__)
-    run_id = uuid.uuid4().hex[:12]
-    launch = _Launch(run_id=run_id, fn_name=fn_name, stdout=stdout, stderr=stderr,
-                     timestamps=prefix_output_with_timestamp, timeout=timeout)
+    run = _Run(run_id=uuid.uuid4().hex[:12], fn_name=fn_name, stdout=stdout, stderr=stderr,
+               timestamps=prefix_output_with_timestamp, timeout=timeout)
 
     if local:
         output = preflight.normalize_output_ranks(output_ranks, size)
         payload = _pickle(train_fn, args, kwargs, cloudpickle)
         conf: dict[str, str] = {}
-        launch.start_timeout = settings.resolve("start_timeout", start_timeout, conf=conf)
-        spec = launch.spec(size, payload, ("127.0.0.1", 0), bool(use_gpu), output, 0, env, conf, checkpoint)
+        spec = run.spec(size, payload, ("127.0.0.1", 0), bool(use_gpu), output, 0, env, conf, checkpoint,
+                        settings.resolve("start_timeout", start_timeout, conf=conf))
         gpus = _local_gpus(size) if use_gpu else None
-        return launch.supervise(_LocalJob(spec, gpus), "127.0.0.1", size)
+        return run.attempts(lambda s: _LocalJob(s, gpus), spec, "127.0.0.1",
+                            settings.resolve("max_attempts", max_attempts, conf=conf))
 
     spark = _session(size)
     try:
@@ -161,16 +170,16 @@ def run(
     _wait_for_capacity(sc, conf, size, use_gpu, settings.resolve("capacity_wait", conf=conf))
     output = preflight.normalize_output_ranks(output_ranks, size)
     payload = _pickle(train_fn, args, kwargs, cloudpickle)
-    launch.start_timeout = settings.resolve("start_timeout", start_timeout, conf=conf)
     rendezvous = settings.resolve("rendezvous", conf=conf)
     driver_host = conf.get("spark.driver.host", "127.0.0.1")
     max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
-    spec = launch.spec(size, payload, (driver_host, 0) if rendezvous != "barrier" else None, use_gpu, output,
-                       max_result, env, conf, checkpoint)
+    spec = run.spec(size, payload, (driver_host, 0) if rendezvous != "barrier" else None, use_gpu, output,
+                    max_result, env, conf, checkpoint, settings.resolve("start_timeout", start_timeout, conf=conf))
+    max_attempts = settings.resolve("max_attempts", max_attempts, conf=conf)
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
-              "rendezvous=%s grace_period=%s maxResultSize=%d", run_id, size, use_gpu, launch.start_timeout,
-              timeout, rendezvous, spec.grace_period, max_result)
-    return launch.supervise(_SparkJob(spark, spec, fn_name), driver_host, size)
+              "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d", run.run_id, size, use_gpu,
+              spec.start_timeout, timeout, rendezvous, spec.grace_period, max_result, max_attempts)
+    return run.attempts(lambda s: _SparkJob(spark, s, fn_name), spec, driver_host, max_attempts)
 
 
 def _pickle(train_fn, args, kwargs, cloudpickle) -> bytes:
@@ -199,8 +208,25 @@ def _session(num_proc: int | None):
     # Ranks' output streams to this console; Spark's progress bar would cut through it.
     spark = (SparkSession.builder.master(master).appName("sparktrain")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    _quiet_task_failures(spark)
     log.info("sparktrain: no active SparkSession; started an embedded %s session", master)
     return spark
+
+
+def _quiet_task_failures(spark) -> None:
+    """In the session sparktrain started itself, Spark need not log each failed rank's task.
+
+    sparktrain reports a failed rank once, root cause first; Spark would log the same failure
+    again per task, with a JVM stack trace, at ERROR and WARN.
+    """
+    try:
+        jvm = spark.sparkContext._jvm
+        level = jvm.org.apache.logging.log4j.Level.FATAL
+        for name in ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager",
+                     "org.apache.spark.scheduler.DAGScheduler"):  # "cannot find active jobs" after a cancel
+            jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(name, level)
+    except Exception as e:  # noqa: BLE001 - logging set-up must never stop a run
+        log.debug("sparktrain: could not quiet Spark's task-failure logging: %s", e)
 
 
 def _capacity(sc, conf: Mapping[str, str]) -> preflight.Capacity:
@@ -406,7 +432,9 @@ class _LocalJob(_Job):
 
 # -- supervision ---------------------------------------------------------------------------------
 
-class _Launch:
+class _Run:
+    """One call of ``run``: what every attempt shares, and the loop over attempts."""
+
     def __init__(self, *, run_id, fn_name, stdout, stderr, timestamps, timeout):
         self.run_id = run_id
         self.fn_name = fn_name
@@ -414,16 +442,73 @@ class _Launch:
         self.stderr = stderr
         self.timestamps = timestamps
         self.timeout = timeout
-        self.start_timeout = 600.0
+        self.started = time.monotonic()
+
+    def spec(self, size, payload, driver_address, use_gpu, output, max_result, env, conf, checkpoint, start_timeout):
+        return TaskSpec(
+            run_id=self.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
+            use_gpu=use_gpu, output_ranks=output, max_result_bytes=max_result, start_timeout=start_timeout,
+            grace_period=settings.resolve("grace_period", conf=conf), user_env=env, checkpoint=checkpoint,
+            versions=versions.collect(),
+        )
+
+    def attempts(self, make_job: Callable[[TaskSpec], "_Job"], spec: TaskSpec, host: str, max_attempts: int) -> Any:
+        """Run the gang up to ``max_attempts`` times; every retry is logged, and counted in the final error."""
+        earlier: list[str] = []
+        for attempt in range(1, max_attempts + 1):
+            remaining = None if self.timeout is None else self.timeout - (time.monotonic() - self.started)
+            launch = _Launch(self, attempt, max_attempts, remaining)
+            try:
+                value = launch.supervise(make_job(dataclasses.replace(spec, secret=launch.secret, attempt=attempt)),
+                                         host, spec.size)
+            except SparkTrainError as e:
+                out_of_time = self.timeout is not None and time.monotonic() - self.started >= self.timeout
+                if attempt == max_attempts or out_of_time or not _worth_retrying(e):
+                    if attempt == 1:
+                        raise
+                    raise _with_attempts(e, attempt, earlier) from e
+                earlier.append(_first_line(str(e)))
+                log.warning("sparktrain: run %s attempt %d of %d failed: %s; starting all %d ranks again",
+                            self.run_id, attempt, max_attempts, earlier[-1], spec.size)
+                continue
+            if attempt > 1:
+                log.warning("sparktrain: run %s succeeded on attempt %d of %d, after %d failed attempt(s)",
+                            self.run_id, attempt, max_attempts, attempt - 1)
+            return value
+        raise AssertionError("unreachable")
+
+
+def _worth_retrying(e: SparkTrainError) -> bool:
+    """Failures that another attempt could fix; not ones the user asked for or that would recur."""
+    if isinstance(e, (RunCancelledError, RunTimeoutError)):
+        return False
+    if isinstance(e, RankFailedError):
+        return not e.root_cause.exc_type.endswith(("ResultTooLargeError", "VersionMismatchError"))
+    return True
+
+
+def _with_attempts(e: SparkTrainError, attempt: int, earlier: list[str]) -> SparkTrainError:
+    if isinstance(e, RankFailedError):
+        return RankFailedError(e.failures, attempts=attempt, earlier=earlier)
+    history = "; ".join(f"attempt {i}: {why}" for i, why in enumerate(earlier, 1))
+    return type(e)(f"{e} (attempt {attempt} of {attempt}; earlier attempts failed: {history})")
+
+
+class _Launch:
+    """One attempt: its own secret, channel and Spark job, supervised until it ends."""
+
+    def __init__(self, run: _Run, attempt: int, max_attempts: int, timeout: float | None):
+        self.run = run
+        self.run_id = run.run_id
+        self.fn_name = run.fn_name
+        self.stdout = run.stdout
+        self.stderr = run.stderr
+        self.timestamps = run.timestamps
+        self.attempt = attempt
+        self.max_attempts = max_attempts
+        self.timeout = timeout
         self.secret = logstream.new_secret()
         self.server: logstream.DriverServer | None = None
-
-    def spec(self, size, payload, driver_address, use_gpu, output, max_result, env, conf, checkpoint=None):
-        return TaskSpec(
-            run_id=self.run_id, size=size, payload=payload, secret=self.secret, driver_address=driver_address,
-            use_gpu=use_gpu, output_ranks=output, max_result_bytes=max_result, start_timeout=self.start_timeout,
-            grace_period=settings.resolve("grace_period", conf=conf), user_env=env, checkpoint=checkpoint,
-        )
 
     def _write(self, rank: int, stream: str, line: str, when: float) -> None:
         out = (self.stderr or sys.stderr) if stream == "stderr" else (self.stdout or sys.stdout)
@@ -441,7 +526,10 @@ class _Launch:
         import cloudpickle
 
         self.size = size
+        self.start_timeout = job.spec.start_timeout
         self.started = time.monotonic()
+        self.hosts: dict[int, str] = {}
+        self.start_seconds: float | None = None
         self.failures: dict[int, RankFailure] = {}
         self.all_started = False
         self.said_hello: set[int] = set()
@@ -454,7 +542,8 @@ class _Launch:
         stopping: SparkTrainError | None = None
         try:
             job.start()
-            log.info("sparktrain: launching %d rank(s) of %s, run %s", size, self.fn_name, self.run_id)
+            of = f" (attempt {self.attempt} of {self.max_attempts})" if self.max_attempts > 1 else ""
+            log.info("sparktrain: launching %d rank(s) of %s, run %s%s", size, self.fn_name, self.run_id, of)
             while not job.done():
                 self._handle(self._next_event(job))
                 elapsed = time.monotonic() - self.started
@@ -472,7 +561,7 @@ class _Launch:
                     self._stop(job, "start_timeout expired")
                 elif self.timeout is not None and elapsed > self.timeout:
                     stopping = RunTimeoutError(
-                        f"run {self.run_id} of {self.fn_name} took longer than timeout={self.timeout:g} s and was "
+                        f"run {self.run_id} of {self.fn_name} took longer than timeout={self.run.timeout:g} s and was "
                         "stopped; raise timeout or pass timeout=None for no limit")
                     self._stop(job, "timeout expired")
             self._drain()
@@ -500,9 +589,16 @@ class _Launch:
             raise SparkTrainError(f"run {self.run_id} of {self.fn_name} failed in Spark: {_first_line(text)}") \
                 from job.error
         data = job.result_bytes()
-        log.info("sparktrain: run %s finished in %.2f s; rank 0 returned %s", self.run_id,
-                 time.monotonic() - self.started, f"{len(data)} bytes pickled" if data else "nothing")
-        return cloudpickle.loads(data) if data else None
+        value = cloudpickle.loads(data) if data else None
+        if job.spec.checkpoint is not None:
+            returned = f"checkpoint at {value}"
+        else:
+            returned = f"{_size(len(data))} pickled" if data else "nothing"
+        started = (f"ranks started in {self.start_seconds:.2f} s" if self.start_seconds is not None
+                   else "ranks rendezvoused through Spark")
+        log.info("sparktrain: run %s of %s finished in %.2f s (%s); rank 0 returned %s", self.run_id, self.fn_name,
+                 time.monotonic() - self.run.started, started, returned)
+        return value
 
     def _next_event(self, job):
         if self.server is None:
@@ -527,10 +623,13 @@ class _Launch:
             self.disconnected.add(event[1])
         elif kind == "hello":
             self.said_hello.add(event[1])
+            self.hosts[event[1]] = str(event[2].get("host", "?"))
             if self.all_started or len(self.said_hello) < self.size:
                 return
             self.all_started = True
-            log.info("sparktrain: all %d rank(s) started in %.2f s", self.size, time.monotonic() - self.started)
+            self.start_seconds = time.monotonic() - self.started
+            log.info("sparktrain: all %d rank(s) started in %.2f s on %s", self.size, self.start_seconds,
+                     _placement(self.hosts))
         elif kind == "refused":
             log.warning("sparktrain: refused a connection from %s (%s)", event[1], event[2])
 
@@ -568,6 +667,24 @@ class _Launch:
             job.wait(1.0)
         if not job.done():
             log.warning("sparktrain: the run's tasks did not end within 30 s of being cancelled")
+
+
+def _placement(hosts: Mapping[int, str]) -> str:
+    """``10.0.0.5 (ranks 0-1), 10.0.0.6 (rank 2)``: where the ranks run."""
+    by_host: dict[str, list[int]] = {}
+    for rank in sorted(hosts):
+        by_host.setdefault(hosts[rank], []).append(rank)
+    parts = []
+    for host, ranks in by_host.items():
+        contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
+        which = (f"rank {ranks[0]}" if len(ranks) == 1 else
+                 f"ranks {ranks[0]}-{ranks[-1]}" if contiguous else "ranks " + ",".join(map(str, ranks)))
+        parts.append(f"{host} ({which})")
+    return ", ".join(parts)
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 1024 else f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
 def _with_address(spec, address):

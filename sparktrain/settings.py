@@ -30,6 +30,15 @@ def parse_seconds(name: str, value: Any, *, allow_none: bool = False) -> float |
     return float(value)
 
 
+def parse_positive_int(name: str, value: Any) -> int:
+    """A whole number of at least 1; echoes the bad value otherwise."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a whole number of at least 1, got {value!r}")
+    return value
+
+
 def parse_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -63,6 +72,8 @@ SETTINGS = {
                 "'barrier' (one Spark allGather, when executors cannot reach the driver), 'auto'"),
         Setting("allow_unencrypted", "SPARKTRAIN_ALLOW_UNENCRYPTED", "spark.sparktrain.allowUnencrypted", False,
                 parse_bool, "run even though spark.ssl.enabled is set; training traffic is not encrypted"),
+        Setting("max_attempts", "SPARKTRAIN_MAX_ATTEMPTS", "spark.sparktrain.maxAttempts", 1,
+                parse_positive_int, "how many times a failed run is started again, whole gang, before it fails"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
     ]

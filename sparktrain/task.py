@@ -19,8 +19,8 @@ import tempfile
 import time
 from typing import Iterator, Sequence
 
-from . import logstream, worker_env
-from .errors import RankError, RankFailure, ResultTooLargeError, SparkTrainError
+from . import logstream, versions, worker_env
+from .errors import RankError, RankFailure, ResultTooLargeError, SparkTrainError, VersionMismatchError
 from .spec import TaskSpec
 from .storage import file_chunks
 from .supervisor import ChildProcess
@@ -75,23 +75,37 @@ class _Rank:
         self.show = spec.output_ranks is None or rank in spec.output_ranks
 
     # -- channel -----------------------------------------------------------------------------
-    def send(self, msg: dict) -> None:
-        """Send to the driver. If streaming fails, training does not: the channel is dropped."""
+    def send(self, msg: dict) -> bool:
+        """Send to the driver; False if there is no channel. If streaming fails, training does not:
+        the channel is dropped."""
         if self.chan is None:
-            return
+            return False
         try:
             self.chan.send(msg)
+            return True
         except (OSError, ValueError) as e:
             print(f"sparktrain rank {self.rank}: lost the driver channel ({e}); output now goes to this "
                   f"executor's log", file=sys.stderr)
             self.chan.close()
             self.chan = None
+            return False
 
     def failure(self, **kw) -> RankFailure:
         return RankFailure(rank=self.rank, host=self.host, local_rank=self.local_rank,
                            output_tail=tuple(self.tail), time=time.time(), **kw)
 
     # -- rendezvous --------------------------------------------------------------------------
+    def check_versions(self) -> None:
+        """Fail this rank at once, with a readable diff, when its versions differ from the driver's."""
+        if self.spec.versions is None:
+            return
+        diff = versions.mismatches(self.spec.versions, versions.collect())
+        if diff:
+            raise VersionMismatchError(
+                f"rank {self.rank} on {self.host} runs other versions than the driver:\n  " + "\n  ".join(diff)
+                + "\nInstall the same versions on the executors as on the driver (for example with the same "
+                "requirements file or cluster library list)")
+
     def rendezvous(self, port: int, master_port: int, barrier_ctx) -> tuple[list[str], list[int], int]:
         me = {"type": "hello", "rank": self.rank, "host": self.host, "port": port,
               "master_port": master_port, "pid": os.getpid()}
@@ -99,6 +113,7 @@ class _Rank:
         if spec.driver_address is None:
             # One Spark barrier sync (about a second): the path for executors that cannot reach
             # the driver, such as under Spark Connect.
+            self.check_versions()
             infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
             infos.sort(key=lambda i: i["rank"])
             return [i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"])
@@ -111,6 +126,7 @@ class _Rank:
                 "connections to the driver, set spark.sparktrain.rendezvous=barrier"
             ) from None
         self.chan.send(me)
+        self.check_versions()  # after the hello, so the failure report reaches the driver at once
         self.chan.sock.settimeout(spec.start_timeout)
         try:
             msg = self.chan.recv()
@@ -238,6 +254,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             env.update(worker_env.build_worker_env(
                 rank=rank, hosts=hosts, ports=ports, master_port=master_port,
                 gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
+                attempt=spec.attempt,
             ))
             env["PYTHONPATH"] = _child_pythonpath()
             with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
@@ -247,7 +264,8 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                     f.write(spec.checkpoint)
             child = ChildProcess(workdir, env)
         except SparkTrainError as e:
-            raise _failed(state, state.failure(exc_type="SparkTrainError", message=str(e))) from None
+            name = type(e).__name__ if type(e) is SparkTrainError else f"sparktrain.errors.{type(e).__name__}"
+            raise _failed(state, state.failure(exc_type=name, message=str(e))) from None
         except Exception as e:
             import traceback
             raise _failed(state, state.failure(exc_type=type(e).__name__, message=str(e),
@@ -283,8 +301,10 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
 
 
 def _failed(state: _Rank, failure: RankFailure) -> RankError:
-    state.send({"type": "failed", "failure": failure.to_dict()})
-    return RankError(failure)
+    delivered = state.send({"type": "failed", "failure": failure.to_dict()})
+    # The report travels inside Spark's exception text only when the channel could not carry
+    # it: otherwise Spark's own log lines would repeat it, traceback and all, for every rank.
+    return RankError(failure, carry_report=not delivered)
 
 
 def _result_chunks(state: _Rank, path: str) -> Iterator[bytes]:

@@ -15,6 +15,8 @@ LOCAL_SIZE = "SPARKTRAIN_LOCAL_SIZE"
 CROSS_RANK = "SPARKTRAIN_CROSS_RANK"
 CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
 RUN_ID = "SPARKTRAIN_RUN_ID"
+#: Which attempt of the run this is, 1-based (see ``run(..., max_attempts=N)``).
+ATTEMPT = "SPARKTRAIN_ATTEMPT"
 
 #: The variables that together define a rank; the worker API needs all of them or none.
 TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
@@ -22,7 +24,7 @@ TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
 #: Every variable the contract sets; user ``env`` may not override these.
 RESERVED_VARS = frozenset(
     TOPOLOGY_VARS
-    + (RUN_ID, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    + (RUN_ID, ATTEMPT, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
        "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
 )
 
@@ -100,6 +102,7 @@ def build_worker_env(
     gpu_ids: str,
     run_id: str,
     user_env: Mapping[str, str] | None = None,
+    attempt: int = 1,
 ) -> dict[str, str]:
     """The environment one rank's process gets, on top of the executor's own.
 
@@ -112,6 +115,7 @@ def build_worker_env(
     gpu_ids : the value for ``CUDA_VISIBLE_DEVICES`` (see :func:`translate_gpu_ids`).
     run_id : the run's id.
     user_env : the ``env`` passed to ``run``; reserved names are refused earlier, on the driver.
+    attempt : which attempt of the run this is, 1-based.
 
     Examples
     --------
@@ -134,6 +138,7 @@ def build_worker_env(
         CROSS_RANK: str(t["cross_rank"]),
         CROSS_SIZE: str(t["cross_size"]),
         RUN_ID: run_id,
+        ATTEMPT: str(attempt),
         "TF_CONFIG": json.dumps({
             "cluster": {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]},
             "task": {"type": "worker", "index": rank},

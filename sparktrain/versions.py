@@ -1,0 +1,53 @@
+"""The versions that must agree between the driver and every executor.
+
+cloudpickle ships functions by reference to their modules and by bytecode, so a rank whose
+Python, sparktrain, cloudpickle or TensorFlow differs from the driver's fails in confusing
+ways (an unpickling error, or a silently different collective). The driver records its
+versions in the task spec; each rank compares before it starts anything.
+"""
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from typing import Mapping
+
+#: Packages compared between the driver and the executors, when the driver has them.
+PACKAGES = ("sparktrain", "cloudpickle", "tensorflow")
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def collect() -> dict[str, str | None]:
+    """This process's versions, read from package metadata (nothing heavy is imported)."""
+    found: dict[str, str | None] = {"python": "%d.%d.%d" % sys.version_info[:3]}
+    for name in PACKAGES:
+        found[name] = _package_version(name)
+    return found
+
+
+def _comparable(name: str, version: str | None) -> str | None:
+    # Pickled bytecode needs the same Python minor version; patch releases are compatible.
+    if name == "python" and version:
+        return ".".join(version.split(".")[:2])
+    return version
+
+
+def mismatches(driver: Mapping[str, str | None], here: Mapping[str, str | None]) -> list[str]:
+    """One readable line per version that differs; packages the driver lacks are not compared.
+
+    >>> mismatches({"python": "3.11.4", "cloudpickle": "3.0.0"}, {"python": "3.11.9", "cloudpickle": "2.2.1"})
+    ['cloudpickle: driver 3.0.0, this executor 2.2.1']
+    """
+    lines = []
+    for name, want in driver.items():
+        if want is None:
+            continue
+        have = here.get(name)
+        if _comparable(name, want) != _comparable(name, have):
+            lines.append(f"{name}: driver {want}, this executor {have or 'not installed'}")
+    return lines
