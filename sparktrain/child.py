@@ -7,8 +7,11 @@ written under a temporary name and renamed, so the parent never reads half a fil
 It must die with its parent, even while the user's code is stuck in C:
 - a parent-death signal (SIGTERM) is set first thing, then the parent pid is re-checked to
   close the race with a parent that died before that;
-- a lifeline thread waits for EOF on stdin (the parent holds the other end) and polls the
-  parent pid; when the parent is gone it SIGKILLs the whole process group.
+- a watcher process, forked before any user code runs, waits for EOF on the lifeline pipe
+  (stdin; the parent holds the other end) and polls the parent; when the parent is gone it
+  SIGKILLs the whole process group. It is a process, not a thread, because C code that
+  blocks while holding the GIL (an eager TensorFlow collective, say) would starve a thread
+  for as long as it blocks. It dies with this process (its own parent-death signal).
 A SIGTERM while the parent lives is a polite stop: it raises SystemExit so ``finally``
 blocks run, and the parent follows up with SIGKILL after its grace period.
 """
@@ -20,7 +23,7 @@ import os
 import select
 import signal
 import sys
-import threading
+import time
 import traceback
 
 from . import worker_env
@@ -37,12 +40,53 @@ def _kill_group() -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def _install_lifeline(parent_pid: int) -> None:
+def _set_parent_death_signal(sig: int) -> None:
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         except (OSError, AttributeError):
             pass
+
+
+def _ppid_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` from /proc, or None when it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _watch(rank_pid: int, parent_pid: int, lifeline: int) -> None:
+    """The watcher process: kill the rank's group once the task process that started it is gone."""
+    # A polite stop (SIGTERM to the group) must not end the watcher: if the parent dies during
+    # the grace period, before its SIGKILL, the watcher is what still ends the rank.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_parent_death_signal(signal.SIGKILL)  # the rank finished: nothing left to watch
+    if os.getppid() != rank_pid:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # never hold the rank's output pipes open
+        os.dup2(devnull, fd)
+    os.closerange(3, lifeline)
+    os.closerange(lifeline + 1, 1024)
+    watching = [lifeline]
+    while True:
+        ready, _, _ = select.select(watching, [], [], 1.0)
+        if ready and not os.read(lifeline, 4096):
+            # EOF: the parent died, or closed its end to stop the rank (then it sends the
+            # signals itself, and this process keeps polling in case the parent dies first).
+            watching = []
+        if _ppid_of(rank_pid) not in (parent_pid, None):
+            break  # the rank was re-parented: the task process is gone
+        if not watching:
+            time.sleep(0.2)  # nothing to select on any more; poll the parent
+    _kill_group()
+
+
+def _install_lifeline(parent_pid: int) -> None:
+    _set_parent_death_signal(signal.SIGTERM)
     if _parent_gone(parent_pid):
         _kill_group()
 
@@ -58,19 +102,13 @@ def _install_lifeline(parent_pid: int) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-
-    def watch():
-        while True:
-            ready, _, _ = select.select([lifeline], [], [], 1.0)
-            if ready and not os.read(lifeline, 4096):
-                break  # EOF: the parent closed its end or died
-            if _parent_gone(parent_pid):
-                break
-        if _parent_gone(parent_pid):
-            _kill_group()
-        # EOF with the parent alive means the parent is stopping us; it sends the signals.
-
-    threading.Thread(target=watch, name="sparktrain-lifeline", daemon=True).start()
+    rank_pid = os.getpid()
+    if os.fork() == 0:
+        try:
+            _watch(rank_pid, parent_pid, lifeline)
+        finally:
+            os._exit(0)
+    os.close(lifeline)
 
 
 def _type_name(exc: BaseException) -> str:
@@ -92,6 +130,9 @@ def _report_error(workdir: str, exc: BaseException, message: str | None = None) 
         "exc_type": _type_name(exc),
         "message": message if message is not None else str(exc),
         "traceback": "".join(traceback.format_exception(exc)),
+        # When it happened: the root cause is the first failure in time, and a peer that fails
+        # because of it may report sooner than this rank's exit is noticed.
+        "time": time.time(),
     }
     _write_atomic(os.path.join(workdir, "error.json"), json.dumps(info).encode())
 

@@ -586,8 +586,18 @@ class _Launch:
                 raise RunCancelledError(
                     f"run {self.run_id} of {self.fn_name} was cancelled (Spark job group sparktrain-{self.run_id})"
                 ) from job.error
-            raise SparkTrainError(f"run {self.run_id} of {self.fn_name} failed in Spark: {_first_line(text)}") \
-                from job.error
+            reason = _spark_reason(text)
+            task = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", text)
+            if task and int(task.group(1)) in self.hosts:
+                # The rank's task died under it (its Python worker or executor was killed) before
+                # sparktrain could report anything: name the rank, and what Spark saw.
+                rank = int(task.group(1))
+                raise RankFailedError([RankFailure(
+                    rank=rank, host=self.hosts[rank], time=time.time(),
+                    local_rank=sum(1 for r, h in self.hosts.items() if r < rank and h == self.hosts[rank]),
+                    message=f"its Spark task died without a report from the rank (the executor's Python worker or "
+                            f"JVM was killed, or ran out of memory); Spark says: {reason}")]) from job.error
+            raise SparkTrainError(f"run {self.run_id} of {self.fn_name} failed in Spark: {reason}") from job.error
         data = job.result_bytes()
         value = cloudpickle.loads(data) if data else None
         if job.spec.checkpoint is not None:
@@ -689,6 +699,20 @@ def _size(n: int) -> str:
 
 def _with_address(spec, address):
     return dataclasses.replace(spec, driver_address=address)
+
+
+def _spark_reason(text: str) -> str:
+    """The informative part of a Spark job failure (py4j puts "An error occurred while calling" first)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("at ")]
+    picked = []
+    for line in lines:
+        if "Job aborted due to stage failure:" in line:
+            picked.append(line.split("Job aborted due to stage failure:", 1)[1].strip())
+        elif picked and ("Exception:" in line or "Failure" in line) and len(picked) < 2:
+            picked.append(line.split("Exception: ", 1)[-1])
+    if not picked:
+        picked = [line for line in lines if not line.startswith("An error occurred while calling")][:1] or lines[:1]
+    return " ".join(picked)[:600]
 
 
 def _first_line(text: str) -> str:

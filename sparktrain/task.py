@@ -91,8 +91,9 @@ class _Rank:
             return False
 
     def failure(self, **kw) -> RankFailure:
+        kw.setdefault("time", time.time())  # the child records when its exception happened
         return RankFailure(rank=self.rank, host=self.host, local_rank=self.local_rank,
-                           output_tail=tuple(self.tail), time=time.time(), **kw)
+                           output_tail=tuple(self.tail), **kw)
 
     # -- rendezvous --------------------------------------------------------------------------
     def check_versions(self) -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import sparktrain
-from helpers import rank_processes, read_ranks, record_rank, wait_for_file, wait_pids_gone
+from helpers import read_ranks, record_rank, wait_for_file, wait_pids_gone
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
 
@@ -175,30 +175,6 @@ def quick(i):
     return (i, sparktrain.rank(), os.getpid())
 
 
-def test_ten_runs_in_a_row_leave_nothing_behind(spark):
-    pids = []
-    for i in range(10):
-        i_back, rank, pid = sparktrain.run(quick, args=(i,), num_proc=3, verbose=0)
-        assert (i_back, rank) == (i, 0)
-        pids.append(pid)
-    assert len(set(pids)) == 10  # a fresh process every time
-    assert wait_pids_gone(pids, timeout=5) == []
-    # No rank process survives anywhere (PySpark's own workers may idle for reuse).
-    assert rank_processes() == []
-
-
-def sleeper(outdir):
-    record_rank(outdir)
-    wait_for_file(os.path.join(outdir, "never"), timeout=120)
-
-
-def test_timeout_stops_the_run(spark, tmp_path):
-    with pytest.raises(sparktrain.RunTimeoutError, match="timeout=3 s"):
-        sparktrain.run(sleeper, args=(str(tmp_path),), num_proc=3, timeout=3, verbose=0)
-    pids = [r["pid"] for r in read_ranks(str(tmp_path)).values()]
-    assert wait_pids_gone(pids, timeout=10) == []
-
-
 def test_start_timeout_names_ranks_that_never_started(spark, tmp_path):
     # Occupy one of the three task slots, so the barrier stage cannot be scheduled.
     sc = spark.sparkContext
@@ -253,28 +229,6 @@ def test_captured_spark_session_is_refused_on_the_driver(spark):
 
     with pytest.raises(sparktrain.PicklingFailedError, match="'spark' captured by .*cannot travel to executors"):
         sparktrain.run(train, num_proc=2)
-
-
-def test_keyboard_interrupt_cancels_the_run_and_ends_every_rank(spark, tmp_path):
-    """A notebook's stop button: KeyboardInterrupt in the driver's thread."""
-    import _thread
-
-    def interrupt_when_all_started():
-        for r in range(3):
-            wait_for_file(os.path.join(tmp_path, f"rank-{r}.json"), timeout=60)
-        _thread.interrupt_main()
-
-    t = threading.Thread(target=interrupt_when_all_started)
-    t.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            sparktrain.run(sleeper, args=(str(tmp_path),), num_proc=3, verbose=0)
-    finally:
-        t.join(60)
-    pids = [r["pid"] for r in read_ranks(str(tmp_path)).values()]
-    assert len(pids) == 3 and wait_pids_gone(pids, timeout=5) == []
-    # The session is fine afterwards.
-    assert sparktrain.run(quick, args=(7,), num_proc=3, verbose=0)[0] == 7
 
 
 def test_each_run_has_its_own_job_group(spark, caplog):
