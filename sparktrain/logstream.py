@@ -196,8 +196,7 @@ class DriverServer:
                 self._dispatch(rank, msg)
         except (AuthenticationError, socket.timeout, ValueError, KeyError) as e:
             if rank is None:
-                log.warning("sparktrain: refused a connection from %s: %s", peer[0], e)
-                self.events.put(("refused", peer[0], str(e)))
+                self.events.put(("refused", peer[0], str(e)))  # the launcher logs it, once
             else:
                 log.warning("sparktrain: dropped rank %d's connection: %s", rank, e)
         except OSError:

@@ -1,0 +1,127 @@
+"""Bad input, table-driven, against a real local[2] Spark: each is refused on the driver with an
+error naming the bad value and the fix, before any Spark job starts. The few that can only be
+seen in a task (a return value that cannot be pickled) fail from rank 0 with a clear message.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import sparktrain
+from sparktrain import storage
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from conftest import make_spark, stop_spark
+
+    session = make_spark("local[2]")
+    yield session
+    stop_spark(session)
+
+
+def ok():
+    return 1
+
+
+_lock = threading.Lock()
+
+
+def uses_lock():
+    with _lock:
+        return 1
+
+
+def _gen():
+    yield 1
+
+
+_generator = _gen()
+
+
+def uses_generator():
+    return next(_generator)
+
+
+def capturing(context):
+    return lambda: context.defaultParallelism
+
+
+class NotAStream:
+    pass
+
+
+#: (id, run's keyword arguments, error type, words the message must contain)
+CASES = [
+    ("num_proc 0", dict(num_proc=0), sparktrain.InvalidArgumentError, ["num_proc", "got 0"]),
+    ("num_proc -0.0", dict(num_proc=-0.0), sparktrain.InvalidArgumentError, ["num_proc", "-0.0"]),
+    ("num_proc 1.5", dict(num_proc=1.5), sparktrain.InvalidArgumentError, ["num_proc", "1.5"]),
+    ("num_proc '3'", dict(num_proc="3"), sparktrain.InvalidArgumentError, ["num_proc", "'3'"]),
+    ("num_proc True", dict(num_proc=True), sparktrain.InvalidArgumentError, ["num_proc", "True"]),
+    ("not callable", dict(train_fn=42), sparktrain.InvalidArgumentError, ["train_fn", "callable", "42"]),
+    ("captured lock", dict(train_fn=uses_lock), sparktrain.PicklingFailedError, ["_lock", "lock"]),
+    ("captured generator", dict(train_fn=uses_generator), sparktrain.PicklingFailedError, ["_generator", "generator"]),
+    ("captured SparkContext", dict(train_fn=capturing), sparktrain.PicklingFailedError,
+     ["context", "SparkContext", "executors"]),
+    ("args a string", dict(args="abc"), sparktrain.InvalidArgumentError, ["args", "tuple", "'abc'"]),
+    ("args a dict", dict(args={"a": 1}), sparktrain.InvalidArgumentError, ["args", "tuple"]),
+    ("kwargs int key", dict(kwargs={1: "x"}), sparktrain.InvalidArgumentError, ["kwargs", "1"]),
+    ("kwargs not a mapping", dict(kwargs=[("a", 1)]), sparktrain.InvalidArgumentError, ["kwargs"]),
+    ("env int value", dict(env={"A": 1}), sparktrain.InvalidArgumentError, ["env", "'A'", "1"]),
+    ("env overrides contract", dict(env={"SPARKTRAIN_RANK": "3"}), sparktrain.InvalidArgumentError,
+     ["SPARKTRAIN_RANK"]),
+    ("timeout negative", dict(timeout=-1), sparktrain.InvalidArgumentError, ["timeout", "-1"]),
+    ("start_timeout zero", dict(start_timeout=0), sparktrain.InvalidArgumentError, ["start_timeout", "0"]),
+    ("timeout a word", dict(timeout="soon"), sparktrain.InvalidArgumentError, ["timeout", "'soon'"]),
+    ("unknown storage scheme", dict(checkpoint_url="nosuch://bucket/model"), storage.UnknownSchemeError,
+     ["nosuch", "abfs://", "s3://"]),
+    ("output_ranks outside", dict(output_ranks=[5]), sparktrain.InvalidArgumentError, ["output_ranks", "5"]),
+    ("verbose 7", dict(verbose=7), sparktrain.InvalidArgumentError, ["verbose", "7"]),
+    ("stdout not a stream", dict(stdout=NotAStream()), sparktrain.InvalidArgumentError, ["stdout", "writable"]),
+    ("max_attempts 0", dict(max_attempts=0), sparktrain.InvalidArgumentError, ["max_attempts", "0"]),
+    ("use_gpu without GPU conf", dict(use_gpu=True), sparktrain.ClusterConfigError,
+     ["spark.task.resource.gpu.amount"]),
+    ("more ranks than slots", dict(num_proc=5), sparktrain.InsufficientResourcesError, ["5", "2"]),
+]
+
+
+def _jobs_started(spark) -> int:
+    return int(spark.sparkContext._jsc.sc().dagScheduler().nextJobId())
+
+
+@pytest.mark.parametrize("case, kwargs, error, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_before_any_spark_job(spark, case, kwargs, error, words):
+    call = {"train_fn": ok, "num_proc": 2, "verbose": 0, **kwargs}
+    if call["train_fn"] is capturing:
+        call["train_fn"] = capturing(spark.sparkContext)
+    before = _jobs_started(spark)
+    with pytest.raises(error) as e:
+        sparktrain.run(call.pop("train_fn"), **call)
+    message = str(e.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+    assert _jobs_started(spark) == before, "a Spark job started before the bad input was refused"
+
+
+def test_the_table_has_at_least_twenty_cases():
+    assert len(CASES) >= 20
+
+
+def returns_unpicklable():
+    import threading
+
+    import sparktrain
+
+    return threading.Lock() if sparktrain.rank() == 0 else None
+
+
+def test_a_return_value_that_cannot_be_pickled_fails_from_rank_0_clearly(spark):
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(returns_unpicklable, num_proc=2, verbose=0)
+    root = e.value.root_cause
+    assert root.rank == 0
+    assert "rank 0's return value (lock) cannot be pickled" in root.message
+    assert "Return bytes, a path or URL" in root.message

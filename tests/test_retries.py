@@ -1,0 +1,130 @@
+"""run(..., max_attempts=N) on a real local[3] Spark: a failed attempt re-runs the whole gang, ranks
+see their attempt number, retries are logged and counted, and a Keras run resumes from its latest
+checkpoint on Azurite instead of starting over.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+import sparktrain
+from helpers import digits, read_ranks, record_rank, wait_for_file, weights_digest
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from conftest import make_spark, stop_spark
+
+    session = make_spark("local[3]")
+    yield session
+    stop_spark(session)
+
+
+def flaky(outdir):
+    import sparktrain
+
+    attempt = sparktrain.attempt()
+    record_rank(outdir, tag=f"-attempt{attempt}", attempt=attempt)
+    if attempt == 1 and sparktrain.rank() == 1:
+        raise RuntimeError("rank 1 fails on the first attempt")
+    return attempt
+
+
+def test_a_failed_attempt_reruns_the_whole_gang_and_says_so(spark, tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="sparktrain")
+    monkeypatch.setenv("SPARKTRAIN_MAX_ATTEMPTS", "2")  # the environment-variable form of max_attempts
+    assert sparktrain.run(flaky, args=(str(tmp_path),), num_proc=3) == 2
+    first, second = read_ranks(str(tmp_path), "-attempt1"), read_ranks(str(tmp_path), "-attempt2")
+    assert sorted(second) == [0, 1, 2] and 1 in first  # every rank ran again, not just the failed one
+    assert not {r["pid"] for r in first.values()} & {r["pid"] for r in second.values()}
+    assert {r["env"]["SPARKTRAIN_ATTEMPT"] for r in second.values()} == {"2"}
+    assert len({r["env"]["SPARKTRAIN_RUN_ID"] for r in [*first.values(), *second.values()]}) == 1
+    assert "attempt 1 of 2 failed: 1 rank failed; root cause: rank 1" in caplog.text
+    assert "succeeded on attempt 2 of 2, after 1 failed attempt(s)" in caplog.text
+
+
+def always_fails():
+    import sparktrain
+
+    raise ValueError(f"attempt {sparktrain.attempt()} failed")
+
+
+def test_every_failed_attempt_is_counted_in_the_final_error(spark):
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(always_fails, num_proc=2, max_attempts=3, verbose=0)
+    err = e.value
+    assert err.attempts == 3 and err.root_cause.message == "attempt 3 failed"
+    text = str(err)
+    assert text.startswith("attempt 3 of 3: ")
+    assert "Earlier attempts:\n  attempt 1: " in text and "ValueError: attempt 2 failed" in text
+
+
+def hangs(outdir):
+    record_rank(outdir, tag=f"-attempt{sparktrain.attempt()}")
+    wait_for_file(os.path.join(outdir, "never"), timeout=200)
+
+
+def test_a_timeout_is_not_retried(spark, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="sparktrain")
+    with pytest.raises(sparktrain.RunTimeoutError):
+        sparktrain.run(hangs, args=(str(tmp_path),), num_proc=2, max_attempts=3, timeout=3)
+    assert "starting all" not in caplog.text
+    assert read_ranks(str(tmp_path), "-attempt2") == {}
+
+
+def fit_resuming(prefix, options, epochs):
+    import keras
+
+    import sparktrain
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    (x, y), _ = digits(hvd.rank(), hvd.size())
+    model, initial_epoch = hvd.restore(prefix, options)
+    restored = weights_digest(model.get_weights()) if model is not None else None
+    if model is None:
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.003)),
+                      loss="sparse_categorical_crossentropy")
+
+    class CrashOnce(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if sparktrain.attempt() == 1 and hvd.rank() == 1 and self.epoch == 2 and batch == 3:
+                raise RuntimeError("rank 1 crashes in the third epoch")
+
+    history = model.fit(x, y, batch_size=32, epochs=epochs, initial_epoch=initial_epoch, verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), CrashOnce(),
+                                   hvd.callbacks.RemoteCheckpoint(prefix + "/epoch-{epoch:02d}.keras",
+                                                                  storage_options=options)])
+    return {"attempt": sparktrain.attempt(), "initial_epoch": initial_epoch, "restored": restored,
+            "epochs_run": len(history.history["loss"])}
+
+
+def test_a_retried_keras_run_resumes_from_its_latest_checkpoint_on_azurite(spark, azurite, caplog):
+    import uuid
+
+    from sparktrain import storage
+
+    caplog.set_level(logging.INFO, logger="sparktrain")
+    options = azurite.options()
+    fs, _ = storage.filesystem("abfs://x", options)
+    container = f"retries-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(container)
+    prefix = f"abfs://{container}/run"
+    result = sparktrain.run(fit_resuming, args=(prefix, options, 4), num_proc=3, max_attempts=2,
+                            env={"TF_CPP_MIN_LOG_LEVEL": "3"}, output_ranks=[])
+    # The second attempt continued after the two epochs the first one committed.
+    assert (result["attempt"], result["initial_epoch"], result["epochs_run"]) == (2, 2, 2)
+    assert result["restored"] is not None
+    names = [u.rsplit("/", 1)[-1] for u in storage.list_checkpoints(prefix, options)]
+    assert names == ["epoch-01.keras", "epoch-02.keras", "epoch-03.keras", "epoch-04.keras"]
+    assert "rank 1 crashes in the third epoch" in caplog.text
+    assert "succeeded on attempt 2 of 2" in caplog.text
