@@ -26,6 +26,10 @@ from .spec import TaskSpec
 
 log = logging.getLogger("sparktrain")
 
+#: Seconds a retry waits at most for the cluster to offer every slot again (a lost executor's
+#: replacement registers within seconds on standalone, YARN and Kubernetes).
+RETRY_CAPACITY_WAIT = 60.0
+
 #: Arrow schema of what the barrier stage returns: rank 0's pickled result, in chunks.
 RESULT_SCHEMA = "rank int, seq int, data binary"
 
@@ -179,7 +183,13 @@ def run(
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d", run.run_id, size, use_gpu,
               spec.start_timeout, timeout, rendezvous, spec.grace_period, max_result, max_attempts)
-    return run.attempts(lambda s: _SparkJob(spark, s, fn_name), spec, driver_host, max_attempts)
+    capacity_wait = settings.resolve("capacity_wait", conf=conf)
+
+    def before_retry():
+        # A lost executor is usually replaced within seconds; the gang needs all its slots back.
+        _wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait))
+
+    return run.attempts(lambda s: _SparkJob(spark, s, fn_name), spec, driver_host, max_attempts, before_retry)
 
 
 def _pickle(train_fn, args, kwargs, cloudpickle) -> bytes:
@@ -452,10 +462,13 @@ class _Run:
             versions=versions.collect(),
         )
 
-    def attempts(self, make_job: Callable[[TaskSpec], "_Job"], spec: TaskSpec, host: str, max_attempts: int) -> Any:
+    def attempts(self, make_job: Callable[[TaskSpec], "_Job"], spec: TaskSpec, host: str, max_attempts: int,
+                 before_retry: Callable[[], None] = lambda: None) -> Any:
         """Run the gang up to ``max_attempts`` times; every retry is logged, and counted in the final error."""
         earlier: list[str] = []
         for attempt in range(1, max_attempts + 1):
+            if attempt > 1:
+                before_retry()
             remaining = None if self.timeout is None else self.timeout - (time.monotonic() - self.started)
             launch = _Launch(self, attempt, max_attempts, remaining)
             try:

@@ -74,6 +74,25 @@ def rank_processes() -> list[int]:
     return out
 
 
+def fault_time(scenario: str, bound: float, seconds: float) -> None:
+    """Record a measured time for the fault-bounds benchmark (only when it asked for them)."""
+    path = os.environ.get("SPARKTRAIN_FAULT_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"scenario": scenario, "bound": bound, "seconds": seconds}) + "\n")
+
+
+def mark_time(outdir: str, name: str) -> None:
+    with open(os.path.join(outdir, name + ".tmp"), "w") as f:
+        f.write(repr(time.time()))
+    os.replace(os.path.join(outdir, name + ".tmp"), os.path.join(outdir, name))
+
+
+def read_time(outdir: str, name: str) -> float:
+    with open(os.path.join(outdir, name)) as f:
+        return float(f.read())
+
+
 from sparktrain.demo import digits  # noqa: E402,F401 - the demo's data loader, shared by the tests
 
 

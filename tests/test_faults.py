@@ -2,14 +2,13 @@
 and leaves no process behind.
 
 Each scenario records how long the failure took to surface (or the clean-up to finish) through
-``fault_time``; ``benchmarks/fault_bounds.py`` runs this module three times and reports the
+``helpers.fault_time``; ``benchmarks/fault_bounds.py`` runs this module three times and reports the
 medians against each scenario's bound. The tests themselves assert outcomes, not times: their
 hard timeouts are what keeps a hang from passing.
 """
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import tempfile
@@ -20,7 +19,8 @@ import psutil
 import pytest
 
 import sparktrain
-from helpers import rank_processes, read_ranks, record_rank, wait_for_file, wait_pids_gone
+from helpers import (fault_time, mark_time, rank_processes, read_ranks, read_time, record_rank, wait_for_file,
+                     wait_pids_gone)
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
 
@@ -35,25 +35,6 @@ def spark():
     session = make_spark("local[4]")
     yield session
     stop_spark(session)
-
-
-def fault_time(scenario: str, bound: float, seconds: float) -> None:
-    """Record a measured time for the fault-bounds benchmark (only when it asked for them)."""
-    path = os.environ.get("SPARKTRAIN_FAULT_TIMES")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"scenario": scenario, "bound": bound, "seconds": seconds}) + "\n")
-
-
-def mark_time(outdir: str, name: str) -> None:
-    with open(os.path.join(outdir, name + ".tmp"), "w") as f:
-        f.write(repr(time.time()))
-    os.replace(os.path.join(outdir, name + ".tmp"), os.path.join(outdir, name))
-
-
-def read_time(outdir: str, name: str) -> float:
-    with open(os.path.join(outdir, name)) as f:
-        return float(f.read())
 
 
 def run_pids(outdir: str, size: int) -> list[int]:
