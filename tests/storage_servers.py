@@ -1,6 +1,8 @@
 """Real storage servers for the tests: Azurite (the Azure Blob emulator, from npm) and moto's S3 server.
 
-Each fixture starts its server on 127.0.0.1 with a free port and stops it at the end.
+Each fixture starts its server on 127.0.0.1 with a free port and stops it at the end. The fault
+tests get their own Azurite (``own_azurite``), which they kill and restart, and reach moto through
+a ``CuttableProxy``, whose ``kill`` drops every connection and stops listening.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -81,12 +84,84 @@ class Azurite:
         return {"account_name": AZURITE_ACCOUNT, "connection_string": self.connection_string(key)}
 
 
-@pytest.fixture(scope="session")
-def azurite():
+class CuttableProxy:
+    """A TCP proxy on its own port in front of ``target_port``.
+
+    ``kill()`` does to clients what a dead server does: every open connection is dropped and new
+    ones are refused. ``start()`` listens on the same port again. The server behind it keeps its
+    state, which moto, living in this process, would lose if it were stopped instead.
+    """
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", self.port))  # SO_REUSEADDR: the same port again
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # kill() shut the listener
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=10)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:  # killed meanwhile: this connection dies too
+                    client.close()
+                    upstream.close()
+                    return
+                self._sockets.update((client, upstream))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def kill(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            sockets, self._sockets = self._sockets, set()
+        if listener is not None:
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone would not
+            listener.close()
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def _require_azurite() -> None:
     if azurite_binary() is None:
         if os.environ.get("CI"):
             pytest.fail("azurite-blob is not installed: run `npm install --prefix .node azurite` (see README)")
         pytest.skip("azurite-blob is not installed (npm install --prefix .node azurite)")
+
+
+@pytest.fixture(scope="session")
+def azurite():
+    _require_azurite()
     server = Azurite()
     server.start()
     yield server
@@ -105,3 +180,26 @@ def moto_s3():
     yield {"key": "testing", "secret": "testing",
            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "eu-west-1"}}
     server.stop()
+
+
+@pytest.fixture
+def own_azurite():
+    """An Azurite of this test's own, to kill and restart without disturbing the shared one."""
+    _require_azurite()
+    server = Azurite()
+    server.start()
+    yield server
+    server.kill()
+    shutil.rmtree(server.workspace, ignore_errors=True)
+
+
+@pytest.fixture
+def cuttable_s3(moto_s3):
+    """``(storage_options, proxy)``: the shared moto server, reached through a proxy this test may kill."""
+    port = int(moto_s3["client_kwargs"]["endpoint_url"].rsplit(":", 1)[1])
+    proxy = CuttableProxy(port)
+    proxy.start()
+    options = {**moto_s3, "client_kwargs": {**moto_s3["client_kwargs"],
+                                            "endpoint_url": f"http://127.0.0.1:{proxy.port}"}}
+    yield options, proxy
+    proxy.kill()

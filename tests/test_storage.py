@@ -154,3 +154,33 @@ def test_one_gib_round_trip_in_bounded_memory(azurite, tmp_path):
             assert x == y
             if not x:
                 break
+
+
+def test_a_source_that_fails_mid_stream_leaves_nothing_at_the_url(target):
+    """The chunk source fails after one block (a disk error, say): the put fails at once, nothing is at
+    the URL, no partial object is left, and the same put then succeeds."""
+    import errno
+
+    base, options = target
+    storage.put_bytes(f"{base}/epoch-1.keras", b"before", options)
+    url = f"{base}/epoch-2.keras"
+    data = os.urandom(2 * storage.CHUNK + 5)
+    calls = []
+
+    def chunks():
+        calls.append(1)
+        yield data[:storage.CHUNK]
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(storage.StorageError, match="Input/output error"):
+        storage._put(url, chunks, options)
+    assert len(calls) == 1  # not the storage's fault: raised at once, not retried
+    fs, path = storage.filesystem(url, options)
+    fs.invalidate_cache()
+    assert not fs.exists(path) and not fs.exists(path + storage.MANIFEST_SUFFIX)
+    assert not [p for p in fs.ls(os.path.dirname(path), detail=False) if ".partial-" in p]
+    with pytest.raises(storage.NotFoundError, match="no such checkpoint"):
+        storage.get_bytes(url, options)
+    assert storage.latest_checkpoint(base, options).endswith("epoch-1.keras")
+    storage.put_bytes(url, data, options)
+    assert storage.get_bytes(url, options) == data
