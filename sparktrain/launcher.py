@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import posixpath
 import queue
 import re
 import sys
@@ -23,6 +24,7 @@ from .errors import (ClusterConfigError, InsufficientResourcesError, PicklingFai
                      RankFailure, RunCancelledError,
                      RunTimeoutError, SparkTrainError, StartTimeoutError, failures_in)
 from .spec import TaskSpec
+from .task import SPILLED
 
 log = logging.getLogger("sparktrain")
 
@@ -179,6 +181,7 @@ def run(
     max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
     spec = run.spec(size, payload, (driver_host, 0) if rendezvous != "barrier" else None, use_gpu, output,
                     max_result, env, conf, checkpoint, settings.resolve("start_timeout", start_timeout, conf=conf))
+    spec = dataclasses.replace(spec, spill_url=_spill_url(sc.master, conf))
     max_attempts = settings.resolve("max_attempts", max_attempts, conf=conf)
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d", run.run_id, size, use_gpu,
@@ -190,6 +193,48 @@ def run(
         _wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait))
 
     return run.attempts(lambda s: _SparkJob(spark, s, fn_name), spec, driver_host, max_attempts, before_retry)
+
+
+def _spill_url(master: str, conf: Mapping[str, str]) -> str | None:
+    """Where rank 0 spills a value too large for Spark's result path; None: it fails instead."""
+    url = settings.resolve("spill_url", conf=conf)
+    if url == "":
+        return None  # spilling turned off
+    if url is None and (master == "local" or master.startswith(("local[", "local-cluster["))):
+        # Executors and driver share this machine's disk.
+        import tempfile
+
+        url = "file://" + os.path.join(tempfile.gettempdir(), "sparktrain-spill")
+    if url is not None:
+        from . import storage
+
+        storage.check_url(url)
+    return url
+
+
+def _load_result(data: bytes | None, cloudpickle) -> Any:
+    """Rank 0's value from the bytes Spark carried, or from storage where rank 0 spilled it."""
+    if not data:
+        return None
+    if not data.startswith(SPILLED):
+        return cloudpickle.loads(data)
+    import tempfile
+
+    from . import storage
+
+    url = data[len(SPILLED):].decode()
+    log.info("sparktrain: rank 0's value was too large for spark.driver.maxResultSize; reading it from %s", url)
+    try:
+        with tempfile.TemporaryDirectory(prefix="sparktrain-result-") as tmp:
+            local = storage.get_file(url, os.path.join(tmp, "result.pkl"))
+            with open(local, "rb") as f:
+                return cloudpickle.load(f)
+    finally:
+        try:
+            fs, path = storage.filesystem(url)
+            fs.rm(posixpath.dirname(path), recursive=True)
+        except Exception as e:  # noqa: BLE001 - the value is safe; say what is left behind
+            log.warning("sparktrain: could not delete the spilled result under %s: %s", url, e)
 
 
 def _pickle(train_fn, args, kwargs, cloudpickle) -> bytes:
@@ -612,11 +657,12 @@ class _Launch:
                             f"JVM was killed, or ran out of memory); Spark says: {reason}")]) from job.error
             raise SparkTrainError(f"run {self.run_id} of {self.fn_name} failed in Spark: {reason}") from job.error
         data = job.result_bytes()
-        value = cloudpickle.loads(data) if data else None
+        value = _load_result(data, cloudpickle)
         if job.spec.checkpoint is not None:
             returned = f"checkpoint at {value}"
         else:
-            returned = f"{_size(len(data))} pickled" if data else "nothing"
+            returned = (f"{_size(len(data))} pickled" if data and not data.startswith(SPILLED) else
+                        "a value spilled to storage" if data else "nothing")
         started = (f"ranks started in {self.start_seconds:.2f} s" if self.start_seconds is not None
                    else "ranks rendezvoused through Spark")
         log.info("sparktrain: run %s of %s finished in %.2f s (%s); rank 0 returned %s", self.run_id, self.fn_name,

@@ -74,10 +74,25 @@ SETTINGS = {
                 parse_bool, "run even though spark.ssl.enabled is set; training traffic is not encrypted"),
         Setting("max_attempts", "SPARKTRAIN_MAX_ATTEMPTS", "spark.sparktrain.maxAttempts", 1,
                 parse_positive_int, "how many times a failed run is started again, whole gang, before it fails"),
+        Setting("spill_url", "SPARKTRAIN_SPILL_URL", "spark.sparktrain.spillUrl", None,
+                lambda n, v: _url(n, v),
+                "fsspec URL (a prefix) where rank 0 spills a return value too large for spark.driver.maxResultSize; "
+                "the driver reads it back and deletes it. Default: a local temporary directory on local masters, "
+                "none elsewhere; 'none' turns it off"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
     ]
 }
+
+
+def _url(name: str, value: Any) -> str:
+    """An fsspec URL, or "" for "none" (turned off)."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "off"):
+        return ""
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgumentError(f"{name} must be an fsspec URL such as abfss://container@account.dfs.core.windows.net/"
+                                   f"tmp or s3://bucket/tmp, got {value!r}")
+    return value.strip()
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

@@ -23,6 +23,8 @@ class TaskSpec:
     user_env: dict[str, str]
     #: cloudpickled ``(checkpoint_url, storage_options)`` when rank 0's value goes to storage.
     checkpoint: bytes | None = None
+    #: Where rank 0 spills a value too large for Spark's result path (``spill_url`` setting).
+    spill_url: str | None = None
     #: Which attempt of the run this is, 1-based.
     attempt: int = 1
     #: The driver's versions (see ``sparktrain.versions``); each rank checks its own against them.

@@ -308,15 +308,32 @@ def _failed(state: _Rank, failure: RankFailure) -> RankError:
     return RankError(failure, carry_report=not delivered)
 
 
+#: Starts rank 0's answer when its value was spilled to storage; no pickle starts this way.
+SPILLED = b"SPARKTRAIN-SPILLED:"
+
+
 def _result_chunks(state: _Rank, path: str) -> Iterator[bytes]:
     size = os.path.getsize(path)
     limit = state.spec.max_result_bytes
     # Spark counts serialized task results against spark.driver.maxResultSize; leave it headroom.
     if limit and size + (1 << 20) > limit:
+        if state.spec.spill_url:
+            from . import storage
+
+            url = f"{state.spec.spill_url.rstrip('/')}/sparktrain-{state.spec.run_id}/result.pkl"
+            try:
+                storage.put_file(path, url)
+            except Exception as e:  # noqa: BLE001
+                raise _failed(state, state.failure(exc_type=type(e).__name__, message=(
+                    f"rank 0's return value ({size / 2**20:.1f} MiB pickled) is too large for "
+                    f"spark.driver.maxResultSize and could not be spilled to {url}: {e}"))) from None
+            yield SPILLED + url.encode()
+            return
         err = ResultTooLargeError(
             f"rank 0's return value is {size / 2**20:.1f} MiB pickled, more than spark.driver.maxResultSize "
-            f"({limit / 2**20:.0f} MiB) allows. Write large checkpoints to storage and return their URL, "
-            f"or raise spark.driver.maxResultSize (for example to {max(2 * size, 1 << 30) // 2**20}m)"
+            f"({limit / 2**20:.0f} MiB) allows. Pass checkpoint_url= to send it straight to storage, set "
+            "spark.sparktrain.spillUrl to a storage prefix the driver can read, or raise "
+            f"spark.driver.maxResultSize (for example to {max(2 * size, 1 << 30) // 2**20}m)"
         )
         raise _failed(state, state.failure(exc_type="sparktrain.errors.ResultTooLargeError", message=str(err)))
     yield from file_chunks(path, RESULT_CHUNK)

@@ -150,12 +150,32 @@ def test_large_result_comes_back_in_chunks(spark):
     assert isinstance(data, bytes) and len(data) == 9 * 2**20  # three 4 MiB chunks
 
 
-def test_result_over_max_result_size_is_refused_with_fix(spark):
+def patterned_result(n_bytes):
+    return (b"sparktrain" * (n_bytes // 10 + 1))[:n_bytes]
+
+
+@pytest.mark.parametrize("where", ["default", "configured"])
+def test_result_over_max_result_size_spills_to_storage_and_comes_back(spark, tmp_path, monkeypatch, caplog, where):
+    import tempfile
+
+    caplog.set_level("INFO", logger="sparktrain")
+    spill_dir = os.path.join(tempfile.gettempdir(), "sparktrain-spill") if where == "default" else str(tmp_path)
+    if where == "configured":
+        monkeypatch.setenv("SPARKTRAIN_SPILL_URL", f"file://{tmp_path}")
+    data = sparktrain.run(patterned_result, args=(25 * 2**20,), num_proc=2)
+    assert data == patterned_result(25 * 2**20)
+    assert f"reading it from file://{spill_dir}/sparktrain-" in caplog.text
+    assert not [n for n in os.listdir(spill_dir) if n.startswith("sparktrain-")]  # read back, then deleted
+
+
+def test_result_over_max_result_size_is_refused_with_fix_when_spilling_is_off(spark, monkeypatch):
+    monkeypatch.setenv("SPARKTRAIN_SPILL_URL", "none")
     with pytest.raises(sparktrain.RankFailedError) as e:
         sparktrain.run(big_result, args=(25 * 2**20,), num_proc=2, verbose=0)
     root = e.value.root_cause
     assert root.rank == 0 and "ResultTooLargeError" in root.exc_type
-    assert "spark.driver.maxResultSize (20 MiB)" in root.message and "return their URL" in root.message
+    assert "spark.driver.maxResultSize (20 MiB)" in root.message
+    assert "checkpoint_url=" in root.message and "spark.sparktrain.spillUrl" in root.message
 
 
 def unpicklable_result():
