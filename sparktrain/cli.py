@@ -1,12 +1,164 @@
-"""The ``sparktrain`` command. ``sparktrain demo`` trains a Keras 3 CNN with 3 ranks on an embedded local Spark."""
+"""The ``sparktrain`` command.
+
+- ``sparktrain run train.py --num-proc 3 [-- script args]``: run a training script on every rank.
+- ``sparktrain check``: can this Spark cluster run sparktrain? (see sparktrain.check)
+- ``sparktrain demo``: a Keras 3 CNN trained with 3 ranks on an embedded local Spark.
+- ``sparktrain submit-file``: the file to give spark-submit, to run these commands in a submitted job.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+RUN_EXAMPLE = "sparktrain run train.py --num-proc 3 -- --epochs 5"
+
+
+def _key_value(flag: str):
+    def parse(text: str) -> tuple[str, str]:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}; for example {flag} "
+                                             + ("spark.task.cpus=4" if flag == "--conf" else "TF_CPP_MIN_LOG_LEVEL=2"))
+        return key.strip(), value
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 0:  # Horovod's negative np means local processes; here that is its own flag
+        raise argparse.ArgumentTypeError(f"must be a positive number of ranks, got {text!r}; to start that many "
+                                         f"processes on this machine without Spark use --local --num-proc {-value}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text.removesuffix("s"))
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}; for example 600")
+    return value
+
+
+def _ranks(text: str):
+    if text == "all":
+        return None
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        ranks = [-1]
+    if any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"must be 'all' or ranks separated by commas such as 0 or 0,1, got {text!r}")
+    return ranks
+
+
+class UsageError(Exception):
+    """A command-line option that cannot apply; printed with the fix, exit code 2."""
+
+
+def _session(master: str | None, conf: list[tuple[str, str]], default_master: str):
+    """The SparkSession a command uses, and whether the command started it (and should stop it).
+
+    Under spark-submit, spark-submit has chosen the master and conf; in a notebook that calls
+    ``main`` the running session is used; otherwise an embedded session starts on ``master``.
+    """
+    from pyspark.sql import SparkSession
+
+    running = SparkSession.getActiveSession()
+    # spark-submit hands its JVM to the Python it starts through this variable.
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    if running is not None or submitted:
+        who = "spark-submit" if submitted else "the running SparkSession"
+        if master:
+            where = "pass --master to spark-submit instead" if submitted else "leave it out"
+            raise UsageError(f"--master {master} cannot apply: {who} already chose the master; {where}")
+        if running is not None:
+            if conf:
+                raise UsageError(f"--conf {conf[0][0]}={conf[0][1]} cannot change the running SparkSession; "
+                                 "set it where that session is created, or leave it out")
+            return running, False
+        builder = SparkSession.builder
+    else:
+        master = master or default_master
+        if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
+            # Local executors must run this interpreter, where sparktrain is installed.
+            os.environ["PYSPARK_PYTHON"] = sys.executable
+        # Ranks' output streams to this console; Spark's progress bar would cut through it.
+        builder = SparkSession.builder.master(master).appName("sparktrain") \
+            .config("spark.ui.showConsoleProgress", "false")
+    for key, value in conf:
+        builder = builder.config(key, value)
+    return builder.getOrCreate(), True
+
+
+def _run(args: argparse.Namespace, script_args: list[str]) -> int:
+    import sparktrain
+
+    from . import script
+    from .errors import InvalidArgumentError, SparkTrainError
+
+    if args.local and args.num_proc is None:
+        raise UsageError("--local needs --num-proc, the number of processes to start, for example --local --num-proc 2")
+    if args.local and (args.master or args.conf):
+        raise UsageError("--local runs without Spark, so --master and --conf do not apply; drop them or drop --local")
+    path = os.path.abspath(args.script)
+    try:
+        source = script.load(args.script)
+    except SparkTrainError as e:
+        raise UsageError(str(e)) from None
+    spark, owned = None, False
+    try:
+        if not args.local:
+            spark, owned = _session(args.master, args.conf, f"local[{args.num_proc or '*'}]")
+            if owned and "PYSPARK_GATEWAY_PORT" not in os.environ:
+                from .launcher import _quiet_task_failures
+
+                _quiet_task_failures(spark)  # a failed rank is reported once, below, not again per task
+            if args.verbose:
+                sc = spark.sparkContext
+                print(f"sparktrain run: {args.script} on Spark {sc.version}, master {sc.master}", file=sys.stderr)
+        sparktrain.run(script.run_script, args=(path, source, script_args), num_proc=args.num_proc,
+                       local_mode=args.local, env=dict(args.env), use_gpu=args.gpu, start_timeout=args.start_timeout,
+                       timeout=args.timeout, output_ranks=args.output_ranks,
+                       prefix_output_with_timestamp=args.timestamps, verbose=args.verbose)
+    except UsageError:
+        raise
+    except InvalidArgumentError as e:  # a bad --env, say: the same exit as other bad options
+        raise UsageError(str(e)) from None
+    except SparkTrainError as e:
+        print(f"sparktrain run: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - Spark failing to start, say; one line, not a JVM stack
+        from .check import spark_error
+
+        print(f"sparktrain run: {spark_error(e)}", file=sys.stderr)
+        return 1
+    finally:
+        if owned:
+            spark.stop()
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from . import check
+
+    if args.master and "PYSPARK_GATEWAY_PORT" in os.environ:  # refused here, not reported as a failed check
+        raise UsageError(f"--master {args.master} cannot apply: spark-submit already chose the master; "
+                         "pass --master to spark-submit instead")
+    default = f"local[{args.num_proc or '*'}]"
+    return check.run_check(lambda: _session(args.master, args.conf, default), num_proc=args.num_proc,
+                           wait=args.wait, timeout=args.timeout)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import os
     import time
 
     import sparktrain
@@ -30,16 +182,94 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if accuracy > 0.9 else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sparktrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def submit_file() -> str:
+    """The file spark-submit runs to start this command: ``spark-submit FILE run train.py ...``."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
+
+
+def _spark_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--master", help="Spark master of the session sparktrain starts (default local[N]); "
+                                    "under spark-submit, give it to spark-submit instead")
+    p.add_argument("--conf", action="append", default=[], type=_key_value("--conf"), metavar="KEY=VALUE",
+                   help="a Spark setting for that session; repeatable")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparktrain", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Data-parallel TensorFlow and Keras 3 training on Spark.\n\n"
+                    f"  {RUN_EXAMPLE}\n  sparktrain check --master spark://host:7077\n  sparktrain demo\n"
+                    "  spark-submit --master yarn \"$(sparktrain submit-file)\" run train.py --num-proc 4")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,demo,submit-file}")
+
+    run = sub.add_parser("run", help="run a training script on every rank",
+                         description="Run a training script on every rank, as `python train.py ARGS` would, under "
+                                     "sparktrain's env contract. The script is read here and shipped to the "
+                                     f"executors. Example: {RUN_EXAMPLE}")
+    run.add_argument("script", help="the training script, a Python file")
+    run.add_argument("--num-proc", type=_positive_int, help="number of ranks (default: every task slot)")
+    run.add_argument("--local", action="store_true", help="start the ranks as processes on this machine, without Spark")
+    _spark_options(run)
+    run.add_argument("--env", action="append", default=[], type=_key_value("--env"), metavar="KEY=VALUE",
+                     help="an environment variable for every rank; repeatable")
+    run.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None,
+                     help="one GPU per rank (default: when spark.task.resource.gpu.amount is set)")
+    run.add_argument("--start-timeout", type=_seconds, metavar="SECONDS",
+                     help="for every rank to start (default 600)")
+    run.add_argument("--timeout", type=_seconds, metavar="SECONDS", help="for the whole run (default: no limit)")
+    run.add_argument("--output-ranks", type=_ranks, default=None, metavar="RANKS",
+                     help="whose output to show: all (default), or ranks such as 0 or 0,1")
+    run.add_argument("--timestamps", action="store_true", help="put the time before each output line")
+    run.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1, help="0 warnings, 1 progress, 2 debug")
+
+    check = sub.add_parser("check", help="check that a Spark cluster can run sparktrain",
+                           description="Print the Spark master and version, task slots, GPUs, and the Python, "
+                                       "TensorFlow and Keras versions on the driver and on every executor; exit 1 "
+                                       "on a problem that would make `sparktrain run` fail.")
+    _spark_options(check)
+    check.add_argument("--num-proc", type=_positive_int, help="the number of ranks to check for (default: every slot)")
+    check.add_argument("--wait", type=_seconds, default=30.0, metavar="SECONDS",
+                       help="for executors to register (default 30)")
+    check.add_argument("--timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                       help="for the probing barrier stage (default 120)")
+
     demo = sub.add_parser("demo", help="train a Keras 3 CNN on digits with 3 ranks on an embedded local Spark")
     demo.add_argument("--num-proc", type=int, default=3)
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--out", default="sparktrain-demo-model.keras", help="where the checkpoint goes")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
+
+    sub.add_parser("submit-file", help="print the file to give spark-submit: "
+                                       "spark-submit $(sparktrain submit-file) run train.py ...")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" belongs to the script of `sparktrain run`.
+    script_args: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, script_args = argv[:at], argv[at + 1:]
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = f"; put the script's own arguments after --, as in: {RUN_EXAMPLE}" if args.command == "run" else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if script_args and args.command != "run":
+        parser.error(f"only `sparktrain run` takes arguments after --, got: {' '.join(script_args)}")
+    try:
+        if args.command == "run":
+            return _run(args, script_args)
+        if args.command == "check":
+            return _check(args)
+        if args.command == "demo":
+            return _demo(args)
+        print(submit_file())
+        return 0
+    except UsageError as e:
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        return 130
     return 2
 
 

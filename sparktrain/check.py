@@ -1,0 +1,437 @@
+"""``sparktrain check``: can this Spark cluster run ``sparktrain.run``?
+
+A pre-flight like ``horovodrun --check-build``, for the cluster rather than the build. It reads
+the session's conf, counts task slots and GPUs, then runs one small barrier stage (one task
+per slot, the way ``run`` launches its ranks) in which every task reports its Python and package
+versions, its GPUs, its storage backends and whether it can reach the driver. Problems that
+would make ``run`` fail are printed as ``[FAIL]`` and make the command exit 1; ``[WARN]`` marks
+what may bite later.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import re
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable, Mapping, TextIO
+
+from . import __version__, preflight, settings, versions
+from .errors import ClusterConfigError, InsufficientResourcesError
+
+#: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
+PACKAGES = (*versions.PACKAGES, "keras")
+#: Optional storage backends and the extra that installs each.
+BACKENDS = {"adlfs": "azure", "s3fs": "s3"}
+
+
+class Report:
+    """Collects findings and prints them as they come, so a slow step shows where it is."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.failures: list[str] = []
+        self.warnings: list[str] = []
+
+    def line(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def field(self, label: str, value: str) -> None:
+        self.line(f"  {label:<18} {value}")
+
+    def ok(self, text: str) -> None:
+        self.line(f"  [ok]   {text}")
+
+    def warn(self, text: str) -> None:
+        self.warnings.append(text)
+        self.line(f"  [WARN] {text}")
+
+    def fail(self, text: str) -> None:
+        self.failures.append(text)
+        self.line(f"  [FAIL] {text}")
+
+    def table(self, rows: list[list[str]]) -> None:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            self.line("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+    def finish(self) -> int:
+        self.line()
+        if self.failures:
+            self.line(f"Result: {len(self.failures)} problem(s) would make sparktrain.run fail here:")
+            for text in self.failures:
+                self.line(f"  - {text}")
+            return 1
+        extra = f" ({len(self.warnings)} warning(s) above)" if self.warnings else ""
+        self.line(f"Result: OK, sparktrain.run can launch on this cluster{extra}")
+        return 0
+
+
+def spark_error(e: BaseException) -> str:
+    """The line of a Spark (or Py4J) error that says what went wrong, without the JVM stack."""
+    java = getattr(e, "java_exception", None)
+    text = str(java.toString()) if java is not None else str(e)
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    # A failed Python task carries the worker's traceback; its last "...Error: ..." line is the cause.
+    errors = [ln for ln in lines if re.match(r"^(\[\w+\] )?[\w.]+(Error|Exception)\b.*:", ln)]
+    if "Traceback" in text and errors:
+        return f"{lines[0][:300]} ... {errors[-1][:500]}"
+    return lines[0][:800] if lines else type(e).__name__
+
+
+def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | None = None, wait: float = 30.0,
+              timeout: float = 120.0, out: TextIO | None = None) -> int:
+    """Check the cluster ``start_session()`` connects to; print the findings; return the exit code.
+
+    Parameters
+    ----------
+    start_session : returns ``(SparkSession, owned)``; an owned session is stopped at the end.
+    num_proc : the number of ranks to check for; None checks every task slot.
+    wait : seconds to wait for executors to register.
+    timeout : seconds the probing barrier stage may take.
+    out : where the report goes (default ``sys.stdout``).
+
+    Returns 0 when ``run`` can launch, 1 when a problem would make it fail.
+
+    Examples
+    --------
+    >>> from sparktrain.cli import main
+    >>> main(["check", "--master", "local[2]"])  # doctest: +SKIP
+    """
+    report = Report(out or sys.stdout)
+    report.line(f"sparktrain check (sparktrain {__version__}; driver Python {platform.python_version()} "
+                f"at {sys.executable})")
+    report.line()
+    report.line("Spark")
+    try:
+        spark, owned = start_session()
+    except Exception as e:  # noqa: BLE001 - whatever stopped Spark from starting is the finding
+        report.fail(f"Spark did not start: {spark_error(e)}")
+        return report.finish()
+    try:
+        _check_session(report, spark, num_proc, wait, timeout)
+    finally:
+        if owned:
+            spark.stop()
+    return report.finish()
+
+
+def _is_local(master: str) -> bool:
+    return master == "local" or master.startswith("local[")
+
+
+def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float) -> None:
+    from .launcher import _capacity, _expected_executors
+
+    try:
+        sc = spark.sparkContext
+    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
+        report.fail("this SparkSession has no SparkContext (Spark Connect?); sparktrain.run needs a classic session")
+        return
+    conf = dict(sc.getConf().getAll())
+    report.field("master", sc.master)
+    report.field("Spark version", sc.version)
+    if tuple(int(p) for p in re.findall(r"\d+", sc.version)[:2]) < (3, 5):
+        report.fail(f"Spark {sc.version} is too old: sparktrain launches ranks with mapInArrow(barrier=True), "
+                    "new in Spark 3.5. Upgrade the cluster to Spark 3.5 or later")
+
+    try:
+        preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
+        report.ok("barrier mode: dynamic allocation is off, so every rank can be gang-scheduled")
+    except ClusterConfigError as e:
+        report.fail(str(e))
+    use_gpu = _check_gpu_conf(report, sc.master, conf)
+
+    # Executors register after the session starts; with the conf already broken, do not wait for them.
+    expected = 1 if _is_local(sc.master) else _expected_executors(sc.master, conf)
+    deadline = time.monotonic() + (0 if report.failures else wait)
+    cap = _capacity(sc, conf)
+    while cap.executors < (expected or 1) and time.monotonic() < deadline:
+        time.sleep(0.2)  # executors register with no event the driver's Python side can await
+        cap = _capacity(sc, conf)
+    if _is_local(sc.master):
+        report.field("executors", "1 (local mode: the driver runs the tasks)")
+    else:
+        report.field("executors", f"{cap.executors} registered" + (f" of {expected} expected" if expected else ""))
+    slots = f"{cap.cpu_slots}: {cap.executors} executor(s) x {cap.cores_per_executor} core(s) / " \
+            f"spark.task.cpus={cap.task_cpus}"
+    if cap.spark_slots is not None and cap.spark_slots != cap.cpu_slots:
+        slots += f" (Spark counts {cap.spark_slots})"
+    report.field("task slots", slots)
+    if use_gpu:
+        offered = "spark.driver" if _is_local(sc.master) else "spark.executor"
+        report.field("GPUs per executor", f"{cap.gpus_per_executor:g} ({offered}.resource.gpu.amount), "
+                                          f"{cap.task_gpus:g} per task: {cap.gpu_slots} GPU slot(s)")
+    if expected and 0 < cap.executors < expected:
+        report.warn(f"only {cap.executors} of {expected} expected executors registered within {wait:g} s; "
+                    "the others may still be starting (pass --wait to give them longer)")
+
+    size = num_proc if num_proc is not None else cap.slots(use_gpu)
+    if size == 0:
+        if not report.failures:  # with the conf already broken, no slots is a consequence, not a new problem
+            report.fail(f"no task slots: {cap.executors} executor(s) registered within {wait:g} s. Start executors "
+                        "(spark.executor.instances, spark.executor.cores), check the cluster manager's UI for "
+                        "executors that fail to start, or pass --wait to wait longer")
+    else:
+        try:
+            preflight.check_capacity(size, cap, use_gpu)
+            report.ok(f"capacity: {size} rank(s) fit at once ({cap.slots(use_gpu)} {'GPU ' if use_gpu else ''}"
+                      "task slot(s))")
+        except InsufficientResourcesError as e:
+            report.fail(str(e))
+
+    driver = _local_facts()
+    tasks: list[dict] = []
+    if report.failures:
+        report.line("  (the probing barrier stage is skipped until the problems above are fixed)")
+    else:
+        tasks = _probe(report, sc, conf, size, use_gpu, timeout)
+    _versions(report, driver, tasks)
+    _backends(report, driver, tasks)
+
+
+def _check_gpu_conf(report: Report, master: str, conf: Mapping[str, str]) -> bool:
+    """Whether runs will use GPUs, with a FAIL when GPUs are asked for but cannot be found."""
+    task = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
+    if task <= 0:
+        report.ok("GPU scheduling: off (spark.task.resource.gpu.amount is not set), so ranks train on CPU; "
+                  "conf/spark-defaults.conf turns it on")
+        return False
+    preflight.check_gpu_conf(conf, True)
+    # Who finds the GPUs: the driver in local mode, the workers on local-cluster (they read the
+    # driver's conf), the executors under YARN and Kubernetes. A standalone cluster's workers
+    # read their own conf, which the driver cannot see.
+    if _is_local(master):
+        component = "spark.driver"
+    elif master.startswith("local-cluster"):
+        component = "spark.worker"
+    else:
+        component = "spark.executor"
+    script = f"{component}.resource.gpu.discoveryScript"
+    keys = [script, f"{component}.resourcesFile"]
+    if master.startswith("spark://"):
+        keys += ["spark.worker.resource.gpu.discoveryScript", "spark.worker.resourcesFile"]
+    found = [k for k in keys if conf.get(k)]
+    if not found and master.startswith("spark://"):
+        report.warn(f"spark.task.resource.gpu.amount={task:g}, and the driver's conf names no GPU discovery "
+                    "script; on a standalone cluster each worker's own spark.worker.resource.gpu.discoveryScript "
+                    "must find them (the barrier stage below shows whether tasks get GPUs)")
+        return True
+    if not found:
+        report.fail(f"spark.task.resource.gpu.amount={task:g} asks for a GPU per task, but no GPU discovery script "
+                    f"is set ({script} is empty), so Spark cannot find GPUs and never schedules the tasks. Fix: set "
+                    f"{script} to a script that lists the GPUs, such as conf/get_gpus_resources.sh installed on "
+                    "every node, or unset spark.task.resource.gpu.amount to train on CPU")
+        return True
+    if component != "spark.executor" and not conf.get(f"{component}.resource.gpu.amount"):
+        report.fail(f"spark.task.resource.gpu.amount={task:g} asks for a GPU per task, but "
+                    f"{component}.resource.gpu.amount is not set, so no GPU is offered to tasks. Fix: set it to the "
+                    "number of GPUs per machine")
+        return True
+    report.ok(f"GPU scheduling: {task:g} GPU per task, found by {found[0]}={conf[found[0]]}")
+    return True
+
+
+def _local_facts() -> dict:
+    """The driver's side of the versions table."""
+    from importlib import metadata
+
+    found = versions.collect()
+    try:
+        found["keras"] = metadata.version("keras")
+    except metadata.PackageNotFoundError:
+        found["keras"] = None
+    return {"versions": {k: found.get(k) for k in ("python", *PACKAGES)}, "backends": _import_backends(BACKENDS)}
+
+
+def _import_backends(names) -> dict[str, str | None]:
+    """Version of each backend that imports; None if not installed; "!error" if its import fails."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            module = __import__(name)
+            out[name] = str(getattr(module, "__version__", "installed"))
+        except ModuleNotFoundError as e:
+            out[name] = None if e.name == name else f"!{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a broken install is a finding
+            out[name] = f"!{type(e).__name__}: {e}"
+    return out
+
+
+def _make_probe(packages: tuple, backends: tuple, driver: tuple[str, int]):
+    """The function each probing task runs; a closure, so it travels by value and needs no sparktrain there."""
+
+    def probe(_rows):
+        import json
+        import platform
+        import socket
+        import sys
+        from importlib import metadata
+
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        me = ctx.partitionId()
+        gpu = ctx.resources().get("gpu")
+        info = {"task": me, "address": ctx.getTaskInfos()[me].address, "gpus": list(gpu.addresses) if gpu else [],
+                "executable": sys.executable, "versions": {"python": platform.python_version()}, "backends": {}}
+        for name in packages:
+            try:
+                info["versions"][name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                info["versions"][name] = None
+        for name in backends:
+            try:
+                module = __import__(name)
+                info["backends"][name] = str(getattr(module, "__version__", "installed"))
+            except ModuleNotFoundError as e:
+                info["backends"][name] = None if e.name == name else f"!{type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001
+                info["backends"][name] = f"!{type(e).__name__}: {e}"
+        # Ranks check in with the driver over TCP (the default rendezvous); can this executor connect?
+        try:
+            with socket.create_connection(driver, timeout=10):
+                info["reach"] = None
+        except OSError as e:
+            info["reach"] = f"{type(e).__name__}: {e}"
+        yield json.dumps(info)
+
+    return probe
+
+
+def _probe(report: Report, sc, conf: Mapping[str, str], size: int, use_gpu: bool, timeout: float) -> list[dict]:
+    """Run one barrier stage of ``size`` tasks; each reports what it sees. Returns their reports."""
+    host = conf.get("spark.driver.host", "127.0.0.1")
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(max(16, size))
+
+    def accept():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed: the check is over
+            conn.close()
+
+    threading.Thread(target=accept, name="sparktrain-check-accept", daemon=True).start()
+    group = f"sparktrain-check-{uuid.uuid4().hex[:8]}"
+    result: dict[str, Any] = {}
+    done = threading.Event()
+    probe = _make_probe(PACKAGES, tuple(BACKENDS), (host, listener.getsockname()[1]))
+
+    def collect():
+        try:
+            sc.setJobGroup(group, f"sparktrain check: a barrier stage of {size} task(s)", interruptOnCancel=True)
+            result["rows"] = sc.parallelize(range(size), size).barrier().mapPartitions(probe).collect()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+        finally:
+            done.set()
+
+    started = time.monotonic()
+    threading.Thread(target=collect, name="sparktrain-check-probe", daemon=True).start()
+    try:
+        if not done.wait(timeout):
+            sc.cancelJobGroup(group)
+            done.wait(30)
+            report.fail(f"the barrier stage of {size} task(s) did not finish within {timeout:g} s; every rank needs a "
+                        "task slot at the same time. Look for pending tasks in the Spark UI, or pass --timeout")
+            return []
+    finally:
+        listener.close()
+    if "error" in result:
+        report.fail(f"the barrier stage of {size} task(s) failed: {spark_error(result['error'])}")
+        return []
+    tasks = sorted((json.loads(r) for r in result["rows"]), key=lambda t: t["task"])
+    report.ok(f"barrier mode: a barrier stage of {size} task(s) ran in {time.monotonic() - started:.1f} s")
+    if use_gpu:
+        without = [t["task"] for t in tasks if not t["gpus"]]
+        if without:
+            report.fail(f"task(s) {without} got no GPU from Spark although spark.task.resource.gpu.amount is set; "
+                        "check the discovery script's output on those executors")
+        else:
+            report.ok("GPUs: " + ", ".join(f"task {t['task']} got GPU {','.join(t['gpus'])}" for t in tasks))
+    unreachable = [t for t in tasks if t["reach"]]
+    rendezvous = settings.resolve("rendezvous", conf=conf)
+    if not unreachable:
+        report.ok(f"every task reached the driver at {host} (ranks check in there)")
+    elif rendezvous == "barrier":
+        report.warn(f"{len(unreachable)} task(s) cannot reach the driver at {host} ({unreachable[0]['reach']}); "
+                    "rendezvous=barrier is set, so runs still start, and ranks' output goes to executor logs")
+    else:
+        report.fail(f"{len(unreachable)} task(s) cannot reach the driver at {host} ({unreachable[0]['reach']}), "
+                    "where ranks check in. Fix: open the driver's ports to the executors (spark.driver.host must be "
+                    "an address they can reach), or set spark.sparktrain.rendezvous=barrier")
+    return tasks
+
+
+def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
+    report.line()
+    report.line("Versions (* differs from the driver)")
+    want = driver["versions"]
+    header = ["", "GPUs", "python", *PACKAGES]
+    rows = [header, ["driver", "-", *[want[k] or "-" for k in ("python", *PACKAGES)]]]
+    for t in tasks:
+        have = t["versions"]
+        cells = []
+        for k in ("python", *PACKAGES):
+            v = have.get(k) or "-"
+            cells.append(v + "*" if versions.mismatches({k: want.get(k)}, {k: have.get(k)}) else v)
+        rows.append([f"task {t['task']} at {t['address']}", ",".join(t["gpus"]) or "-", *cells])
+    report.table(rows)
+    if want.get("tensorflow") is None:
+        report.warn("TensorFlow is not installed on the driver; sparktrain.tensorflow and sparktrain.keras need it "
+                    "(pip install 'sparktrain[tensorflow]')")
+    strict = {k: want[k] for k in ("python", *versions.PACKAGES)}  # what run's version handshake compares
+    # One line per problem, naming the tasks it affects: a large cluster repeats the same one.
+    missing = [t for t in tasks if t["versions"].get("sparktrain") is None]
+    if missing:
+        report.fail(f"sparktrain is not installed on the executors of {_where(missing)} ({missing[0]['executable']}); "
+                    "every rank imports it. Install it there (a cluster library on Databricks, a workspace package "
+                    "on Synapse, or pip install on every node)")
+    differs: dict[str, list[dict]] = {}
+    kerases: dict[str, list[dict]] = {}
+    for t in tasks:
+        if t in missing:
+            continue
+        for diff in versions.mismatches(strict, t["versions"]):
+            differs.setdefault(diff, []).append(t)
+        keras = t["versions"].get("keras")
+        if want.get("keras") and keras != want["keras"]:
+            kerases.setdefault(keras or "not installed", []).append(t)
+    for diff, ts in differs.items():
+        report.fail(f"{diff} ({_where(ts)}); runs would stop with VersionMismatchError. Install the same versions "
+                    "on the executors as on the driver")
+    for keras, ts in kerases.items():
+        report.warn(f"keras: driver {want['keras']}, this executor {keras} ({_where(ts)}); a model saved on one "
+                    "side may not load on the other")
+    if tasks and not any(t["versions"].get("tensorflow") for t in tasks) and want.get("tensorflow"):
+        report.fail("TensorFlow is not installed on the executors, where the ranks train; install "
+                    "'sparktrain[tensorflow]' there")
+
+
+def _where(tasks: list[dict]) -> str:
+    names = [f"task {t['task']} at {t['address']}" for t in tasks]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _backends(report: Report, driver: dict, tasks: list[dict]) -> None:
+    report.line()
+    report.line("Storage backends (checkpoint URLs)")
+    for name, extra in BACKENDS.items():
+        here = driver["backends"][name]
+        there = [t["backends"].get(name) for t in tasks]
+        ok_there = sum(1 for v in there if v and not v.startswith("!"))
+        status = "not installed" if here is None else ("import fails" if here.startswith("!") else here)
+        where = f"driver: {status}" + (f"; executors: imports on {ok_there} of {len(tasks)}" if tasks else "")
+        report.field(name, where)
+        broken = [v for v in [here, *there] if v and v.startswith("!")]
+        if broken:
+            report.warn(f"{name} is installed but does not import: {broken[0][1:]}")
+        elif here is not None and tasks and ok_there < len(tasks):
+            report.warn(f"{name} is on the driver but not on {len(tasks) - ok_there} executor(s); rank 0 writes "
+                        f"checkpoints from its executor: pip install 'sparktrain[{extra}]' there")

@@ -1,0 +1,125 @@
+"""notebooks/: each one runs top to bottom in a real Jupyter kernel (nbclient), against local Spark.
+
+The repository keeps them with their outputs cleared; a test checks that too.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import uuid
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
+NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb"]
+
+
+def execute(name: str, workdir, monkeypatch, **env) -> list[list[str]]:
+    """Run notebook ``name`` in a fresh kernel with ``env``; return each code cell's outputs as text."""
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    # Proves which Python ran it: this virtual environment's, where sparktrain is installed.
+    nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint('KERNEL', sys.executable)"))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # The "python3" kernel of this environment first, before any user-wide one; jupyter_client
+    # starts it with this interpreter.
+    monkeypatch.setenv("JUPYTER_PATH", os.path.join(sys.prefix, "share", "jupyter"))
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=240, startup_timeout=90,
+                                     resources={"metadata": {"path": str(workdir)}})
+    client.execute()
+    cells = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cells.append([out.text if out.output_type == "stream" else out.get("data", {}).get("text/plain", "")
+                          for out in cell.outputs])
+    assert "".join(cells[-1]).strip() == f"KERNEL {sys.executable}"
+    return cells[:-1]
+
+
+def texts(cells: list[list[str]]) -> list[str]:
+    return ["".join(outputs) for outputs in cells]
+
+
+def stream_lines(text: str, rank: int) -> list[str]:
+    prefix = f"[{rank}]<stdout>:"
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_notebooks_are_stored_with_outputs_cleared():
+    assert sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb")) == NAMES
+    for name in NAMES:
+        nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+        nbformat.validate(nb)
+        assert nb.metadata.kernelspec.name == "python3", name
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, (name, cell.source[:60])
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_quickstart(tmp_path, monkeypatch):
+    cells = execute("01-quickstart.ipynb", tmp_path, monkeypatch)
+    outputs = texts(cells)
+    at = next(i for i, o in enumerate(outputs) if "rank 0 returned a checkpoint" in o)
+    train_cell = outputs[at]
+    epochs = [line for line in stream_lines(train_cell, 0) if line.startswith("Epoch ")]
+    assert epochs == [f"Epoch {i}/8" for i in range(1, 9)], train_cell
+    # Live: the epoch lines reached the cell in several messages while it ran, not in one at its end.
+    assert sum(1 for out in cells[at] if "<stdout>:Epoch " in out) >= 2, cells[at]
+    size = int(re.search(r"rank 0 returned a checkpoint of (\d+) bytes", train_cell).group(1))
+    assert size > 10_000 and (tmp_path / "digits-cnn.keras").stat().st_size == size
+    accuracy = float(re.search(r"test accuracy on the driver: ([\d.]+)", outputs[-1]).group(1))
+    assert accuracy > 0.85, outputs[-1]
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_from_horovod_writes_checkpoints_to_adls_on_azurite(tmp_path, monkeypatch, azurite):
+    from sparktrain import storage
+
+    options = azurite.options()
+    fs, _ = storage.filesystem("abfs://x", options)
+    container = f"models-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(container)
+    url = f"abfs://{container}/digits"
+    outputs = texts(execute("02-from-horovod.ipynb", tmp_path, monkeypatch, CHECKPOINT_URL=url,
+                            AZURE_STORAGE_ACCOUNT_NAME=options["account_name"],
+                            AZURE_STORAGE_CONNECTION_STRING=options["connection_string"]))
+    text = "\n".join(outputs)
+    assert f"checkpoints go to {url}" in text
+    epochs = [line for line in stream_lines(text, 0) if line.startswith("Epoch ")]
+    assert epochs == [f"Epoch {i}/5" for i in range(1, 6)], text
+    # Rank 0 wrote one verified checkpoint per epoch into the emulated ADLS container.
+    names = [u.rsplit("/", 1)[-1] for u in storage.list_checkpoints(url, options)]
+    assert names == [f"checkpoint-{i:02d}.keras" for i in range(1, 6)]
+    assert storage.read_manifest(f"{url}/checkpoint-05.keras", options)["metadata"]["epoch"] == 5
+    accuracy = float(re.search(r"test accuracy of the epoch-5 checkpoint, on the driver: ([\d.]+)", text).group(1))
+    assert accuracy > 0.85, text
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_custom_loop_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    prefix = f"file://{tmp_path}/checkpoints"
+    outputs = texts(execute("03-custom-loop.ipynb", tmp_path, monkeypatch, CHECKPOINT_PREFIX=prefix))
+    first = next(o for o in outputs if "after the first run" in o)
+    second = next(o for o in outputs if "after the second run" in o)
+    assert [line.split(":")[0] for line in stream_lines(first, 0)] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"], first
+    resumed = stream_lines(second, 0)
+    # The second run picked up after epoch 3 and trained only the epochs left.
+    assert resumed[0] == "resumed from epoch-03.keras after epoch 3", second
+    assert [line.split(":")[0] for line in resumed[1:]] == ["epoch 4/6", "epoch 5/6", "epoch 6/6"], second
+    losses = [float(line.rsplit(" ", 1)[1]) for line in stream_lines(first, 0) + resumed[1:]]
+    assert losses[-1] < losses[0], losses
+    from sparktrain import storage
+
+    names = [u.rsplit("/", 1)[-1] for u in storage.list_checkpoints(prefix)]
+    assert names == [f"epoch-{i:02d}.keras" for i in range(1, 7)]
+    accuracy = float(re.search(r"test accuracy on the driver: ([\d.]+)", outputs[-1]).group(1))
+    assert accuracy > 0.85, outputs[-1]
