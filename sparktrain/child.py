@@ -9,9 +9,10 @@ It must die with its parent, even while the user's code is stuck in C:
   close the race with a parent that died before that;
 - a watcher process, forked before any user code runs, waits for EOF on the lifeline pipe
   (stdin; the parent holds the other end) and polls the parent; when the parent is gone it
-  SIGKILLs the whole process group. It is a process, not a thread, because C code that
-  blocks while holding the GIL (an eager TensorFlow collective, say) would starve a thread
-  for as long as it blocks. It dies with this process (its own parent-death signal).
+  SIGKILLs the whole process group and removes the work directory the parent can no longer
+  remove. It is a process, not a thread, because C code that blocks while holding the GIL
+  (an eager TensorFlow collective, say) would starve a thread for as long as it blocks. It
+  ends when the parent has removed the work directory, or with the group.
 A SIGTERM while the parent lives is a polite stop: it raises SystemExit so ``finally``
 blocks run, and the parent follows up with SIGKILL after its grace period.
 """
@@ -21,6 +22,7 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import time
@@ -40,6 +42,13 @@ def _kill_group() -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+def _abandoned(workdir: str) -> None:
+    """The task process is gone, so nobody else will clean up: remove the work directory, then
+    kill the whole group."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    _kill_group()
+
+
 def _set_parent_death_signal(sig: int) -> None:
     if sys.platform.startswith("linux"):
         try:
@@ -48,51 +57,80 @@ def _set_parent_death_signal(sig: int) -> None:
             pass
 
 
-def _ppid_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` from /proc, or None when it is gone or unknown."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name, or None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
 
 
-def _watch(rank_pid: int, parent_pid: int, lifeline: int) -> None:
-    """The watcher process: kill the rank's group once the task process that started it is gone."""
-    # A polite stop (SIGTERM to the group) must not end the watcher: if the parent dies during
+def _task_alive(rank_pid: int, parent_pid: int) -> bool:
+    """Whether the task process that started the rank still runs."""
+    rank = _stat(rank_pid)
+    if rank is not None:  # the rank (or its zombie) still names its parent
+        return int(rank[1]) == parent_pid
+    if not os.path.exists("/proc/self/stat"):  # no procfs: ask the kernel directly
+        try:
+            os.kill(parent_pid, 0)
+            return True
+        except OSError:
+            return False
+    task = _stat(parent_pid)
+    return task is not None and task[0] != "Z"
+
+
+def _watch(rank_pid: int, parent_pid: int, lifeline: int, workdir: str) -> None:
+    """The watcher process: if the task process that started the rank dies before it has cleaned
+    up, kill the rank's group and remove the rank's work directory, which the task no longer can.
+
+    Once the rank has exited, the watcher leaves the rank's process group, so the task does not
+    wait for it as for a leftover descendant; it ends when the task has removed the directory.
+    """
+    # A polite stop (SIGTERM to the group) must not end the watcher: if the task dies during
     # the grace period, before its SIGKILL, the watcher is what still ends the rank.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _set_parent_death_signal(signal.SIGKILL)  # the rank finished: nothing left to watch
-    if os.getppid() != rank_pid:
-        return
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # never hold the rank's output pipes open
         os.dup2(devnull, fd)
     os.closerange(3, lifeline)
     os.closerange(lifeline + 1, 1024)
     watching = [lifeline]
-    while True:
-        ready, _, _ = select.select(watching, [], [], 1.0)
+    in_rank_group = True
+    while os.path.exists(workdir):
+        ready, _, _ = select.select(watching, [], [], 0.2)
         if ready and not os.read(lifeline, 4096):
-            # EOF: the parent died, or closed its end to stop the rank (then it sends the
-            # signals itself, and this process keeps polling in case the parent dies first).
+            # EOF: the task died, or closed its end to stop the rank (then it sends the signals
+            # itself; keep watching in case it dies before it is done).
             watching = []
-        if _ppid_of(rank_pid) not in (parent_pid, None):
-            break  # the rank was re-parented: the task process is gone
+        if in_rank_group and os.getppid() != rank_pid:  # the rank exited
+            os.setpgid(0, 0)
+            in_rank_group = False
+        if not _task_alive(rank_pid, parent_pid):
+            try:
+                os.kill(rank_pid, signal.SIGKILL)  # first, so it writes nothing into the directory
+            except ProcessLookupError:
+                pass
+            shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                os.killpg(rank_pid, signal.SIGKILL)  # what the rank left; this watcher too, if still in it
+            except ProcessLookupError:
+                pass
+            return
         if not watching:
-            time.sleep(0.2)  # nothing to select on any more; poll the parent
-    _kill_group()
+            time.sleep(0.2)  # nothing to select on any more; poll
 
 
-def _install_lifeline(parent_pid: int) -> None:
+def _install_lifeline(parent_pid: int, workdir: str) -> None:
     _set_parent_death_signal(signal.SIGTERM)
     if _parent_gone(parent_pid):
-        _kill_group()
+        _abandoned(workdir)
 
     def on_sigterm(signum, frame):
         if _parent_gone(parent_pid):
-            _kill_group()
+            _abandoned(workdir)
         raise SystemExit(EXIT_TERMINATED)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -105,7 +143,7 @@ def _install_lifeline(parent_pid: int) -> None:
     rank_pid = os.getpid()
     if os.fork() == 0:
         try:
-            _watch(rank_pid, parent_pid, lifeline)
+            _watch(rank_pid, parent_pid, lifeline, workdir)
         finally:
             os._exit(0)
     os.close(lifeline)
@@ -154,7 +192,7 @@ def _upload(result, url: str, storage_options) -> str:
 
 def main(argv: list[str]) -> int:
     workdir, parent_pid = argv[0], int(argv[1])
-    _install_lifeline(parent_pid)
+    _install_lifeline(parent_pid, workdir)
     import cloudpickle
 
     try:

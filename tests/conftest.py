@@ -52,6 +52,18 @@ def stop_spark(session) -> None:
         jvm.System.clearProperty(key)
 
 
+def module_spark(master: str, **conf):
+    """A module-scoped fixture: one real SparkSession shared by every test of the module."""
+
+    @pytest.fixture(scope="module")
+    def spark():
+        session = make_spark(master, **conf)
+        yield session
+        stop_spark(session)
+
+    return spark
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _pickle_test_module_by_value(request):
     """Train functions defined in a test module travel by value, as a notebook's do."""

@@ -64,14 +64,20 @@ def wait_for_file(path: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def rank_processes() -> list[int]:
-    """Pids of live sparktrain rank processes anywhere on this machine."""
-    out = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "sparktrain.child" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            out.append(p.info["pid"])
-    return out
+def rank_processes(timeout: float = 5.0) -> list[int]:
+    """Pids of sparktrain rank processes (ranks and their watchers) anywhere on this machine that
+    are still alive after waiting up to ``timeout`` s for them to go: a watcher notices that its
+    rank's task cleaned up within a poll interval."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = []
+        for p in psutil.process_iter(["pid", "cmdline", "status"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "sparktrain.child" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.info["pid"])
+        if not out or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.05)
 
 
 def fault_time(scenario: str, bound: float, seconds: float) -> None:

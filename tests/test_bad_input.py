@@ -10,17 +10,12 @@ import pytest
 
 import sparktrain
 from sparktrain import storage
+from conftest import module_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from conftest import make_spark, stop_spark
-
-    session = make_spark("local[2]")
-    yield session
-    stop_spark(session)
+spark = module_spark("local[2]")
 
 
 def ok():

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import sparktrain
+from conftest import module_spark
 from helpers import (fault_time, mark_time, rank_processes, read_ranks, read_time, record_rank, wait_for_file,
                      wait_pids_gone)
 
@@ -28,19 +29,29 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from conftest import make_spark, stop_spark
-
-    session = make_spark("local[4]")
-    yield session
-    stop_spark(session)
+spark = module_spark("local[4]")
 
 
 def run_pids(outdir: str, size: int) -> list[int]:
     ranks = read_ranks(outdir)
     assert sorted(ranks) == list(range(size)), ranks
     return [r["pid"] for r in ranks.values()]
+
+
+def leftovers(run_id: str, timeout: float = 5.0) -> list[str]:
+    """Work directories of ``run_id`` left in the temp dir once its processes (ranks and their
+    watchers, which name the directory on their command line) are gone."""
+    import glob
+
+    pattern = os.path.join(tempfile.gettempdir(), f"sparktrain-{run_id}-r*")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in psutil.process_iter(["cmdline", "status"])
+                 if f"sparktrain-{run_id}-" in " ".join(p.info["cmdline"] or []) and p.info["status"] != "zombie"]
+        if not alive:
+            break
+        time.sleep(0.05)
+    return glob.glob(pattern)
 
 
 def wait_forever(outdir: str) -> None:
@@ -207,6 +218,7 @@ def test_cancelling_the_run_ends_every_rank_process(spark, tmp_path, how):
         t.join(60)
     assert wait_pids_gone(run_pids(outdir, 3), timeout=5) == []
     fault_time(f"cancel with {how}: every rank process gone", 5, time.time() - read_time(outdir, "acted"))
+    assert leftovers(read_ranks(outdir)[0]["env"]["SPARKTRAIN_RUN_ID"]) == []
     assert sparktrain.run(lambda: sparktrain.rank(), num_proc=3, verbose=0) == 0  # the session is fine
 
 
@@ -222,6 +234,7 @@ def test_killing_a_ranks_pyspark_worker_kills_its_training_process(spark, tmp_pa
     assert e.value.root_cause.rank == 1
     assert "Python worker exited unexpectedly" in e.value.root_cause.message
     assert wait_pids_gone(run_pids(outdir, 3), timeout=5) == []
+    assert leftovers(read_ranks(outdir)[0]["env"]["SPARKTRAIN_RUN_ID"]) == []  # the watcher removed it
     fault_time("PySpark worker SIGKILLed: run fails", 15, failed_at - read_time(outdir, "acted"))
 
 
@@ -288,4 +301,7 @@ def test_twenty_runs_in_a_row_leak_nothing(spark):
     assert len(set(pids)) == 20  # a fresh process every time
     assert wait_pids_gone(pids, timeout=5) == []
     after = _resources()
+    # Py4J opens and closes its own connections as threads come and go; a leak per run would
+    # show as 20 or more.
+    assert after.pop("fds") - before.pop("fds") <= 2
     assert after == before

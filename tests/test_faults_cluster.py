@@ -14,17 +14,12 @@ import pytest
 
 import sparktrain
 from helpers import fault_time, read_ranks, record_rank, wait_for_file, wait_pids_gone
+from conftest import module_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from conftest import make_spark, stop_spark
-
-    session = make_spark("local-cluster[3,1,1024]", **{"spark.executor.memory": "512m"})
-    yield session
-    stop_spark(session)
+cluster = module_spark("local-cluster[3,1,1024]", **{"spark.executor.memory": "512m"})
 
 
 def executor_jvm_of(pid: int) -> psutil.Process:

@@ -9,6 +9,7 @@ import pytest
 
 import sparktrain
 from helpers import digits, read_ranks, record_rank, weights_digest
+from conftest import module_spark
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.timeout(300)
@@ -94,13 +95,7 @@ def fit_digits(outdir, epochs, per_rank_batch, lr, seed_by_rank):
     return accuracy
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from conftest import make_spark, stop_spark
-
-    session = make_spark("local[3]")
-    yield session
-    stop_spark(session)
+spark = module_spark("local[3]")
 
 
 def test_keras_fit_on_3_ranks_matches_one_process(spark, tmp_path):

@@ -11,17 +11,12 @@ import pytest
 
 import sparktrain
 from helpers import digits, read_ranks, record_rank, wait_for_file, weights_digest
+from conftest import module_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from conftest import make_spark, stop_spark
-
-    session = make_spark("local[3]")
-    yield session
-    stop_spark(session)
+spark = module_spark("local[3]")
 
 
 def flaky(outdir):

@@ -12,17 +12,12 @@ import pytest
 
 import sparktrain
 from helpers import read_ranks, record_rank, wait_for_file, wait_pids_gone
+from conftest import module_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from conftest import make_spark, stop_spark
-
-    session = make_spark("local[3]", **{"spark.driver.maxResultSize": "20m"})
-    yield session
-    stop_spark(session)
+spark = module_spark("local[3]", **{"spark.driver.maxResultSize": "20m"})
 
 
 def train_record(outdir, lr, epochs=3):

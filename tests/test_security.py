@@ -17,17 +17,12 @@ import pytest
 import sparktrain
 from helpers import read_ranks, record_rank, wait_for_file
 from sparktrain import logstream
+from conftest import module_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from conftest import make_spark, stop_spark
-
-    session = make_spark("local[3]")
-    yield session
-    stop_spark(session)
+spark = module_spark("local[3]")
 
 
 def _listening_ports() -> set[int]:
@@ -158,3 +153,35 @@ def test_an_executor_with_other_versions_fails_at_once_with_a_diff(spark, monkey
     assert f"cloudpickle: driver 0.0.1, this executor {real['cloudpickle']}" in root.message
     assert "Install the same versions on the executors" in root.message
     assert e.value.attempts == 1  # a mismatch would recur: not retried
+
+
+SSL_SCRIPT = """
+import os, sys
+from pyspark.sql import SparkSession
+import sparktrain
+
+spark = (SparkSession.builder.master("local[2]").config("spark.ssl.enabled", "true")
+         .config("spark.ui.enabled", "false").getOrCreate())
+try:
+    sparktrain.run(lambda: 1, num_proc=2, verbose=0)
+    print("NOT REFUSED")
+except sparktrain.ClusterConfigError as e:
+    print("REFUSED:", e)
+os.environ["SPARKTRAIN_ALLOW_UNENCRYPTED"] = "true"
+print("OVERRIDDEN:", sparktrain.run(lambda: sparktrain.rank() + 41, num_proc=2, verbose=0))
+"""
+
+
+def test_ssl_is_refused_unless_overridden_in_a_real_session(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "ssl_session.py"
+    script.write_text(SSL_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "SPARKTRAIN_ALLOW_UNENCRYPTED"}
+    env["PYSPARK_PYTHON"] = sys.executable
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REFUSED: spark.ssl.enabled=true" in proc.stdout, proc.stdout
+    assert "spark.sparktrain.allowUnencrypted=true" in proc.stdout
+    assert "OVERRIDDEN: 41" in proc.stdout
