@@ -622,6 +622,10 @@ class _Launch:
                         f"run {self.run_id} of {self.fn_name} took longer than timeout={self.run.timeout:g} s and was "
                         "stopped; raise timeout or pass timeout=None for no limit")
                     self._stop(job, "timeout expired")
+            if job.error is not None and stopping is None and self.server is not None:
+                # The Spark job ended under the ranks (cancelled, or a task lost): Spark kills their
+                # tasks in its own time; tell the ranks now, so their processes end at once.
+                self._stop_stragglers(job, "the run's Spark job ended")
             self._drain()
         except BaseException:
             # KeyboardInterrupt (a notebook's stop button) or any driver-side error: stop everything.
@@ -715,6 +719,14 @@ class _Launch:
                              else self.server.events.get_nowait())
             except queue.Empty:
                 return
+
+    def _stop_stragglers(self, job, reason: str) -> None:
+        """Stop ranks still connected after the Spark job itself has ended."""
+        self.server.abort(reason)
+        deadline = time.monotonic() + job.spec.grace_period + 2.0
+        # Each rank disconnects once its processes are gone; there is no single event to await.
+        while self.server.connected_ranks() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _stop(self, job, reason: str) -> None:
         """Stop every rank: ask them (they terminate their process groups), then cancel the Spark job."""
