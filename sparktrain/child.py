@@ -38,15 +38,14 @@ def _parent_gone(parent_pid: int) -> bool:
     return os.getppid() != parent_pid
 
 
-def _kill_group() -> None:
-    os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def _abandoned(workdir: str) -> None:
+def _abandoned(workdir: str, pgid: int) -> None:
     """The task process is gone, so nobody else will clean up: remove the work directory, then
-    kill the whole group."""
+    kill the rank's whole group (whoever calls this too, if it is in it)."""
     shutil.rmtree(workdir, ignore_errors=True)
-    _kill_group()
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _set_parent_death_signal(sig: int) -> None:
@@ -113,11 +112,7 @@ def _watch(rank_pid: int, parent_pid: int, lifeline: int, workdir: str) -> None:
                 os.kill(rank_pid, signal.SIGKILL)  # first, so it writes nothing into the directory
             except ProcessLookupError:
                 pass
-            shutil.rmtree(workdir, ignore_errors=True)
-            try:
-                os.killpg(rank_pid, signal.SIGKILL)  # what the rank left; this watcher too, if still in it
-            except ProcessLookupError:
-                pass
+            _abandoned(workdir, rank_pid)  # the rank leads its own session, so its group id is its pid
             return
         if not watching:
             time.sleep(0.2)  # nothing to select on any more; poll
@@ -126,11 +121,11 @@ def _watch(rank_pid: int, parent_pid: int, lifeline: int, workdir: str) -> None:
 def _install_lifeline(parent_pid: int, workdir: str) -> None:
     _set_parent_death_signal(signal.SIGTERM)
     if _parent_gone(parent_pid):
-        _abandoned(workdir)
+        _abandoned(workdir, os.getpgrp())
 
     def on_sigterm(signum, frame):
         if _parent_gone(parent_pid):
-            _abandoned(workdir)
+            _abandoned(workdir, os.getpgrp())
         raise SystemExit(EXIT_TERMINATED)
 
     signal.signal(signal.SIGTERM, on_sigterm)

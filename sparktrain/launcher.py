@@ -173,7 +173,8 @@ def run(
     preflight.check_gpu_conf(conf, use_gpu)
     if size is None:
         size = max(1, _capacity(sc, conf).slots(use_gpu))
-    _wait_for_capacity(sc, conf, size, use_gpu, settings.resolve("capacity_wait", conf=conf))
+    capacity_wait = settings.resolve("capacity_wait", conf=conf)
+    _wait_for_capacity(sc, conf, size, use_gpu, capacity_wait)
     output = preflight.normalize_output_ranks(output_ranks, size)
     payload = _pickle(train_fn, args, kwargs, cloudpickle)
     rendezvous = settings.resolve("rendezvous", conf=conf)
@@ -186,8 +187,6 @@ def run(
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d", run.run_id, size, use_gpu,
               spec.start_timeout, timeout, rendezvous, spec.grace_period, max_result, max_attempts)
-    capacity_wait = settings.resolve("capacity_wait", conf=conf)
-
     def before_retry():
         # A lost executor is usually replaced within seconds; the gang needs all its slots back.
         _wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait))
@@ -557,11 +556,6 @@ class _Launch:
 
     def __init__(self, run: _Run, attempt: int, max_attempts: int, timeout: float | None):
         self.run = run
-        self.run_id = run.run_id
-        self.fn_name = run.fn_name
-        self.stdout = run.stdout
-        self.stderr = run.stderr
-        self.timestamps = run.timestamps
         self.attempt = attempt
         self.max_attempts = max_attempts
         self.timeout = timeout
@@ -569,9 +563,9 @@ class _Launch:
         self.server: logstream.DriverServer | None = None
 
     def _write(self, rank: int, stream: str, line: str, when: float) -> None:
-        out = (self.stderr or sys.stderr) if stream == "stderr" else (self.stdout or sys.stdout)
+        out = (self.run.stderr or sys.stderr) if stream == "stderr" else (self.run.stdout or sys.stdout)
         prefix = f"[{rank}]<{stream}>:"
-        if self.timestamps:
+        if self.run.timestamps:
             prefix = datetime.datetime.fromtimestamp(when).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " " + prefix
         try:
             out.write(prefix + line + "\n")
@@ -601,7 +595,7 @@ class _Launch:
         try:
             job.start()
             of = f" (attempt {self.attempt} of {self.max_attempts})" if self.max_attempts > 1 else ""
-            log.info("sparktrain: launching %d rank(s) of %s, run %s%s", size, self.fn_name, self.run_id, of)
+            log.info("sparktrain: launching %d rank(s) of %s, run %s%s", size, self.run.fn_name, self.run.run_id, of)
             while not job.done():
                 self._handle(self._next_event(job))
                 elapsed = time.monotonic() - self.started
@@ -619,13 +613,13 @@ class _Launch:
                     self._stop(job, "start_timeout expired")
                 elif self.timeout is not None and elapsed > self.timeout:
                     stopping = RunTimeoutError(
-                        f"run {self.run_id} of {self.fn_name} took longer than timeout={self.run.timeout:g} s and was "
+                        f"run {self.run.run_id} of {self.run.fn_name} took longer than timeout={self.run.timeout:g} s and was "
                         "stopped; raise timeout or pass timeout=None for no limit")
                     self._stop(job, "timeout expired")
-            if job.error is not None and stopping is None and self.server is not None:
-                # The Spark job ended under the ranks (cancelled, or a task lost): Spark kills their
-                # tasks in its own time; tell the ranks now, so their processes end at once.
-                self._stop_stragglers(job, "the run's Spark job ended")
+            if job.error is not None and stopping is None:
+                # The Spark job ended under the ranks (cancelled, or a task lost): tell the ranks
+                # now, so their processes end at once.
+                self._stop(job, "the run's Spark job ended")
             self._drain()
         except BaseException:
             # KeyboardInterrupt (a notebook's stop button) or any driver-side error: stop everything.
@@ -646,7 +640,7 @@ class _Launch:
             text = str(job.error)
             if "cancel" in text.lower():
                 raise RunCancelledError(
-                    f"run {self.run_id} of {self.fn_name} was cancelled (Spark job group sparktrain-{self.run_id})"
+                    f"run {self.run.run_id} of {self.run.fn_name} was cancelled (Spark job group sparktrain-{self.run.run_id})"
                 ) from job.error
             reason = _spark_reason(text)
             task = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", text)
@@ -659,7 +653,7 @@ class _Launch:
                     local_rank=sum(1 for r, h in self.hosts.items() if r < rank and h == self.hosts[rank]),
                     message=f"its Spark task died without a report from the rank (the executor's Python worker or "
                             f"JVM was killed, or ran out of memory); Spark says: {reason}")]) from job.error
-            raise SparkTrainError(f"run {self.run_id} of {self.fn_name} failed in Spark: {reason}") from job.error
+            raise SparkTrainError(f"run {self.run.run_id} of {self.run.fn_name} failed in Spark: {reason}") from job.error
         data = job.result_bytes()
         value = _load_result(data, cloudpickle)
         if job.spec.checkpoint is not None:
@@ -669,7 +663,7 @@ class _Launch:
                         "a value spilled to storage" if data else "nothing")
         started = (f"ranks started in {self.start_seconds:.2f} s" if self.start_seconds is not None
                    else "ranks rendezvoused through Spark")
-        log.info("sparktrain: run %s of %s finished in %.2f s (%s); rank 0 returned %s", self.run_id, self.fn_name,
+        log.info("sparktrain: run %s of %s finished in %.2f s (%s); rank 0 returned %s", self.run.run_id, self.run.fn_name,
                  time.monotonic() - self.run.started, started, returned)
         return value
 
@@ -720,14 +714,6 @@ class _Launch:
             except queue.Empty:
                 return
 
-    def _stop_stragglers(self, job, reason: str) -> None:
-        """Stop ranks still connected after the Spark job itself has ended."""
-        self.server.abort(reason)
-        deadline = time.monotonic() + job.spec.grace_period + 2.0
-        # Each rank disconnects once its processes are gone; there is no single event to await.
-        while self.server.connected_ranks() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
     def _stop(self, job, reason: str) -> None:
         """Stop every rank: ask them (they terminate their process groups), then cancel the Spark job."""
         if self.server is not None:
@@ -735,8 +721,11 @@ class _Launch:
             # Ranks stop their process groups within the grace period, then disconnect and end
             # their tasks; cancelling the Spark job first would kill them without that grace.
             deadline = time.monotonic() + job.spec.grace_period + 2.0
-            while self.server.connected_ranks() and not job.wait(0.05) and time.monotonic() < deadline:
-                pass
+            # Wait for that even when the Spark job has already ended (cancelled, or a task lost):
+            # Spark kills its tasks in its own time, and the ranks' processes may outlive that.
+            # Each rank disconnects once its processes are gone; there is no single event to await.
+            while self.server.connected_ranks() and time.monotonic() < deadline:
+                time.sleep(0.05)
         # Cancel until the job ends: a cancel that lands before the job thread has submitted
         # its stage would otherwise be lost.
         deadline = time.monotonic() + 30.0

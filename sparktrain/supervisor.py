@@ -2,7 +2,7 @@
 
 The child runs in its own session and process group, so it and anything it starts can be
 stopped together. It dies with its parent in two ways (see child.py): a parent-death signal
-set right after exec, and a lifeline thread that watches this end's pipe and the parent pid.
+set right after exec, and a watcher process that watches this end's pipe and the parent pid.
 Stopping is terminate, a grace period, then kill, of the whole group.
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ class ChildProcess:
 
     stdout and stderr are pipes the caller reads; stdin is the lifeline, held open until
     :meth:`stop`, so the child sees EOF (and kills its group) the moment this process dies.
+    The caller removes WORKDIR when it is done with the child's files: the child's watcher
+    waits for that, and removes it itself if this process dies first.
     """
 
     def __init__(self, workdir: str, env: Mapping[str, str], *, python: str | None = None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import textwrap
 import cloudpickle
 import pytest
 
-from helpers import wait_for_file, wait_pids_gone
+from helpers import rank_processes, wait_for_file, wait_pids_gone
 from sparktrain.supervisor import ChildProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,3 +75,5 @@ def test_stop_terminates_the_whole_group_after_grace(tmp_path):
     child.close_pipes()
     assert code == 128 + signal.SIGTERM  # SIGTERM became SystemExit in the rank, so finally blocks ran
     assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
+    shutil.rmtree(work)  # as run_rank does: then the rank's watcher ends too
+    assert rank_processes() == []
