@@ -7,9 +7,11 @@ are imported only inside the functions that need them.
 from __future__ import annotations
 
 from .context import attempt, cross_rank, cross_size, is_chief, local_rank, local_size, rank, size
-from .errors import (ClusterConfigError, InsufficientResourcesError, InvalidArgumentError, PicklingFailedError,
-                     RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError, RunTimeoutError,
-                     SparkTrainError, StartTimeoutError, VersionMismatchError)
+from .errors import (BackendMissingError, ClusterConfigError, CorruptCheckpointError, CredentialsError,
+                     ForbiddenError, InsufficientResourcesError, InvalidArgumentError, NotFoundError,
+                     PicklingFailedError, RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError,
+                     RunTimeoutError, SparkTrainError, StartTimeoutError, StorageError, UnknownSchemeError,
+                     VersionMismatchError)
 
 __version__ = "0.1.0"
 
@@ -18,14 +20,16 @@ __all__ = [
     "SparkTrainError", "InvalidArgumentError", "PicklingFailedError", "ClusterConfigError",
     "InsufficientResourcesError", "StartTimeoutError", "RunTimeoutError", "RunCancelledError",
     "ResultTooLargeError", "RankFailedError", "RankFailure", "VersionMismatchError",
+    "StorageError", "BackendMissingError", "UnknownSchemeError", "NotFoundError", "CredentialsError",
+    "ForbiddenError", "CorruptCheckpointError",
 ]
 
 
 def __getattr__(name: str):
     # ``run`` lives with the driver-side machinery; rank processes import this package for
-    # the worker API alone and should not pay for the launcher's imports at start-up.
+    # the worker API alone and should not pay for the driver's imports at start-up.
     if name == "run":
-        from .launcher import run
+        from .driver.run import run
 
         globals()["run"] = run
         return run

@@ -19,7 +19,8 @@ import time
 import uuid
 from typing import Any, Callable, Mapping, TextIO
 
-from . import __version__, preflight, settings, versions
+from . import __version__, settings, versions
+from .driver import cluster, jobs, preflight
 from .errors import ClusterConfigError, InsufficientResourcesError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
@@ -70,18 +71,6 @@ class Report:
         return 0
 
 
-def spark_error(e: BaseException) -> str:
-    """The line of a Spark (or Py4J) error that says what went wrong, without the JVM stack."""
-    java = getattr(e, "java_exception", None)
-    text = str(java.toString()) if java is not None else str(e)
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    # A failed Python task carries the worker's traceback; its last "...Error: ..." line is the cause.
-    errors = [ln for ln in lines if re.match(r"^(\[\w+\] )?[\w.]+(Error|Exception)\b.*:", ln)]
-    if "Traceback" in text and errors:
-        return f"{lines[0][:300]} ... {errors[-1][:500]}"
-    return lines[0][:800] if lines else type(e).__name__
-
-
 def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | None = None, wait: float = 30.0,
               timeout: float = 120.0, out: TextIO | None = None) -> int:
     """Check the cluster ``start_session()`` connects to; print the findings; return the exit code.
@@ -109,7 +98,7 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
     try:
         spark, owned = start_session()
     except Exception as e:  # noqa: BLE001 - whatever stopped Spark from starting is the finding
-        report.fail(f"Spark did not start: {spark_error(e)}")
+        report.fail(f"Spark did not start: {cluster.spark_error_reason(e)}")
         return report.finish()
     try:
         _check_session(report, spark, num_proc, wait, timeout)
@@ -119,13 +108,7 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
     return report.finish()
 
 
-def _is_local(master: str) -> bool:
-    return master == "local" or master.startswith("local[")
-
-
 def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float) -> None:
-    from .launcher import _capacity, _expected_executors
-
     try:
         sc = spark.sparkContext
     except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
@@ -146,13 +129,9 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     use_gpu = _check_gpu_conf(report, sc.master, conf)
 
     # Executors register after the session starts; with the conf already broken, do not wait for them.
-    expected = 1 if _is_local(sc.master) else _expected_executors(sc.master, conf)
-    deadline = time.monotonic() + (0 if report.failures else wait)
-    cap = _capacity(sc, conf)
-    while cap.executors < (expected or 1) and time.monotonic() < deadline:
-        time.sleep(0.2)  # executors register with no event the driver's Python side can await
-        cap = _capacity(sc, conf)
-    if _is_local(sc.master):
+    expected = cluster.expected_executors(sc.master, conf)
+    cap = cluster.wait_for_executors(sc, conf, lambda c: c.executors >= (expected or 1), 0 if report.failures else wait)
+    if cluster.is_local(sc.master):
         report.field("executors", "1 (local mode: the driver runs the tasks)")
     else:
         report.field("executors", f"{cap.executors} registered" + (f" of {expected} expected" if expected else ""))
@@ -162,7 +141,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
         slots += f" (Spark counts {cap.spark_slots})"
     report.field("task slots", slots)
     if use_gpu:
-        offered = "spark.driver" if _is_local(sc.master) else "spark.executor"
+        offered = "spark.driver" if cluster.is_local(sc.master) else "spark.executor"
         report.field("GPUs per executor", f"{cap.gpus_per_executor:g} ({offered}.resource.gpu.amount), "
                                           f"{cap.task_gpus:g} per task: {cap.gpu_slots} GPU slot(s)")
     if expected and 0 < cap.executors < expected:
@@ -188,14 +167,14 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     if report.failures:
         report.line("  (the probing barrier stage is skipped until the problems above are fixed)")
     else:
-        tasks = _probe(report, sc, conf, size, use_gpu, timeout)
+        tasks = _probe(report, spark, conf, size, use_gpu, timeout)
     _versions(report, driver, tasks)
     _backends(report, driver, tasks)
 
 
 def _check_gpu_conf(report: Report, master: str, conf: Mapping[str, str]) -> bool:
     """Whether runs will use GPUs, with a FAIL when GPUs are asked for but cannot be found."""
-    task = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
+    task = preflight.gpu_amount(conf)
     if task <= 0:
         report.ok("GPU scheduling: off (spark.task.resource.gpu.amount is not set), so ranks train on CPU; "
                   "conf/spark-defaults.conf turns it on")
@@ -204,7 +183,7 @@ def _check_gpu_conf(report: Report, master: str, conf: Mapping[str, str]) -> boo
     # Who finds the GPUs: the driver in local mode, the workers on local-cluster (they read the
     # driver's conf), the executors under YARN and Kubernetes. A standalone cluster's workers
     # read their own conf, which the driver cannot see.
-    if _is_local(master):
+    if cluster.is_local(master):
         component = "spark.driver"
     elif master.startswith("local-cluster"):
         component = "spark.worker"
@@ -235,41 +214,49 @@ def _check_gpu_conf(report: Report, master: str, conf: Mapping[str, str]) -> boo
     return True
 
 
+def _facts_function() -> Callable[[tuple, tuple], dict]:
+    """What a process reports about itself: Python, package versions, storage backends.
+
+    Made inside a function so that cloudpickle ships it by value: the probing tasks need no
+    sparktrain, which may be what is missing there. The driver calls the same function.
+    """
+
+    def facts(packages: tuple, backends: tuple) -> dict:
+        import platform
+        import sys
+        from importlib import metadata
+
+        found = {"executable": sys.executable, "versions": {"python": platform.python_version()}, "backends": {}}
+        for name in packages:
+            try:
+                found["versions"][name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                found["versions"][name] = None
+        for name in backends:  # the version of each that imports; None if absent; "!error" if its import fails
+            try:
+                module = __import__(name)
+                found["backends"][name] = str(getattr(module, "__version__", "installed"))
+            except ModuleNotFoundError as e:
+                found["backends"][name] = None if e.name == name else f"!{type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001 - a broken install is a finding
+                found["backends"][name] = f"!{type(e).__name__}: {e}"
+        return found
+
+    return facts
+
+
 def _local_facts() -> dict:
     """The driver's side of the versions table."""
-    from importlib import metadata
-
-    found = versions.collect()
-    try:
-        found["keras"] = metadata.version("keras")
-    except metadata.PackageNotFoundError:
-        found["keras"] = None
-    return {"versions": {k: found.get(k) for k in ("python", *PACKAGES)}, "backends": _import_backends(BACKENDS)}
-
-
-def _import_backends(names) -> dict[str, str | None]:
-    """Version of each backend that imports; None if not installed; "!error" if its import fails."""
-    out: dict[str, str | None] = {}
-    for name in names:
-        try:
-            module = __import__(name)
-            out[name] = str(getattr(module, "__version__", "installed"))
-        except ModuleNotFoundError as e:
-            out[name] = None if e.name == name else f"!{type(e).__name__}: {e}"
-        except Exception as e:  # noqa: BLE001 - a broken install is a finding
-            out[name] = f"!{type(e).__name__}: {e}"
-    return out
+    return _facts_function()(PACKAGES, tuple(BACKENDS))
 
 
 def _make_probe(packages: tuple, backends: tuple, driver: tuple[str, int]):
     """The function each probing task runs; a closure, so it travels by value and needs no sparktrain there."""
+    facts = _facts_function()
 
     def probe(_rows):
         import json
-        import platform
         import socket
-        import sys
-        from importlib import metadata
 
         from pyspark import BarrierTaskContext
 
@@ -277,20 +264,7 @@ def _make_probe(packages: tuple, backends: tuple, driver: tuple[str, int]):
         me = ctx.partitionId()
         gpu = ctx.resources().get("gpu")
         info = {"task": me, "address": ctx.getTaskInfos()[me].address, "gpus": list(gpu.addresses) if gpu else [],
-                "executable": sys.executable, "versions": {"python": platform.python_version()}, "backends": {}}
-        for name in packages:
-            try:
-                info["versions"][name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                info["versions"][name] = None
-        for name in backends:
-            try:
-                module = __import__(name)
-                info["backends"][name] = str(getattr(module, "__version__", "installed"))
-            except ModuleNotFoundError as e:
-                info["backends"][name] = None if e.name == name else f"!{type(e).__name__}: {e}"
-            except Exception as e:  # noqa: BLE001
-                info["backends"][name] = f"!{type(e).__name__}: {e}"
+                **facts(packages, backends)}
         # Ranks check in with the driver over TCP (the default rendezvous); can this executor connect?
         try:
             with socket.create_connection(driver, timeout=10):
@@ -302,7 +276,7 @@ def _make_probe(packages: tuple, backends: tuple, driver: tuple[str, int]):
     return probe
 
 
-def _probe(report: Report, sc, conf: Mapping[str, str], size: int, use_gpu: bool, timeout: float) -> list[dict]:
+def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: bool, timeout: float) -> list[dict]:
     """Run one barrier stage of ``size`` tasks; each reports what it sees. Returns their reports."""
     host = conf.get("spark.driver.host", "127.0.0.1")
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -318,35 +292,25 @@ def _probe(report: Report, sc, conf: Mapping[str, str], size: int, use_gpu: bool
             conn.close()
 
     threading.Thread(target=accept, name="sparktrain-check-accept", daemon=True).start()
-    group = f"sparktrain-check-{uuid.uuid4().hex[:8]}"
-    result: dict[str, Any] = {}
-    done = threading.Event()
     probe = _make_probe(PACKAGES, tuple(BACKENDS), (host, listener.getsockname()[1]))
-
-    def collect():
-        try:
-            sc.setJobGroup(group, f"sparktrain check: a barrier stage of {size} task(s)", interruptOnCancel=True)
-            result["rows"] = sc.parallelize(range(size), size).barrier().mapPartitions(probe).collect()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            result["error"] = e
-        finally:
-            done.set()
-
+    job = jobs.BarrierJob(spark, f"sparktrain-check-{uuid.uuid4().hex[:8]}",
+                          f"sparktrain check: a barrier stage of {size} task(s)",
+                          lambda: spark.sparkContext.parallelize(range(size), size).barrier().mapPartitions(probe).collect())
     started = time.monotonic()
-    threading.Thread(target=collect, name="sparktrain-check-probe", daemon=True).start()
+    job.start()
     try:
-        if not done.wait(timeout):
-            sc.cancelJobGroup(group)
-            done.wait(30)
+        if not job.wait(timeout):
+            job.cancel()
+            job.wait(30)
             report.fail(f"the barrier stage of {size} task(s) did not finish within {timeout:g} s; every rank needs a "
                         "task slot at the same time. Look for pending tasks in the Spark UI, or pass --timeout")
             return []
     finally:
         listener.close()
-    if "error" in result:
-        report.fail(f"the barrier stage of {size} task(s) failed: {spark_error(result['error'])}")
+    if job.error is not None:
+        report.fail(f"the barrier stage of {size} task(s) failed: {cluster.spark_error_reason(job.error)}")
         return []
-    tasks = sorted((json.loads(r) for r in result["rows"]), key=lambda t: t["task"])
+    tasks = sorted((json.loads(r) for r in job.rows), key=lambda t: t["task"])
     report.ok(f"barrier mode: a barrier stage of {size} task(s) ran in {time.monotonic() - started:.1f} s")
     if use_gpu:
         without = [t["task"] for t in tasks if not t["gpus"]]

@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any, Callable
+
+from . import settings
+from .errors import InvalidArgumentError
 
 RUN_EXAMPLE = "sparktrain run train.py --num-proc 3 -- --epochs 5"
 
@@ -25,27 +29,26 @@ def _key_value(flag: str):
     return parse
 
 
+def _argument(parse: Callable[[str, Any], Any]) -> Callable[[str], Any]:
+    """An argparse type from one of ``sparktrain.settings``' parsers: the same rule, the same message."""
+    def convert(text: str):
+        try:
+            return parse("value", text)
+        except InvalidArgumentError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("value ")) from None
+
+    return convert
+
+
+_seconds = _argument(settings.parse_seconds)
+
+
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 0:  # Horovod's negative np means local processes; here that is its own flag
+    if text.strip().startswith("-") and text.strip()[1:].isdigit():
+        # Horovod's negative np means local processes; here that is its own flag.
         raise argparse.ArgumentTypeError(f"must be a positive number of ranks, got {text!r}; to start that many "
-                                         f"processes on this machine without Spark use --local --num-proc {-value}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text.removesuffix("s"))
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}; for example 600")
-    return value
+                                         f"processes on this machine without Spark use --local --num-proc {text[1:]}")
+    return _argument(settings.parse_positive_int)(text)
 
 
 def _ranks(text: str):
@@ -70,9 +73,9 @@ def _session(master: str | None, conf: list[tuple[str, str]], default_master: st
     Under spark-submit, spark-submit has chosen the master and conf; in a notebook that calls
     ``main`` the running session is used; otherwise an embedded session starts on ``master``.
     """
-    from pyspark.sql import SparkSession
+    from .driver import cluster
 
-    running = SparkSession.getActiveSession()
+    running = cluster.active_session()
     # spark-submit hands its JVM to the Python it starts through this variable.
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ
     if running is not None or submitted:
@@ -85,25 +88,15 @@ def _session(master: str | None, conf: list[tuple[str, str]], default_master: st
                 raise UsageError(f"--conf {conf[0][0]}={conf[0][1]} cannot change the running SparkSession; "
                                  "set it where that session is created, or leave it out")
             return running, False
-        builder = SparkSession.builder
-    else:
-        master = master or default_master
-        if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
-            # Local executors must run this interpreter, where sparktrain is installed.
-            os.environ["PYSPARK_PYTHON"] = sys.executable
-        # Ranks' output streams to this console; Spark's progress bar would cut through it.
-        builder = SparkSession.builder.master(master).appName("sparktrain") \
-            .config("spark.ui.showConsoleProgress", "false")
-    for key, value in conf:
-        builder = builder.config(key, value)
-    return builder.getOrCreate(), True
+        return cluster.start_session(None, conf), True
+    return cluster.start_session(master or default_master, conf), True
 
 
 def _run(args: argparse.Namespace, script_args: list[str]) -> int:
     import sparktrain
 
     from . import script
-    from .errors import InvalidArgumentError, SparkTrainError
+    from .errors import SparkTrainError
 
     if args.local and args.num_proc is None:
         raise UsageError("--local needs --num-proc, the number of processes to start, for example --local --num-proc 2")
@@ -117,11 +110,8 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
     spark, owned = None, False
     try:
         if not args.local:
+            # A session the command starts reports a failed rank once, below, not again per task.
             spark, owned = _session(args.master, args.conf, f"local[{args.num_proc or '*'}]")
-            if owned and "PYSPARK_GATEWAY_PORT" not in os.environ:
-                from .launcher import _quiet_task_failures
-
-                _quiet_task_failures(spark)  # a failed rank is reported once, below, not again per task
             if args.verbose:
                 sc = spark.sparkContext
                 print(f"sparktrain run: {args.script} on Spark {sc.version}, master {sc.master}", file=sys.stderr)
@@ -137,9 +127,9 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
         print(f"sparktrain run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - Spark failing to start, say; one line, not a JVM stack
-        from .check import spark_error
+        from .driver.cluster import spark_error_reason
 
-        print(f"sparktrain run: {spark_error(e)}", file=sys.stderr)
+        print(f"sparktrain run: {spark_error_reason(e)}", file=sys.stderr)
         return 1
     finally:
         if owned:

@@ -14,7 +14,14 @@ from typing import Mapping, Sequence
 
 
 class SparkTrainError(Exception):
-    """Base class of every error sparktrain raises."""
+    """Base class of every error sparktrain raises.
+
+    ``retryable`` says whether starting the run again could help; ``run(..., max_attempts=N)``
+    retries only such failures. Each class sets its default, and the code that raises an error
+    may set it otherwise for that one failure.
+    """
+
+    retryable: bool = True
 
     def __reduce__(self):
         return (type(self), self.args)
@@ -26,13 +33,19 @@ class InvalidArgumentError(SparkTrainError, ValueError, TypeError):
     It is both a ``ValueError`` and a ``TypeError`` so callers may catch either.
     """
 
+    retryable = False  # it would fail the same way again
+
 
 class PicklingFailedError(SparkTrainError):
     """``train_fn``, ``args``, ``kwargs`` or the return value could not be pickled."""
 
+    retryable = False  # it would fail the same way again
+
 
 class ClusterConfigError(SparkTrainError):
     """The Spark cluster is configured in a way barrier-mode training cannot use."""
+
+    retryable = False  # it would fail the same way again
 
 
 class InsufficientResourcesError(SparkTrainError):
@@ -46,17 +59,71 @@ class StartTimeoutError(SparkTrainError, TimeoutError):
 class RunTimeoutError(SparkTrainError, TimeoutError):
     """The whole run took longer than ``timeout``."""
 
+    retryable = False  # stopped on purpose
+
 
 class ResultTooLargeError(SparkTrainError):
     """Rank 0's return value is larger than ``spark.driver.maxResultSize`` allows."""
+
+    retryable = False  # it would fail the same way again
 
 
 class RunCancelledError(SparkTrainError):
     """The run's Spark job group was cancelled from outside."""
 
+    retryable = False  # stopped on purpose
+
 
 class VersionMismatchError(SparkTrainError):
     """An executor runs other versions of Python or key packages than the driver."""
+
+    retryable = False  # it would fail the same way again
+
+
+# -- storage ---------------------------------------------------------------------------------------
+
+class StorageError(SparkTrainError):
+    """A storage operation failed; the message names the URL and what to do, never credentials."""
+
+
+class BackendMissingError(StorageError, ImportError):
+    """The URL's scheme needs a package that is not installed."""
+
+    retryable = False
+
+
+class UnknownSchemeError(StorageError, ValueError):
+    """No fsspec backend knows the URL's scheme."""
+
+    retryable = False
+
+
+class NotFoundError(StorageError, FileNotFoundError):
+    """The container, bucket or checkpoint does not exist (or was never committed)."""
+
+
+class CredentialsError(StorageError, PermissionError):
+    """No credentials, or credentials the service rejects."""
+
+    retryable = False
+
+
+class ForbiddenError(StorageError, PermissionError):
+    """The credentials are valid but may not do this."""
+
+    retryable = False
+
+
+class CorruptCheckpointError(StorageError):
+    """The bytes read do not match the size or checksum recorded when they were written."""
+
+
+# -- failures of ranks ------------------------------------------------------------------------------
+
+def type_name(exc: BaseException) -> str:
+    """The name a failure report gives an exception's type: ``ValueError``, ``pkg.module.Error``."""
+    t = type(exc)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def signal_name(signum: int) -> str:
@@ -83,6 +150,8 @@ class RankFailure:
     output_tail: tuple[str, ...] = ()
     #: Wall-clock time the failure was seen, for ordering (root cause first).
     time: float = 0.0
+    #: Whether starting the run again could help (False for a result too large, mismatched versions).
+    retryable: bool = True
 
     def headline(self) -> str:
         if self.exc_type:
@@ -128,6 +197,11 @@ class RankFailedError(SparkTrainError):
     @property
     def root_cause(self) -> RankFailure:
         return next(iter(self.failures.values()))
+
+    @property
+    def retryable(self) -> bool:  # type: ignore[override]
+        """Another attempt could help only if the root cause could go away."""
+        return not self.failures or self.root_cause.retryable
 
     def _message(self) -> str:
         if not self.failures:

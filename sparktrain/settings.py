@@ -17,25 +17,27 @@ def parse_seconds(name: str, value: Any, *, allow_none: bool = False) -> float |
     """A positive, finite number of seconds; echoes the bad value otherwise."""
     if value is None and allow_none:
         return None
+    given = value
     if isinstance(value, str):
         try:
             value = float(value.strip().removesuffix("s"))
         except ValueError:
-            raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}") from None
+            raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {given!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value) or value <= 0:
         hint = " (use None for no limit)" if allow_none else ""
-        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}{hint}")
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {given!r}{hint}")
     return float(value)
 
 
 def parse_positive_int(name: str, value: Any) -> int:
     """A whole number of at least 1; echoes the bad value otherwise."""
+    given = value
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a whole number of at least 1, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a whole number of at least 1, got {given!r}")
     return value
 
 
@@ -53,7 +55,8 @@ def parse_bool(name: str, value: Any) -> bool:
 class Setting:
     name: str
     env: str
-    conf: str
+    #: The Spark conf key; None for settings read where there is no Spark conf (in a rank).
+    conf: str | None
     default: Any
     parse: Callable[[str, Any], Any]
     doc: str
@@ -81,6 +84,9 @@ SETTINGS = {
                 "none elsewhere; 'none' turns it off"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
+        # Read in the rank's process, where there is no Spark conf: give it with run(env=...).
+        Setting("collective_timeout", "SPARKTRAIN_COLLECTIVE_TIMEOUT", None, 600.0, parse_seconds,
+                "seconds a collective waits for the other ranks before it fails (sparktrain.tensorflow.init)"),
     ]
 }
 
@@ -114,6 +120,6 @@ def resolve(name: str, argument: Any = None, *, conf: Mapping[str, str] | None =
         return s.parse(name, argument)
     if environ.get(s.env) not in (None, ""):
         return s.parse(s.env, environ[s.env])
-    if conf is not None and conf.get(s.conf) not in (None, ""):
+    if conf is not None and s.conf is not None and conf.get(s.conf) not in (None, ""):
         return s.parse(s.conf, conf.get(s.conf))
     return s.default

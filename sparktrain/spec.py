@@ -1,4 +1,9 @@
-"""What the driver ships to every rank. Pure: shared by the driver and executor sides."""
+"""What crosses the seam between the driver and the ranks. Pure: shared by both sides.
+
+Down: the :class:`TaskSpec` each barrier task carries. Up: the rows the barrier stage returns
+(rank 0's pickled value in chunks, :data:`RESULT_SCHEMA`), whose first chunk starts with
+:data:`SPILLED` when the value went to storage instead.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -29,3 +34,11 @@ class TaskSpec:
     attempt: int = 1
     #: The driver's versions (see ``sparktrain.versions``); each rank checks its own against them.
     versions: dict | None = None
+
+
+#: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.
+RESULT_FIELDS = ("rank", "seq", "data")
+#: The same as a Spark schema.
+RESULT_SCHEMA = "rank int, seq int, data binary"
+#: Starts rank 0's answer when its value was spilled to storage; no pickle starts this way.
+SPILLED = b"SPARKTRAIN-SPILLED:"

@@ -39,7 +39,21 @@ def make_spark(master: str, **conf):
     spark_conf.setAll(list(settings.items()))
     session = SparkSession(SparkContext(conf=spark_conf))
     session._test_settings = list(settings)
+    if master.startswith("local-cluster["):
+        _wait_for_executors(session, settings)
     return session
+
+
+def _wait_for_executors(session, settings, timeout: float = 120.0) -> None:
+    """Every executor of a local-cluster has registered: its JVMs start after the session does,
+    and slowly on a loaded machine. Tests then never race executor start-up."""
+    from sparktrain.driver import cluster
+
+    conf = dict(settings)
+    expected = cluster.expected_executors(session.sparkContext.master, conf)
+    cap = cluster.wait_for_executors(session.sparkContext, conf, lambda c: c.executors >= expected, timeout)
+    if cap.executors < expected:
+        raise TimeoutError(f"only {cap.executors} of {expected} executors registered within {timeout:g} s")
 
 
 def stop_spark(session) -> None:

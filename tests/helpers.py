@@ -64,20 +64,26 @@ def wait_for_file(path: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def rank_processes(timeout: float = 5.0) -> list[int]:
-    """Pids of sparktrain rank processes (ranks and their watchers) anywhere on this machine that
-    are still alive after waiting up to ``timeout`` s for them to go: a watcher notices that its
-    rank's task cleaned up within a poll interval."""
+def rank_processes(marker: str, timeout: float = 5.0) -> list[int]:
+    """Pids of sparktrain rank processes (ranks and their watchers) whose command line contains
+    ``marker`` (a run's work directory prefix, ``sparktrain-<run id>-``, or a work directory), still
+    alive after waiting up to ``timeout`` s for them to go: a watcher notices that its rank's task
+    cleaned up within a poll interval. The marker keeps other runs on this machine out of the count."""
     deadline = time.monotonic() + timeout
     while True:
         out = []
         for p in psutil.process_iter(["pid", "cmdline", "status"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if "sparktrain.child" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if "sparktrain.executor.child" in cmd and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
                 out.append(p.info["pid"])
         if not out or time.monotonic() >= deadline:
             return out
         time.sleep(0.05)
+
+
+def run_marker(info: dict) -> str:
+    """What the processes and work directories of the run that ``record_rank`` saw have in their names."""
+    return f"sparktrain-{info['env']['SPARKTRAIN_RUN_ID']}-"
 
 
 def fault_time(scenario: str, bound: float, seconds: float) -> None:

@@ -125,6 +125,8 @@ def exit_hard(how: str, outdir: str):
 
     record_rank(outdir)
     if sparktrain.rank() == 1:
+        for other in (0, 2):  # the test reads every rank's pid: exit only once all are written
+            wait_for_file(os.path.join(outdir, f"rank-{other}.json"), timeout=120)
         mark_time(outdir, "raised")
         if how == "exit3":
             os._exit(3)
@@ -278,29 +280,36 @@ def test_two_concurrent_runs_in_one_session_keep_to_themselves(spark, tmp_path):
         assert sorted(lines) == [f"[0]<stdout>:output of {tag} from rank 0", f"[1]<stdout>:output of {tag} from rank 1"]
 
 
-def _resources() -> dict:
-    """What a run could leak in the driver process and on this machine."""
+def _resources(run_ids: list[str]) -> dict:
+    """What the runs ``run_ids`` could leak in the driver process and on this machine. Only their
+    own rank processes and temp dirs count: another sparktrain run may share the machine."""
     me = psutil.Process()
     return {
         "threads": sorted(t.name for t in threading.enumerate()),
         "fds": me.num_fds(),
         "listening": sorted(c.laddr.port for c in me.net_connections("tcp") if c.status == psutil.CONN_LISTEN),
-        "rank processes": rank_processes(),
-        "temp dirs": sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith("sparktrain-")),
+        "rank processes": [pid for run_id in run_ids for pid in rank_processes(f"sparktrain-{run_id}-")],
+        "temp dirs": sorted(n for n in os.listdir(tempfile.gettempdir())
+                            if any(n.startswith(f"sparktrain-{run_id}-") for run_id in run_ids)),
     }
 
 
+def _noop_run_id(i: int = 0):
+    return i, os.getpid(), os.environ["SPARKTRAIN_RUN_ID"]
+
+
 def test_twenty_runs_in_a_row_leak_nothing(spark):
-    sparktrain.run(lambda: 0, num_proc=3, verbose=0)  # warm: Spark's own threads and workers start once
-    before = _resources()
-    pids = []
+    warm = sparktrain.run(_noop_run_id, num_proc=3, verbose=0)  # Spark's own threads and workers start once
+    before = _resources([warm[2]])
+    pids, run_ids = [], []
     for i in range(20):
-        value, pid = sparktrain.run(lambda i=i: (i, os.getpid()), num_proc=3, verbose=0)
+        value, pid, run_id = sparktrain.run(_noop_run_id, args=(i,), num_proc=3, verbose=0)
         assert value == i
         pids.append(pid)
+        run_ids.append(run_id)
     assert len(set(pids)) == 20  # a fresh process every time
     assert wait_pids_gone(pids, timeout=5) == []
-    after = _resources()
+    after = _resources(run_ids)
     # Py4J opens and closes its own connections as threads come and go; a leak per run would
     # show as 20 or more.
     assert after.pop("fds") - before.pop("fds") <= 2

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import sparktrain
-from helpers import rank_processes, read_ranks, record_rank, wait_pids_gone
+from helpers import rank_processes, read_ranks, record_rank, run_marker, wait_pids_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,8 +52,9 @@ def test_local_mode_failure_stops_every_rank(tmp_path):
     with pytest.raises(sparktrain.RankFailedError) as e:
         sparktrain.run(boom, args=(str(tmp_path),), num_proc=-3, verbose=0, stderr=io.StringIO())
     assert e.value.root_cause.rank == 1 and e.value.root_cause.message == "local failure"
-    assert wait_pids_gone([r["pid"] for r in read_ranks(str(tmp_path)).values()], timeout=10) == []
-    assert rank_processes() == []
+    ranks = read_ranks(str(tmp_path))
+    assert wait_pids_gone([r["pid"] for r in ranks.values()], timeout=10) == []
+    assert rank_processes(run_marker(ranks[0])) == []
 
 
 def test_local_mode_gpu_needs_gpus(monkeypatch):
@@ -74,8 +75,9 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in ("tensorflow", "keras", "tf_keras", "pyspark", "torch"):
             raise ImportError(f"blocked {name}")
 sys.meta_path.insert(0, Block())
-import sparktrain, sparktrain.child, sparktrain.task, sparktrain.launcher
-assert sparktrain.run is sparktrain.launcher.run
+import sparktrain, sparktrain.executor.child, sparktrain.executor.task, sparktrain.driver.run
+assert callable(sparktrain.rank) and callable(sparktrain.attempt)  # no subpackage shadows the worker API
+assert sparktrain.run is sparktrain.driver.run.run
 assert not any(m.split(".")[0] in ("tensorflow", "keras", "pyspark") for m in sys.modules)
 print("ok", sparktrain.size())
 """

@@ -6,7 +6,8 @@ import cloudpickle
 import pytest
 
 import sparktrain
-from sparktrain import preflight, settings
+from sparktrain import settings
+from sparktrain.driver import preflight
 from sparktrain.errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
 
 
@@ -188,12 +189,10 @@ def test_run_refuses_bad_input_before_spark(monkeypatch):
 
 
 def test_large_pickle_warns(caplog):
-    from sparktrain import launcher
-
     big = b"x" * (11 * 1024 * 1024)
     with pytest.warns(ResourceWarning, match=r"pickles to 11\.0 MiB"):
-        data = launcher._pickle(noop, (big,), {}, cloudpickle)
+        data = preflight.pickle_payload(noop, (big,), {}, cloudpickle.dumps)
     assert len(data) > len(big)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        launcher._pickle(noop, (b"small",), {}, cloudpickle)
+        preflight.pickle_payload(noop, (b"small",), {}, cloudpickle.dumps)

@@ -16,7 +16,7 @@ import pytest
 
 import sparktrain
 from helpers import read_ranks, record_rank, wait_for_file
-from sparktrain import logstream
+from sparktrain import channel
 from conftest import module_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(120)]
@@ -78,7 +78,7 @@ def test_strangers_are_refused_and_the_run_goes_on(spark, tmp_path, caplog):
                 body = b'{"type":"hello","rank":0,"host":"evil","port":1,"master_port":1,"pid":1}'
                 raw.sendall(len(body).to_bytes(4, "big") + b"\x00" * 32 + body)  # no credentials: a zero MAC
                 probes["no credentials"] = _closed_by_server(raw)
-            bad = logstream.connect(address, b"wrong secret".ljust(32, b"!"), timeout=15)
+            bad = channel.connect(address, b"wrong secret".ljust(32, b"!"), timeout=15)
             bad.send({"type": "hello", "rank": 1, "host": "evil", "port": 1, "master_port": 1, "pid": 1})
             bad.sock.settimeout(15)
             probes["wrong secret"] = _closed_by_server(bad.sock)
@@ -114,13 +114,13 @@ def dump_environment(outdir):
 
 def test_the_secret_appears_in_no_log_error_job_description_or_environment(spark, tmp_path, caplog, monkeypatch):
     secrets = []
-    real = logstream.new_secret
+    real = channel.new_secret
 
     def recording_new_secret():
         secrets.append(real())
         return secrets[-1]
 
-    monkeypatch.setattr(logstream, "new_secret", recording_new_secret)
+    monkeypatch.setattr(channel, "new_secret", recording_new_secret)
     caplog.set_level(logging.DEBUG, logger="sparktrain")
     out, err = io.StringIO(), io.StringIO()
     with pytest.raises(sparktrain.RankFailedError) as e:
@@ -141,11 +141,11 @@ def test_the_secret_appears_in_no_log_error_job_description_or_environment(spark
 
 
 def test_an_executor_with_other_versions_fails_at_once_with_a_diff(spark, monkeypatch):
-    from sparktrain import launcher, versions
+    from sparktrain import versions
 
     real = versions.collect()
     driver = dict(real, cloudpickle="0.0.1")  # the driver claims another cloudpickle than the executors run
-    monkeypatch.setattr(launcher.versions, "collect", lambda: driver)
+    monkeypatch.setattr(versions, "collect", lambda: driver)
     with pytest.raises(sparktrain.RankFailedError) as e:
         sparktrain.run(lambda: 1, num_proc=3, max_attempts=3, verbose=0)
     root = e.value.root_cause

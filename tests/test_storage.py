@@ -173,7 +173,7 @@ def test_a_source_that_fails_mid_stream_leaves_nothing_at_the_url(target):
         raise OSError(errno.EIO, "Input/output error")
 
     with pytest.raises(storage.StorageError, match="Input/output error"):
-        storage._put(url, chunks, options)
+        storage.put_chunks(url, chunks, options)
     assert len(calls) == 1  # not the storage's fault: raised at once, not retried
     fs, path = storage.filesystem(url, options)
     fs.invalidate_cache()

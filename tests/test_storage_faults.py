@@ -28,7 +28,7 @@ FAIL_WITHIN_S = 60
 
 
 def chunks_then(kill, data: bytes):
-    """A chunk source for ``storage._put`` (what put_bytes and put_file use) that calls ``kill()``
+    """A chunk source for ``storage.put_chunks`` (what put_bytes and put_file use) that calls ``kill()``
     when first asked for its second chunk.
 
     The first chunk fills a whole block, so the backend has uploaded it by then: the put is
@@ -63,7 +63,7 @@ def kill_mid_upload_then_restart(base: str, options: dict, kill, restart, durabl
 
     started = time.monotonic()
     with pytest.raises(storage.StorageError, match="transient errors") as failed:
-        storage._put(url, chunks, options)
+        storage.put_chunks(url, chunks, options)
     took = time.monotonic() - started
     assert took < FAIL_WITHIN_S, f"giving up took {took:.1f} s"
     assert len(calls) == storage.RETRIES  # every attempt was made: not taken for a permanent error
@@ -152,7 +152,7 @@ def test_azure_sdk_retries_are_sparktrains_unless_the_user_sets_them(user_settin
         fs, path = storage.filesystem("abfs://container/x.bin", options)
         with pytest.raises(Exception) as e:
             fs.cat_file(path)  # the filesystem alone: no retries of sparktrain's own
-        assert storage._classify(e.value, "abfs://container/x.bin", options) is None  # transient
+        assert storage.classify_error(e.value, "abfs://container/x.bin", options) is None  # transient
         assert server.requests == requests
     finally:
         server.close()
@@ -184,7 +184,7 @@ def chunks():
     sys.stdin.readline()  # the test kills this process here
     yield b"never"
 
-storage._put(url, chunks, options)
+storage.put_chunks(url, chunks, options)
 """
 
 

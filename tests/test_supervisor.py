@@ -13,7 +13,7 @@ import cloudpickle
 import pytest
 
 from helpers import rank_processes, wait_for_file, wait_pids_gone
-from sparktrain.supervisor import ChildProcess
+from sparktrain.executor.supervisor import ChildProcess
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +51,7 @@ def test_rank_process_group_dies_with_its_parent(tmp_path, sig):
     work = _workdir(tmp_path, spawn_and_wait, str(tmp_path))
     parent_code = textwrap.dedent(f"""
         import time
-        from sparktrain.supervisor import ChildProcess
+        from sparktrain.executor.supervisor import ChildProcess
         child = ChildProcess({work!r}, __import__("os").environ)
         time.sleep(300)
     """)
@@ -76,4 +76,4 @@ def test_stop_terminates_the_whole_group_after_grace(tmp_path):
     assert code == 128 + signal.SIGTERM  # SIGTERM became SystemExit in the rank, so finally blocks ran
     assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
     shutil.rmtree(work)  # as run_rank does: then the rank's watcher ends too
-    assert rank_processes() == []
+    assert rank_processes(work) == []

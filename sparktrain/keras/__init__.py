@@ -19,9 +19,11 @@ collective per dtype. Keras 3 runs without any tf.distribute strategy scope.
 from __future__ import annotations
 
 import os
+from typing import Any, Mapping
 
 from .. import tensorflow as _tfc
 from ..errors import SparkTrainError
+from ..localfiles import replaced_atomically
 from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
 from ..tensorflow import init, local_rank, local_size, rank, size  # noqa: F401
 from . import callbacks  # noqa: F401
@@ -77,17 +79,9 @@ def save_model(model, filepath: str, **kwargs) -> str | None:
     """
     if rank() != 0:
         return None
-    directory = os.path.dirname(os.path.abspath(filepath))
-    os.makedirs(directory, exist_ok=True)
-    # Write beside the target and rename, so a reader never finds half a file.
-    base, ext = os.path.splitext(filepath)
-    tmp = f"{base}.partial-{os.getpid()}{ext}"
-    try:
+    os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
+    with replaced_atomically(filepath) as tmp:  # a reader never finds half a file
         model.save(tmp, **kwargs)
-        os.replace(tmp, filepath)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return filepath
 
 
@@ -108,7 +102,7 @@ def load_model(filepath: str, **kwargs):
     return keras.models.load_model(filepath, custom_objects=custom, **kwargs)
 
 
-def restore(prefix: str, storage_options=None):
+def restore(prefix: str, storage_options: Mapping[str, Any] | None = None):
     """Load the latest checkpoint :class:`callbacks.RemoteCheckpoint` committed under ``prefix``.
 
     Returns ``(model, initial_epoch)``, or ``(None, 0)`` when there is none yet, so a script can

@@ -1,6 +1,8 @@
 """Keras 3 callbacks with Horovod's names: broadcast, metric averaging, learning-rate warm-up."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import keras
 
 from .. import tensorflow as _tfc
@@ -137,7 +139,7 @@ class RemoteCheckpoint(keras.callbacks.Callback):
     """
 
     def __init__(self, url: str, monitor: str = "val_loss", save_best_only: bool = False, mode: str = "auto",
-                 storage_options=None):
+                 storage_options: Mapping[str, Any] | None = None):
         super().__init__()
         from .. import storage
 
@@ -166,7 +168,8 @@ class RemoteCheckpoint(keras.callbacks.Callback):
                         storage_options=self.storage_options, metrics=logs)
 
 
-def save_checkpoint(model, url: str, epoch: int, storage_options=None, metrics=None) -> str | None:
+def save_checkpoint(model, url: str, epoch: int, storage_options: Mapping[str, Any] | None = None,
+                    metrics: Mapping[str, Any] | None = None) -> str | None:
     """Save ``model`` to ``url`` from rank 0 (the callable form of :class:`RemoteCheckpoint`).
 
     Every rank may call it; ranks other than 0 return None at once. ``epoch`` is the number of

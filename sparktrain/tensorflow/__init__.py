@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .. import context as _ctx
+from .. import settings
 from ..errors import SparkTrainError
 
 Average = "average"
 Sum = "sum"
 
 #: Default seconds a collective may wait for its peers before failing (DeadlineExceeded).
-DEFAULT_TIMEOUT = 600.0
-COLLECTIVE_TIMEOUT_ENV = "SPARKTRAIN_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT = settings.SETTINGS["collective_timeout"].default
+COLLECTIVE_TIMEOUT_ENV = settings.SETTINGS["collective_timeout"].env
 
 # Keys far from the ones MultiWorkerMirroredStrategy hands out for its own collectives.
 _GROUP_KEY = 0x5A17
@@ -70,11 +71,7 @@ def init(timeout: float | None = None) -> None:
     with _state.lock:
         if _state.initialized:
             return
-        if timeout is None:
-            raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
-            timeout = float(raw) if raw else DEFAULT_TIMEOUT
-        if not timeout > 0:
-            raise SparkTrainError(f"the collective timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = settings.resolve("collective_timeout", timeout)
         tf = _tf()
         gpus = tf.config.list_physical_devices("GPU")
         for gpu in gpus:
@@ -218,16 +215,22 @@ def grouped_allreduce(tensors: Iterable, op: str = Average) -> list:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if _state.size == 1:
         return [tf.identity(t) for t in tensors]
+    return _fused(tensors, lambda flat: allreduce(flat, op=op))
+
+
+def _fused(tensors: list, collective: Callable[[Any], Any]) -> list:
+    """Run ``collective`` once per dtype on one flat buffer of all ``tensors`` of that dtype, and
+    return each tensor's part, reshaped. The dtypes go in name order, the same on every rank."""
+    tf = _tf()
     out: list[Any] = [None] * len(tensors)
     by_dtype: dict = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype in sorted(by_dtype, key=lambda d: d.name):  # the same order on every rank
+    for dtype in sorted(by_dtype, key=lambda d: d.name):
         idx = by_dtype[dtype]
         flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in idx], axis=0)
-        reduced = allreduce(flat, op=op)
-        sizes = [tf.size(tensors[i]) for i in idx]
-        for i, part in zip(idx, tf.split(reduced, sizes)):
+        parts = tf.split(collective(flat), [tf.size(tensors[i]) for i in idx])
+        for i, part in zip(idx, parts):
             out[i] = tf.reshape(part, tf.shape(tensors[i]))
     return out
 
@@ -290,16 +293,9 @@ def broadcast_variables(variables: Iterable, root_rank: int = 0) -> None:
     if _state.size == 1 or not variables:
         return
     _check_root(root_rank)
-    by_dtype: dict = {}
-    for v in variables:  # Keras 3 variables report their dtype as a string
-        by_dtype.setdefault(tf.as_dtype(v.dtype), []).append(v)
-    for dtype in sorted(by_dtype, key=lambda d: d.name):
-        group = by_dtype[dtype]
-        flat = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], axis=0)
-        flat = broadcast(flat, root_rank)
-        sizes = [int(tf.size(tf.convert_to_tensor(v))) for v in group]
-        for v, part in zip(group, tf.split(flat, sizes)):
-            v.assign(tf.reshape(part, v.shape))
+    values = [tf.convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
+    for v, value in zip(variables, _fused(values, lambda flat: broadcast(flat, root_rank))):
+        v.assign(value)
 
 
 def barrier() -> None:

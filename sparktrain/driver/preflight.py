@@ -1,4 +1,6 @@
-"""Driver-side checks that run before anything launches. Pure: no Spark imports.
+"""The driver's checks before anything launches: arguments, pickling, cluster conf, slot arithmetic.
+
+Pure: no Spark imports (``sparktrain.driver.cluster`` asks Spark and hands the figures here).
 
 Argument checks echo the bad value and say what to pass instead; the slot arithmetic says
 what was required, what is available, which resource limits it, and the fix.
@@ -6,15 +8,19 @@ what was required, what is available, which resource limits it, and the fix.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import warnings
 from typing import Any, Callable, Iterable, Mapping
 
-from . import worker_env
-from .errors import (ClusterConfigError, InsufficientResourcesError, InvalidArgumentError,
+from .. import worker_env
+from ..errors import (ClusterConfigError, InsufficientResourcesError, InvalidArgumentError,
                      PicklingFailedError)
 
 #: Pickled train_fn + args + kwargs above this size get a warning: it travels with every task.
 PICKLE_WARN_BYTES = 10 * 1024 * 1024
+
+log = logging.getLogger("sparktrain")
 
 
 def check_num_proc(num_proc: Any, local_mode: bool) -> tuple[int | None, bool]:
@@ -146,11 +152,21 @@ def _suspects(train_fn, args, kwargs) -> Iterable[tuple[str, Any]]:
 
 
 def pickle_payload(train_fn: Callable, args: tuple, kwargs: dict, dumps: Callable[[Any], bytes]) -> bytes:
-    """Pickle ``(train_fn, args, kwargs)``; on failure, name the object that cannot travel."""
+    """Pickle ``(train_fn, args, kwargs)``; on failure, name the object that cannot travel.
+
+    A payload over :data:`PICKLE_WARN_BYTES` gets a ``ResourceWarning``: it travels with every task.
+    """
     try:
-        return dumps((train_fn, args, kwargs))
+        payload = dumps((train_fn, args, kwargs))
     except Exception as outer:  # noqa: BLE001 - pickling raises many types
         err = outer
+    else:
+        if len(payload) > PICKLE_WARN_BYTES:
+            msg = (f"sparktrain: train_fn with its args pickles to {len(payload) / 2**20:.1f} MiB, which travels "
+                   "with every task; load large data inside train_fn instead of capturing it")
+            warnings.warn(msg, ResourceWarning, stacklevel=3)
+            log.warning(msg)
+        return payload
     for where, obj in _suspects(train_fn, args, kwargs):
         if _is_spark_handle(obj):
             raise PicklingFailedError(
@@ -218,11 +234,19 @@ class Capacity:
         return slots if self.spark_slots is None else min(slots, self.spark_slots)
 
 
+def gpu_amount(conf: Mapping[str, str], component: str = "task") -> float:
+    """``spark.<component>.resource.gpu.amount`` as a number; 0 when unset.
+
+    >>> gpu_amount({"spark.task.resource.gpu.amount": "0.5"})
+    0.5
+    """
+    return float(conf.get(f"spark.{component}.resource.gpu.amount", "0") or 0)
+
+
 def check_gpu_conf(conf: Mapping[str, str], use_gpu: bool) -> None:
     if not use_gpu:
         return
-    amount = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
-    if amount <= 0:
+    if gpu_amount(conf) <= 0:
         raise ClusterConfigError(
             "use_gpu=True, but spark.task.resource.gpu.amount is not set, so Spark gives tasks no GPU. "
             "Set spark.task.resource.gpu.amount=1, spark.executor.resource.gpu.amount and a GPU "

@@ -4,19 +4,20 @@ import socket
 
 import pytest
 
-from sparktrain import logstream
+from sparktrain import channel
+from sparktrain.driver.server import DriverServer, Hello, Output, Refused
 
 
 def _event(server, kind, timeout=10.0):
     while True:
         ev = server.events.get(timeout=timeout)
-        if ev[0] == kind:
+        if isinstance(ev, kind):
             return ev
 
 
 @pytest.fixture
 def server():
-    s = logstream.DriverServer(logstream.new_secret(), size=2, host="127.0.0.1")
+    s = DriverServer(channel.new_secret(), size=2, host="127.0.0.1")
     yield s
     s.close()
 
@@ -26,15 +27,15 @@ def _hello(rank, port=1000):
 
 
 def test_rendezvous_and_output(server):
-    a = logstream.connect(server.address, server.secret, timeout=5)
-    b = logstream.connect(server.address, server.secret, timeout=5)
+    a = channel.connect(server.address, server.secret, timeout=5)
+    b = channel.connect(server.address, server.secret, timeout=5)
     a.send(_hello(1, 1001))
     b.send(_hello(0, 1000))
     peers = a.recv()
     assert peers == {"type": "peers", "hosts": ["127.0.0.1"] * 2, "ports": [1000, 1001], "master_port": 9}
     assert b.recv() == peers
     a.send({"type": "out", "stream": "stdout", "line": "hi", "time": 1.0})
-    assert _event(server, "out") == ("out", 1, "stdout", "hi", 1.0)
+    assert _event(server, Output) == Output(1, "stdout", "hi", 1.0)
     server.abort("test stop")
     assert a.recv() == {"type": "abort", "reason": "test stop"}
     a.close()
@@ -42,13 +43,13 @@ def test_rendezvous_and_output(server):
 
 
 def test_wrong_secret_is_refused_and_run_goes_on(server):
-    bad = logstream.connect(server.address, b"x" * 32, timeout=5)
+    bad = channel.connect(server.address, b"x" * 32, timeout=5)
     bad.send(_hello(0))
-    assert _event(server, "refused")[2] == "message authentication failed"
+    assert _event(server, Refused).reason == "message authentication failed"
     assert bad.sock.recv(1) == b""  # dropped
-    good = logstream.connect(server.address, server.secret, timeout=5)
+    good = channel.connect(server.address, server.secret, timeout=5)
     good.send(_hello(0))
-    assert _event(server, "hello")[1] == 0
+    assert _event(server, Hello).rank == 0
     assert server.missing_ranks() == [1]
     good.close()
 
@@ -59,22 +60,22 @@ def test_raw_socket_garbage_and_huge_frames_are_refused(server):
             raw.recv(64)  # greeting
             raw.sendall(payload)
             assert raw.recv(1) == b""
-        assert _event(server, "refused")[0] == "refused"
+        assert isinstance(_event(server, Refused), Refused)
     assert server.missing_ranks() == [0, 1]
 
 
 def test_replayed_frame_is_refused(server):
     """A frame recorded on one connection does not authenticate on another (fresh nonce)."""
     recorded = []
-    chan = logstream.connect(server.address, server.secret, timeout=5)
+    chan = channel.connect(server.address, server.secret, timeout=5)
     chan.sock = _Recorder(chan.sock, recorded)
     chan.send(_hello(0))
-    assert _event(server, "hello")[1] == 0
+    assert _event(server, Hello).rank == 0
     with socket.create_connection(server.address, timeout=5) as raw:
         raw.recv(64)
         raw.sendall(recorded[0])
         assert raw.recv(1) == b""
-    assert _event(server, "refused")[2] == "message authentication failed"
+    assert _event(server, Refused).reason == "message authentication failed"
     chan.close()
 
 
@@ -96,5 +97,5 @@ def test_close_is_prompt_and_idempotent_with_idle_connections(server):
     with pytest.raises(queue.Empty):
         while True:
             ev = server.events.get_nowait()
-            assert ev[0] == "refused"
+            assert isinstance(ev, Refused)
     idle.close()

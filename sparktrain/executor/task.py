@@ -1,9 +1,11 @@
-"""Executor side: what one barrier task does for its rank.
+"""The barrier task: what one Spark task does for its rank.
 
-rendezvous -> build the env -> spawn the child -> stream its output -> hand back the result.
+rendezvous -> build the env -> spawn the supervised child -> stream its output -> hand back the result.
 
-The same :func:`run_rank` serves Spark tasks and local mode (where the launcher calls it
-from one thread per rank), so both share one env contract, supervision and result path.
+:func:`barrier_task` is what Spark runs (the driver's jobs module ships it, with the spec, as
+the ``mapInArrow`` function). The same :func:`run_rank` serves Spark tasks and local mode (where
+the driver calls it from one thread per rank), so both share one env contract, supervision and
+result path.
 """
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ import tempfile
 import time
 from typing import Iterator, Sequence
 
-from . import logstream, versions, worker_env
-from .errors import RankError, RankFailure, ResultTooLargeError, SparkTrainError, VersionMismatchError
-from .spec import TaskSpec
-from .storage import file_chunks
+from .. import channel, versions, worker_env
+from ..errors import RankError, RankFailure, ResultTooLargeError, SparkTrainError, VersionMismatchError, type_name
+from ..localfiles import file_chunks
+from ..spec import RESULT_FIELDS, SPILLED, TaskSpec
 from .supervisor import ChildProcess
 
 #: Lines of output each rank keeps for its failure report.
@@ -70,7 +72,7 @@ class _Rank:
         self.host = host
         self.local_rank = 0
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.chan: logstream.Channel | None = None
+        self.chan: channel.Channel | None = None
         self.abort_reason: str | None = None
         self.show = spec.output_ranks is None or rank in spec.output_ranks
 
@@ -119,7 +121,7 @@ class _Rank:
             infos.sort(key=lambda i: i["rank"])
             return [i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"])
         try:
-            self.chan = logstream.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout))
+            self.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout))
         except OSError as e:
             raise SparkTrainError(
                 f"rank {self.rank} on {self.host} cannot reach the driver's channel at "
@@ -212,7 +214,7 @@ class _Rank:
     def _on_driver_message(self, child: ChildProcess) -> None:
         try:
             msg = self.chan.recv()
-        except (OSError, logstream.AuthenticationError):
+        except (OSError, channel.AuthenticationError):
             msg = None
         if msg is None:
             self.chan.close()
@@ -265,11 +267,11 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                     f.write(spec.checkpoint)
             child = ChildProcess(workdir, env)
         except SparkTrainError as e:
-            name = type(e).__name__ if type(e) is SparkTrainError else f"sparktrain.errors.{type(e).__name__}"
-            raise _failed(state, state.failure(exc_type=name, message=str(e))) from None
+            raise _failed(state, state.failure(exc_type=type_name(e), message=str(e),
+                                               retryable=e.retryable)) from None
         except Exception as e:
             import traceback
-            raise _failed(state, state.failure(exc_type=type(e).__name__, message=str(e),
+            raise _failed(state, state.failure(exc_type=type_name(e), message=str(e),
                                                traceback=traceback.format_exc())) from None
 
         state.pump(child)
@@ -277,7 +279,6 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         # descendants it left behind in its group.
         code = child.stop(spec.grace_period) if state.abort_reason else child.reap(spec.grace_period)
         child.close_pipes()
-        state.send({"type": "exited", "exitcode": code})
 
         if state.abort_reason is not None:
             # Not a root cause: the driver stopped this rank because of another one.
@@ -308,23 +309,19 @@ def _failed(state: _Rank, failure: RankFailure) -> RankError:
     return RankError(failure, carry_report=not delivered)
 
 
-#: Starts rank 0's answer when its value was spilled to storage; no pickle starts this way.
-SPILLED = b"SPARKTRAIN-SPILLED:"
-
-
 def _result_chunks(state: _Rank, path: str) -> Iterator[bytes]:
     size = os.path.getsize(path)
     limit = state.spec.max_result_bytes
     # Spark counts serialized task results against spark.driver.maxResultSize; leave it headroom.
     if limit and size + (1 << 20) > limit:
         if state.spec.spill_url:
-            from . import storage
+            from .. import storage
 
             url = f"{state.spec.spill_url.rstrip('/')}/sparktrain-{state.spec.run_id}/result.pkl"
             try:
                 storage.put_file(path, url)
             except Exception as e:  # noqa: BLE001
-                raise _failed(state, state.failure(exc_type=type(e).__name__, message=(
+                raise _failed(state, state.failure(exc_type=type_name(e), message=(
                     f"rank 0's return value ({size / 2**20:.1f} MiB pickled) is too large for "
                     f"spark.driver.maxResultSize and could not be spilled to {url}: {e}"))) from None
             yield SPILLED + url.encode()
@@ -335,5 +332,29 @@ def _result_chunks(state: _Rank, path: str) -> Iterator[bytes]:
             "spark.sparktrain.spillUrl to a storage prefix the driver can read, or raise "
             f"spark.driver.maxResultSize (for example to {max(2 * size, 1 << 30) // 2**20}m)"
         )
-        raise _failed(state, state.failure(exc_type="sparktrain.errors.ResultTooLargeError", message=str(err)))
+        raise _failed(state, state.failure(exc_type=type_name(err), message=str(err), retryable=err.retryable))
     yield from file_chunks(path, RESULT_CHUNK)
+
+
+def barrier_task(spec: TaskSpec):
+    """The function each barrier task runs (``mapInArrow``'s); it is pickled with ``spec`` inside."""
+
+    def run_barrier_task(batches):
+        import pyarrow as pa
+        from pyspark import BarrierTaskContext
+
+        for _ in batches:  # the input is one row per task; only the partition id matters
+            pass
+        ctx = BarrierTaskContext.get()
+        rank = ctx.partitionId()
+        if ctx.attemptNumber() > 0:
+            raise RuntimeError(f"sparktrain rank {rank}: Spark retried this task; a rank is never re-run alone, "
+                               "so this attempt stops")
+        host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+        gpu = ctx.resources().get("gpu")
+        for seq, chunk in enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx)):
+            yield pa.RecordBatch.from_arrays(
+                [pa.array([rank], pa.int32()), pa.array([seq], pa.int32()), pa.array([chunk], pa.binary())],
+                names=list(RESULT_FIELDS))
+
+    return run_barrier_task

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Mapping, Sequence
 
+from . import child as _child
+
 
 def _group_alive(pgid: int) -> bool:
     try:
@@ -33,7 +35,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 class ChildProcess:
-    """A supervised child: ``python -m sparktrain.child WORKDIR PARENT_PID``.
+    """A supervised child: ``python -m sparktrain.executor.child WORKDIR PARENT_PID``.
 
     stdout and stderr are pipes the caller reads; stdin is the lifeline, held open until
     :meth:`stop`, so the child sees EOF (and kills its group) the moment this process dies.
@@ -43,7 +45,7 @@ class ChildProcess:
 
     def __init__(self, workdir: str, env: Mapping[str, str], *, python: str | None = None,
                  extra_args: Sequence[str] = ()):
-        argv = [python or sys.executable, "-m", "sparktrain.child", workdir, str(os.getpid()), *extra_args]
+        argv = [python or sys.executable, "-m", _child.__name__, workdir, str(os.getpid()), *extra_args]
         self.proc = subprocess.Popen(
             argv,
             env=dict(env),

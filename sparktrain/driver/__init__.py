@@ -1,0 +1,6 @@
+"""The driver side of a run: what happens in the notebook or spark-submit process.
+
+``run`` (validate, pickle, settings) -> ``cluster`` (session, capacity) -> ``attempt`` (supervise
+one gang) with ``jobs`` (the barrier stage) and ``server`` (the channel's driver end). It never
+imports ``sparktrain.executor`` except where ``jobs`` ships a rank's work.
+"""

@@ -1,0 +1,236 @@
+"""The driver's end of the run's channel: it accepts ranks, does the rendezvous, and turns what
+ranks send into events.
+
+Events are small frozen dataclasses put on one queue, which the attempt's supervision loop
+(``sparktrain.driver.attempt``) consumes on the thread that called ``run``, so output is written
+where a notebook shows it: in the running cell.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import socket
+import threading
+from typing import Union
+
+from .. import channel
+from ..channel import AuthenticationError, Channel
+
+log = logging.getLogger("sparktrain")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A rank checked in from ``host``."""
+
+    rank: int
+    host: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One line a rank printed, on ``stream`` ("stdout" or "stderr"), at wall-clock ``time``."""
+
+    rank: int
+    stream: str
+    line: str
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """A rank's failure report (a ``RankFailure.to_dict()``)."""
+
+    rank: int
+    failure: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Closed:
+    """A rank's connection ended: its task is done with its processes, or it died."""
+
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A connection that did not prove it holds the run's secret was dropped."""
+
+    peer: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class JobDone:
+    """The Spark (or local) job ended; put on the queue by the job itself, to wake the loop at once."""
+
+
+Event = Union[Hello, Output, Failed, Closed, Refused, JobDone]
+
+
+class DriverServer:
+    """Accepts ``size`` ranks on ``host``; answers the rendezvous; emits :data:`Event` on ``events``."""
+
+    def __init__(self, secret: bytes, size: int, host: str):
+        self.secret = secret
+        self.size = size
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._lock = threading.Lock()
+        self._channels: dict[int, Channel] = {}
+        self._hellos: dict[int, dict] = {}
+        self._closing = False
+        self._abort_reason: str | None = None
+        self._threads: list[threading.Thread] = []
+        self._pending: set[socket.socket] = set()
+        self._all_closed = threading.Condition(self._lock)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.bind((host, 0))
+        self._listener.listen(max(16, 2 * size))
+        self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="sparktrain-accept", daemon=True)
+        self._accept_thread.start()
+
+    # -- connections ---------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            with self._lock:
+                if self._closing:
+                    sock.close()
+                    return
+                self._pending.add(sock)
+                t = threading.Thread(target=self._serve, args=(sock, peer), name="sparktrain-conn", daemon=True)
+                self._threads.append(t)
+            t.start()
+
+    def _serve(self, sock: socket.socket, peer) -> None:
+        rank = None
+        chan = None
+        try:
+            chan = channel.accept(sock, self.secret)
+            sock.settimeout(channel.AUTH_TIMEOUT)
+            hello = chan.recv()
+            if hello is None or hello.get("type") != "hello":
+                raise AuthenticationError("the first message was not a hello")
+            sock.settimeout(None)
+            rank = int(hello["rank"])
+            if not self._register(rank, chan, hello):
+                return
+            while True:
+                msg = chan.recv()
+                if msg is None:
+                    break
+                self._dispatch(rank, msg)
+        except (AuthenticationError, socket.timeout, ValueError, KeyError) as e:
+            if rank is None:
+                self.events.put(Refused(peer[0], str(e)))  # the attempt logs it, once
+            else:
+                log.warning("sparktrain: dropped rank %d's connection: %s", rank, e)
+        except OSError:
+            pass  # the peer went away; the attempt learns what happened from Spark or other events
+        finally:
+            with self._lock:
+                self._pending.discard(sock)
+            if chan is not None:
+                chan.close()
+            else:
+                sock.close()
+            with self._lock:
+                self._all_closed.notify_all()
+            if rank is not None:
+                self.events.put(Closed(rank))
+
+    def _register(self, rank: int, chan: Channel, hello: dict) -> bool:
+        with self._lock:
+            if not 0 <= rank < self.size or rank in self._hellos or self._closing or self._abort_reason:
+                # A second hello for a rank is a retried Spark task; sparktrain does not retry
+                # inside a stage, so that attempt is told to stop at once. A rank that starts
+                # after the run was stopped is told so too.
+                why = ("duplicate rank" if rank in self._hellos else "unknown rank") + \
+                    f" {rank}: this run does not accept it"
+                self._send_quietly(chan, {"type": "abort", "reason": self._abort_reason or why})
+                return False
+            self._channels[rank] = chan
+            self._hellos[rank] = hello
+            complete = len(self._hellos) == self.size
+        self.events.put(Hello(rank, str(hello.get("host", "?"))))
+        if complete:
+            self._send_peers()
+        return True
+
+    def _send_peers(self) -> None:
+        with self._lock:
+            ordered = [self._hellos[r] for r in range(self.size)]
+            peers = {
+                "type": "peers",
+                "hosts": [h["host"] for h in ordered],
+                "ports": [int(h["port"]) for h in ordered],
+                "master_port": int(ordered[0]["master_port"]),
+            }
+            channels = list(self._channels.values())
+        for chan in channels:
+            self._send_quietly(chan, peers)
+
+    def _dispatch(self, rank: int, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "out":
+            self.events.put(Output(rank, msg["stream"], msg["line"], msg["time"]))
+        elif kind == "failed":
+            self.events.put(Failed(rank, msg["failure"]))
+
+    @staticmethod
+    def _send_quietly(chan: Channel, msg: dict) -> None:
+        try:
+            chan.send(msg)
+        except OSError:
+            pass
+
+    # -- control -------------------------------------------------------------------------------
+    def missing_ranks(self) -> list[int]:
+        with self._lock:
+            return [r for r in range(self.size) if r not in self._hellos]
+
+    def connected_ranks(self) -> list[int]:
+        with self._lock:
+            return [r for r, c in self._channels.items() if not c.closed]
+
+    def wait_disconnected(self, timeout: float) -> bool:
+        """Wait until every rank that checked in has disconnected; False if some still are after ``timeout``."""
+        with self._lock:
+            return self._all_closed.wait_for(
+                lambda: all(c.closed for c in self._channels.values()), timeout=max(0.0, timeout))
+
+    def abort(self, reason: str) -> None:
+        """Tell every connected rank to stop its processes now, and every later one not to start."""
+        with self._lock:
+            self._abort_reason = self._abort_reason or reason
+            channels = list(self._channels.values())
+        for chan in channels:
+            self._send_quietly(chan, {"type": "abort", "reason": reason})
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            channels = list(self._channels.values())
+            pending = list(self._pending)
+        try:
+            # shutdown() wakes the accept() blocked in the accept thread; close() alone does not.
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for chan in channels:
+            chan.close()
+        for sock in pending:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._accept_thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)

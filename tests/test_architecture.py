@@ -1,0 +1,46 @@
+"""The layout's rules hold: import-linter's contracts in setup.cfg pass on the package, and fail on
+a copy of it with a forbidden import added (so the contracts can fail at all)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINT_IMPORTS = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def lint_imports(cwd: str) -> subprocess.CompletedProcess:
+    # PYTHONPATH first: a copy of the package in cwd shadows the installed one.
+    env = dict(os.environ, PYTHONPATH=cwd)
+    return subprocess.run([LINT_IMPORTS, "--config", os.path.join(cwd, "setup.cfg"), "--no-cache"], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=100)
+
+
+def test_the_import_contracts_hold():
+    proc = lint_imports(ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Contracts: 3 kept, 0 broken." in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("module, line, contract", [
+    ("executor/task.py", "from ..driver import attempt", "The executor side never imports the driver side"),
+    ("driver/attempt.py", "from ..executor import supervisor",
+     "The driver side imports the executor side only where jobs ships the task"),
+    ("spec.py", "from .storage import put_bytes", "The pure modules import neither side"),
+])
+def test_a_forbidden_import_breaks_its_contract(tmp_path, module, line, contract):
+    shutil.copytree(os.path.join(ROOT, "sparktrain"), tmp_path / "sparktrain",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(os.path.join(ROOT, "setup.cfg"), tmp_path / "setup.cfg")
+    target = tmp_path / "sparktrain" / module
+    target.write_text(target.read_text() + f"\n\ndef _forbidden():\n    {line}\n")  # a lazy import counts too
+    proc = lint_imports(str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{contract} BROKEN" in proc.stdout, proc.stdout
+    assert "Contracts: 2 kept, 1 broken." in proc.stdout, proc.stdout
