@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from typing import Iterator
 
 
@@ -23,7 +22,7 @@ def replaced_atomically(path: str) -> Iterator[str]:
     ...     model.save(tmp)
     """
     base, ext = os.path.splitext(path)
-    tmp = f"{base}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}{ext}"
+    tmp = f"{base}.partial-{os.getpid()}-{os.urandom(4).hex()}{ext}"  # no uuid: the rank process imports this
     try:
         yield tmp
         os.replace(tmp, path)

@@ -83,12 +83,14 @@ def _task_alive(rank_pid: int, parent_pid: int) -> bool:
     return task is not None and task[0] != "Z"
 
 
-def _watch(rank_pid: int, parent_pid: int, lifeline: int, workdir: str) -> None:
+def _watch(rank_pid: int, parent_pid: int, lifeline: int, rank_exit: int, workdir: str) -> None:
     """The watcher process: if the task process that started the rank dies before it has cleaned
     up, kill the rank's group and remove the rank's work directory, which the task no longer can.
 
     Once the rank has exited, the watcher leaves the rank's process group, so the task does not
     wait for it as for a leftover descendant; it ends when the task has removed the directory.
+    ``rank_exit`` is the read end of a pipe only the rank holds open: its EOF says, the moment the
+    kernel closes the exiting rank's files, that the rank is gone.
     """
     # A polite stop (SIGTERM to the group) must not end the watcher: if the task dies during
     # the grace period, before its SIGKILL, the watcher is what still ends the rank.
@@ -97,17 +99,22 @@ def _watch(rank_pid: int, parent_pid: int, lifeline: int, workdir: str) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # never hold the rank's output pipes open
         os.dup2(devnull, fd)
-    os.closerange(3, lifeline)
-    os.closerange(lifeline + 1, 1024)
-    watching = [lifeline]
+    low, high = sorted((lifeline, rank_exit))
+    os.closerange(3, low)
+    os.closerange(low + 1, high)
+    os.closerange(high + 1, 1024)
+    watching = [lifeline, rank_exit]
+    rank_exited = False
     in_rank_group = True
     while os.path.exists(workdir):
         ready, _, _ = select.select(watching, [], [], 0.2)
-        if ready and not os.read(lifeline, 4096):
-            # EOF: the task died, or closed its end to stop the rank (then it sends the signals
-            # itself; keep watching in case it dies before it is done).
-            watching = []
-        if in_rank_group and os.getppid() != rank_pid:  # the rank exited
+        for fd in ready:
+            if not os.read(fd, 4096):
+                # EOF on the lifeline: the task died, or closed its end to stop the rank (then it
+                # sends the signals itself; keep watching in case it dies before it is done).
+                watching.remove(fd)
+                rank_exited = rank_exited or fd == rank_exit
+        if in_rank_group and (rank_exited or os.getppid() != rank_pid):  # the rank exited
             os.setpgid(0, 0)
             in_rank_group = False
         if not _task_alive(rank_pid, parent_pid):
@@ -139,12 +146,16 @@ def _install_lifeline(parent_pid: int, workdir: str) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     rank_pid = os.getpid()
+    # Only this process keeps the write end (it is not inherited across exec), so the watcher
+    # sees EOF when the rank exits.
+    exit_read, _exit_write = os.pipe()
     if os.fork() == 0:
         try:
-            _watch(rank_pid, parent_pid, lifeline, workdir)
+            _watch(rank_pid, parent_pid, lifeline, exit_read, workdir)
         finally:
             os._exit(0)
     os.close(lifeline)
+    os.close(exit_read)
 
 
 def _report_error(workdir: str, exc: BaseException, message: str | None = None) -> None:

@@ -84,9 +84,12 @@ class ChildProcess:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
-            # The child itself is reaped; its descendants have no exit event we can await, so poll.
+            # The child itself is reaped; its descendants have no exit event we can await, so poll,
+            # briefly at first: the rank's watcher usually leaves the group within milliseconds.
+            pause = 0.002
             while _group_alive(self.pgid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
             _signal_group(self.pgid, signal.SIGKILL)
         return self._finish()
 
