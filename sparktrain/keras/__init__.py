@@ -44,7 +44,7 @@ def DistributedOptimizer(optimizer, op: str = Average):  # noqa: N802 - Horovod'
         raise SparkTrainError(
             f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
             "for tf_keras use sparktrain.tensorflow.strategy()")
-    _tfc._check_op(op)
+    _tfc.check_op(op)
     base = type(optimizer)
     if getattr(base, "_sparktrain_distributed", False):
         return optimizer

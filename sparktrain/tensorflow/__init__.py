@@ -180,7 +180,8 @@ def _hint() -> str:
     return "nccl" if _state.gpu else "ring"
 
 
-def _check_op(op: str) -> str:
+def check_op(op: str) -> str:
+    """``op`` if it is a reduction sparktrain runs (``Average`` or ``Sum``); otherwise an error naming it."""
     if op not in (Average, Sum):
         raise SparkTrainError(f"op must be sparktrain.tensorflow.Average or Sum, got {op!r}")
     return op
@@ -193,7 +194,7 @@ def allreduce(tensor, op: str = Average, name: str | None = None):
     """
     _require_init()
     tf = _tf()
-    _check_op(op)
+    check_op(op)
     tensor = tf.convert_to_tensor(tensor)
     if _state.size == 1:
         return tf.identity(tensor)
@@ -211,7 +212,7 @@ def grouped_allreduce(tensors: Iterable, op: str = Average) -> list:
     """
     _require_init()
     tf = _tf()
-    _check_op(op)
+    check_op(op)
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if _state.size == 1:
         return [tf.identity(t) for t in tensors]
@@ -316,7 +317,7 @@ class DistributedGradientTape:
 
     def __init__(self, tape, op: str = Average):
         self._tape = tape
-        self._op = _check_op(op)
+        self._op = check_op(op)
 
     def __getattr__(self, name):
         return getattr(self._tape, name)
