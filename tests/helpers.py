@@ -64,6 +64,13 @@ def wait_for_file(path: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def wait_for_ranks(outdir: str, size: int, timeout: float = 120.0) -> None:
+    """Block until every rank has written its ``record_rank`` file. A rank about to fail on purpose
+    waits for this first, so that the test can read every rank's pid however slowly the others start."""
+    for r in range(size):
+        wait_for_file(os.path.join(outdir, f"rank-{r}.json"), timeout)
+
+
 def rank_processes(marker: str, timeout: float = 5.0) -> list[int]:
     """Pids of sparktrain rank processes (ranks and their watchers) whose command line contains
     ``marker`` (a run's work directory prefix, ``sparktrain-<run id>-``, or a work directory), still

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import sparktrain
-from helpers import read_ranks, record_rank, wait_for_file, wait_pids_gone
+from helpers import read_ranks, record_rank, wait_for_file, wait_for_ranks, wait_pids_gone
 from conftest import module_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
@@ -90,8 +90,7 @@ def fail_on_rank(bad_rank, outdir, how):
 
     record_rank(outdir)
     if sparktrain.rank() == bad_rank:
-        for r in range(sparktrain.size()):  # fail once every rank is running, so each pid is known
-            wait_for_file(os.path.join(outdir, f"rank-{r}.json"), timeout=60)
+        wait_for_ranks(outdir, sparktrain.size())  # fail once every rank is running, so each pid is known
         print("about to fail", flush=True)
         print("details on stderr", file=sys.stderr, flush=True)
         if how == "raise":
