@@ -157,7 +157,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     model_bytes = sparktrain.run(demo.train, args=(args.epochs, 32, 0.001), num_proc=args.num_proc,
-                                 env={"TF_CPP_MIN_LOG_LEVEL": "3"}, output_ranks=[0])
+                                 output_ranks=[0])
     path = os.path.abspath(args.out)
     with open(path, "wb") as f:
         f.write(model_bytes)

@@ -34,6 +34,8 @@ class TaskSpec:
     attempt: int = 1
     #: The driver's versions (see ``sparktrain.versions``); each rank checks its own against them.
     versions: dict | None = None
+    #: ``TF_CPP_MIN_LOG_LEVEL`` for ranks whose environment does not set it (0 shows every C++ line).
+    tf_log_level: int = 2
 
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.

@@ -286,6 +286,9 @@ def test_readme_demo_trains_a_cnn_on_3_ranks(tmp_path):
     assert final.startswith("trained on 3 ranks") and "test accuracy 0.9" in final, final
     assert (tmp_path / "sparktrain-demo-model.keras").stat().st_size > 10_000
     assert "started an embedded local[3] session" in proc.stderr
+    rank_lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("[0]<")]
+    startup = [line for line in rank_lines if "absl::InitializeLog" in line or "oneDNN" in line or "cudart" in line]
+    assert rank_lines and startup == [], startup  # TensorFlow's C++ start-up lines are hidden by default
 
 
 def warmup_fit(outdir):

@@ -84,3 +84,20 @@ print("ok", sparktrain.size())
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok 1"
+
+
+def import_tensorflow():
+    import tensorflow as tf
+
+    print("imported", tf.__version__.split(".")[0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env, verbose, shown", [({}, 1, False), ({}, 2, True), ({"TF_CPP_MIN_LOG_LEVEL": "0"}, 1, True)])
+def test_tensorflow_start_up_lines_are_hidden_unless_asked_for(env, verbose, shown):
+    out, err = io.StringIO(), io.StringIO()
+    sparktrain.run(import_tensorflow, num_proc=-1, env=env, verbose=verbose, stdout=out, stderr=err)
+    assert "[0]<stdout>:imported 2" in out.getvalue()
+    startup = [line for line in err.getvalue().splitlines() if "oneDNN custom operations" in line
+               or "absl::InitializeLog" in line]
+    assert bool(startup) == shown, err.getvalue()[-2000:]

@@ -53,6 +53,8 @@ class RunInfo:
     timestamps: bool
     #: Seconds the whole run may take (every attempt together); None: no limit.
     timeout: float | None
+    #: 0 warnings only, 1 progress, 2 debug (and every C++ log line of the ranks).
+    verbose: int = 1
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     def elapsed(self) -> float:

@@ -137,7 +137,7 @@ def run(
 
     fn_name = getattr(train_fn, "__qualname__", type(train_fn).__name__)
     info = RunInfo(run_id=uuid.uuid4().hex[:12], fn_name=fn_name, stdout=stdout, stderr=stderr,
-                   timestamps=prefix_output_with_timestamp, timeout=timeout)
+                   timestamps=prefix_output_with_timestamp, timeout=timeout, verbose=verbose)
 
     if local:
         conf: dict[str, str] = {}
@@ -202,7 +202,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         use_gpu=use_gpu, output_ranks=output_ranks, max_result_bytes=max_result_bytes,
         start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
         grace_period=settings.resolve("grace_period", conf=conf), user_env=dict(env), checkpoint=checkpoint,
-        spill_url=spill_url, versions=versions.collect(),
+        spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2,
     )
 
 

@@ -13,6 +13,7 @@ import collections
 import errno
 import json
 import os
+import re
 import selectors
 import shutil
 import socket
@@ -33,6 +34,30 @@ TAIL_LINES = 100
 MAX_LINE = 16 * 1024
 #: Size of the pieces rank 0's pickled result travels in.
 RESULT_CHUNK = 4 * 1024 * 1024
+
+#: A C++ log line in absl's format, severity letter first (``I0000 00:00:17.5 123 port.cc:153] ...``).
+_CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] ")
+_CPP_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
+#: What each of TensorFlow's two copies of absl prints once before its first line.
+_ABSL_PREINIT = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+
+
+def below_log_level(line: str, level: int) -> bool:
+    """Whether ``TF_CPP_MIN_LOG_LEVEL=level`` should have hidden this C++ log line.
+
+    TensorFlow 2.21 prints its start-up lines (oneDNN, the CUDA stubs) through absl before it
+    reads the variable, twice: once per copy of absl in its shared libraries. The rank's output
+    pump drops them as the variable asks.
+
+    >>> below_log_level("I0000 00:00:1795356405.409084    3599 port.cc:153] oneDNN custom operations are on.", 2)
+    True
+    >>> below_log_level("E0000 00:00:1795356405.409084    3599 rpc.cc:1] peer gone", 2)
+    False
+    """
+    if line == _ABSL_PREINIT:
+        return level >= 1
+    m = _CPP_LOG_LINE.match(line)
+    return m is not None and _CPP_SEVERITY[m.group(1)] < level
 
 def reserve_port(attempts: int = 8) -> socket.socket:
     """Bind a free TCP port and hold it, so nobody else takes it before the child needs it.
@@ -75,6 +100,8 @@ class _Rank:
         self.chan: channel.Channel | None = None
         self.abort_reason: str | None = None
         self.show = spec.output_ranks is None or rank in spec.output_ranks
+        #: The rank's TF_CPP_MIN_LOG_LEVEL: C++ log lines below it are dropped (see below_log_level).
+        self.log_level = 0
 
     # -- channel -----------------------------------------------------------------------------
     def send(self, msg: dict) -> bool:
@@ -150,6 +177,8 @@ class _Rank:
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, stream: str, line: str) -> None:
+        if stream == "stderr" and self.log_level and below_log_level(line, self.log_level):
+            return
         self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
         if not self.show:
             return
@@ -260,6 +289,12 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 attempt=spec.attempt,
             ))
             env["PYTHONPATH"] = _child_pythonpath()
+            # The user's env or the executor's own wins; otherwise the run's default (quiet unless verbose=2).
+            env.setdefault("TF_CPP_MIN_LOG_LEVEL", str(spec.tf_log_level))
+            try:
+                state.log_level = int(env["TF_CPP_MIN_LOG_LEVEL"])
+            except ValueError:
+                state.log_level = 0
             with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
                 f.write(spec.payload)
             if spec.checkpoint is not None and rank == 0:
