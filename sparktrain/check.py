@@ -224,9 +224,11 @@ def _facts_function() -> Callable[[tuple, tuple], dict]:
     def facts(packages: tuple, backends: tuple) -> dict:
         import platform
         import sys
-        from importlib import metadata
+        from importlib import metadata, util
 
-        found = {"executable": sys.executable, "versions": {"python": platform.python_version()}, "backends": {}}
+        found = {"executable": sys.executable, "versions": {"python": platform.python_version()}, "backends": {},
+                 # what a rank's barrier task imports besides sparktrain (cluster.TASK_MODULES)
+                 "missing": [m for m in ("cloudpickle", "pyarrow") if util.find_spec(m) is None]}
         for name in packages:
             try:
                 found["versions"][name] = metadata.version(name)
@@ -357,6 +359,13 @@ def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
         report.fail(f"sparktrain is not installed on the executors of {_where(missing)} ({missing[0]['executable']}); "
                     "every rank imports it. Install it there (a cluster library on Databricks, a workspace package "
                     "on Synapse, or pip install on every node)")
+    lacking: dict[tuple, list[dict]] = {}
+    for t in tasks:
+        if t.get("missing"):
+            lacking.setdefault((t["executable"], *t["missing"]), []).append(t)
+    for (exe, *modules), ts in lacking.items():
+        report.fail(f"the executors' Python {exe} cannot import {', '.join(modules)} ({_where(ts)}), which every "
+                    "rank's task imports; install them there (pip install sparktrain brings both)")
     differs: dict[str, list[dict]] = {}
     kerases: dict[str, list[dict]] = {}
     for t in tasks:

@@ -95,13 +95,20 @@ def test_check_fails_with_the_reason_when_gpus_are_asked_for_without_a_discovery
     assert "Result: 1 problem(s) would make sparktrain.run fail here:" in out
 
 
-def test_check_fails_when_the_executors_python_lacks_sparktrain(tmp_path):
-    """Executors that run another Python (here the one this virtual environment was made from)."""
+def python_without(module: str, cwd) -> str:
+    """The Python this virtual environment was made from, to play executors that run another Python;
+    skips the test where it can import ``module``."""
     base = getattr(sys, "_base_executable", None) or sys.executable
     # Away from the checkout, whose sparktrain/ any Python could import from the current directory.
-    probe = subprocess.run([base, "-c", "import sparktrain"], capture_output=True, timeout=60, cwd=tmp_path)
+    probe = subprocess.run([base, "-c", f"import {module}"], capture_output=True, timeout=60, cwd=cwd)
     if base == sys.executable or probe.returncode == 0:
-        pytest.skip(f"{base} can import sparktrain, so it cannot play an executor without it")
+        pytest.skip(f"{base} can import {module}, so it cannot play an executor without it")
+    return base
+
+
+def test_check_fails_when_the_executors_python_lacks_sparktrain(tmp_path):
+    """Executors that run another Python (here the one this virtual environment was made from)."""
+    base = python_without("sparktrain", tmp_path)
     proc = check("--master", "local[2]", env={"PYSPARK_PYTHON": base}, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
@@ -137,3 +144,12 @@ def test_bad_options_are_refused_before_spark_starts(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr
     assert "Spark" not in proc.stdout
+
+
+def test_check_names_the_executors_python_and_each_module_a_task_needs(tmp_path):
+    base = python_without("pyarrow", tmp_path)
+    proc = check("--master", "local[2]", env={"PYSPARK_PYTHON": base}, cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr[-3000:]
+    assert re.search(rf"\[FAIL\] the executors' Python {re.escape(base)} cannot import (cloudpickle, )?pyarrow "
+                     r"\(task 0 at \S+, task 1 at \S+\), which every rank's task imports", out), out

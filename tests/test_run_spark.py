@@ -305,3 +305,28 @@ def test_checkpoint_url_is_checked_before_launch(spark):
         sparktrain.run(quick, args=(0,), num_proc=3, checkpoint_url="nosuch://x/y")
     with pytest.raises(sparktrain.RankFailedError, match="must return bytes or the path"):
         sparktrain.run(quick, args=(0,), num_proc=3, verbose=0, checkpoint_url="memory://x/y")
+
+
+def import_missing_on_task_1(batches):
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext
+
+    for _ in batches:
+        pass
+    if BarrierTaskContext.get().partitionId() == 1:
+        import sparktrain_no_such_module  # noqa: F401
+    yield pa.RecordBatch.from_arrays([pa.array([0], pa.int32())], names=["x"])
+
+
+def test_a_spark_failure_reads_as_the_rank_and_its_python_exception_first(spark):
+    from sparktrain.driver import cluster
+
+    with pytest.raises(Exception) as e:  # what pyspark raises for a failed job
+        spark.range(0, 2, 1, 2).mapInArrow(import_missing_on_task_1, "x int", barrier=True).collect()
+    failure = cluster.read_spark_failure(e.value)
+    assert (failure.rank, failure.cause) == (1, "ModuleNotFoundError: No module named 'sparktrain_no_such_module'")
+    message = failure.message("run 1234 of train")
+    first, second = message.splitlines()[:2]
+    assert first == "rank 1: ModuleNotFoundError: No module named 'sparktrain_no_such_module'", message
+    assert second.startswith("run 1234 of train failed in Spark: ") and re.search(r"ResultTask\(\d+, 1\)", second), message
+    assert not message.rstrip().endswith((":", "Traceback (most recent call last)")), message

@@ -19,7 +19,6 @@ import logging
 import os
 import posixpath
 import queue
-import re
 import sys
 import time
 from typing import IO, Any, Callable, Mapping
@@ -28,7 +27,7 @@ from .. import channel
 from ..errors import (RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError,
                       StartTimeoutError, failures_in)
 from ..spec import SPILLED, TaskSpec
-from .cluster import spark_error_reason
+from .cluster import read_spark_failure
 from .jobs import Job, JobFactory
 from .server import Closed, DriverServer, Event, Failed, Hello, JobDone, Output, Refused
 
@@ -294,18 +293,19 @@ class Attempt:
         run = f"run {self.info.run_id} of {self.info.fn_name}"
         if "cancel" in text.lower():
             return RunCancelledError(f"{run} was cancelled (Spark job group sparktrain-{self.info.run_id})")
-        reason = spark_error_reason(error)
-        task = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", text)
-        if task and int(task.group(1)) in self.hosts:
+        # Lead with the executor's own Python exception, where Spark carried one, then Spark's context.
+        failure = read_spark_failure(error)
+        rank = failure.rank
+        if rank is not None and rank in self.hosts:
             # The rank's task died under it (its Python worker or executor was killed) before
             # sparktrain could report anything: name the rank, and what Spark saw.
-            rank = int(task.group(1))
+            died = ("its Spark task died without a report from the rank (the executor's Python worker or JVM was "
+                    f"killed, or ran out of memory); Spark says: {failure.context}")
             return RankFailedError([RankFailure(
                 rank=rank, host=self.hosts[rank], time=time.time(),
                 local_rank=sum(1 for r, h in self.hosts.items() if r < rank and h == self.hosts[rank]),
-                message=f"its Spark task died without a report from the rank (the executor's Python worker or "
-                        f"JVM was killed, or ran out of memory); Spark says: {reason}")])
-        return SparkTrainError(f"{run} failed in Spark: {reason}")
+                message=f"{failure.cause} ({died})" if failure.cause else died)])
+        return SparkTrainError(failure.message(run))
 
 
 def load_result(data: bytes | None) -> Any:

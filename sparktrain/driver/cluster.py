@@ -10,11 +10,13 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import InsufficientResourcesError
+from ..errors import ClusterConfigError, InsufficientResourcesError
 from . import preflight
 from .preflight import Capacity
 
@@ -159,14 +161,61 @@ def wait_for_capacity(sc, conf: Mapping[str, str], size: int, use_gpu: bool, wai
     preflight.check_capacity(size, cap, use_gpu)
 
 
+#: What a rank's barrier task imports in the executors' Python before sparktrain can report anything.
+TASK_MODULES = ("sparktrain", "cloudpickle", "pyarrow")
+_PYTHONS_CHECKED: set[str] = set()
+
+
+def executors_python(sc) -> str:
+    """The interpreter Spark starts the Python workers of this session's jobs with: the
+    ``PYSPARK_PYTHON`` the SparkContext read when it started (spark-submit sets it from
+    ``spark.pyspark.python``), else ``python3`` from PATH. A ``spark.pyspark.python`` given to a
+    session built inside Python does not change it (measured on local masters)."""
+    return getattr(sc, "pythonExec", None) or "python3"
+
+
+def check_executors_python(sc) -> None:
+    """Where the executors run on this host (local masters, local-cluster), make sure their Python
+    can import what a rank's task needs; otherwise raise ClusterConfigError naming both
+    interpreters and the fix, before anything launches.
+
+    A session built without ``PYSPARK_PYTHON`` runs its executors on ``python3`` from PATH, which
+    is not the venv's interpreter when the script was started as ``.venv/bin/python train.py``.
+    The check asks that interpreter to find the modules without importing them (about 50 ms), once
+    per interpreter and process; it is skipped when the executors run this very interpreter.
+    """
+    if not on_this_host(sc.master):
+        return
+    exe = executors_python(sc)
+    path = shutil.which(exe) or exe
+    if os.path.abspath(path) == os.path.abspath(sys.executable) or path in _PYTHONS_CHECKED:
+        return
+    code = f"import importlib.util as u; print(' '.join(m for m in {TASK_MODULES!r} if u.find_spec(m) is None))"
+    try:
+        proc = subprocess.run([path, "-c", code], capture_output=True, text=True, timeout=30)
+        missing = proc.stdout.split()
+        problem = (f"cannot import {', '.join(missing)}" if missing else None) if proc.returncode == 0 else \
+            f"fails to start: {(proc.stderr.strip().splitlines() or ['exit code %d' % proc.returncode])[-1]}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        problem = f"cannot be run: {e}"
+    if problem is None:
+        _PYTHONS_CHECKED.add(path)
+        return
+    where = exe if path == exe else f"{exe} ({path})"
+    raise ClusterConfigError(
+        f"the executors' Python, {where}, {problem}; this driver runs {sys.executable}. PySpark starts the "
+        "executors' Python from PYSPARK_PYTHON, read when the SparkSession starts (spark-submit sets it from "
+        f"spark.pyspark.python). Fix: export PYSPARK_PYTHON={sys.executable} before starting Python, or set "
+        "os.environ[\"PYSPARK_PYTHON\"] = sys.executable before building the session; or install sparktrain, "
+        f"cloudpickle and pyarrow for {where}")
+
+
 def local_gpus(size: int) -> list[list[str]]:
     """One GPU id per rank on this machine (local mode), or InsufficientResourcesError."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() not in ("", "-1"):
         count = len([v for v in visible.split(",") if v.strip()])
     else:
-        import shutil
-        import subprocess
         smi = shutil.which("nvidia-smi")
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout if smi else ""
         count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
@@ -181,17 +230,35 @@ def local_gpus(size: int) -> list[list[str]]:
 # -- Spark's errors ----------------------------------------------------------------------------------
 
 _PYTHON_ERROR = re.compile(r"^(\[\w+\] )?[\w.]+(Error|Exception)\b.*:")
+_TRACEBACK = "Traceback (most recent call last):"
+#: How Spark introduces a Python worker's traceback; with the cause moved first, it would dangle.
+_PYTHON_WORKER_SAYS = "[PYTHON_EXCEPTION] An exception was thrown from the Python worker:"
 
 
-def spark_error_reason(error: Any) -> str:
+def _error_text(error: Any) -> str:
+    java = getattr(error, "java_exception", None)
+    return str(java.toString()) if java is not None else str(error)
+
+
+def python_cause(error: Any) -> str | None:
+    """The executor's Python exception (``ModuleNotFoundError: No module named 'x'``) when Spark's
+    error carries a Python worker's traceback; None otherwise."""
+    text = _error_text(error)
+    if "Traceback" not in text:
+        return None
+    causes = [line.strip() for line in text.splitlines() if _PYTHON_ERROR.match(line.strip())]
+    return causes[-1][:500] if causes else None
+
+
+def spark_error_reason(error: Any, *, with_cause: bool = True) -> str:
     """The informative part of a Spark (or Py4J) error, without the JVM stack.
 
     py4j puts "An error occurred while calling" first; Spark puts the stage failure after "Job
     aborted due to stage failure:"; a failed Python task carries the worker's traceback, whose
-    last "...Error: ..." line is the cause.
+    last "...Error: ..." line is the cause (appended, unless ``with_cause=False``). The reason
+    never ends on a bare "Traceback (most recent call last):".
     """
-    java = getattr(error, "java_exception", None)
-    text = str(java.toString()) if java is not None else str(error)
+    text = _error_text(error)
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("at ")]
     if not lines:
         return type(error).__name__ if isinstance(error, BaseException) else ""
@@ -203,8 +270,32 @@ def spark_error_reason(error: Any) -> str:
             picked.append(line.split("Exception: ", 1)[-1])
     if not picked:
         picked = [next((line for line in lines if not line.startswith("An error occurred while calling")), lines[0])]
-    reason = " ".join(picked)
-    causes = [line for line in lines if _PYTHON_ERROR.match(line)]
-    if "Traceback" in text and causes and causes[-1] not in reason:
-        reason = f"{reason[:300]} ... {causes[-1][:500]}"
+    reason = " ".join(p for p in picked if p != _TRACEBACK).removesuffix(_TRACEBACK).strip()
+    cause = python_cause(error) if with_cause else None
+    if cause and cause not in reason:
+        reason = f"{reason[:300]} ... {cause}"
     return reason[:800]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparkFailure:
+    """What a failed barrier job's error says: which task (= rank) failed, the executor's Python
+    exception when Spark carried one, and Spark's own context."""
+
+    rank: int | None
+    cause: str | None
+    context: str
+
+    def message(self, run: str) -> str:
+        """``rank 1: ModuleNotFoundError: ...`` first, then ``<run> failed in Spark: <context>``."""
+        if self.cause:
+            where = f"rank {self.rank}: " if self.rank is not None else ""
+            return f"{where}{self.cause}\n{run} failed in Spark: {self.context}"
+        return f"{run} failed in Spark: {self.context}"
+
+
+def read_spark_failure(error: Any) -> SparkFailure:
+    """Read a failed barrier job's error (see :class:`SparkFailure`)."""
+    task = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", _error_text(error))
+    context = spark_error_reason(error, with_cause=False).removesuffix(_PYTHON_WORKER_SAYS).strip()
+    return SparkFailure(int(task.group(1)) if task else None, python_cause(error), context)

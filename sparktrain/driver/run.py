@@ -162,6 +162,7 @@ def run(
             "session for now. Run it where the driver has a SparkContext, or use local_mode=True") from None
     conf = dict(sc.getConf().getAll())
     preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
+    cluster.check_executors_python(sc)
     if use_gpu is None:
         use_gpu = preflight.gpu_amount(conf) > 0
     preflight.check_gpu_conf(conf, use_gpu)

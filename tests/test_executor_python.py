@@ -1,0 +1,65 @@
+"""A newcomer's script builds its own SparkSession without PYSPARK_PYTHON and is started with the
+venv's interpreter, unactivated: the executors would run ``python3`` from PATH, which lacks
+sparktrain. The run is refused before any Spark job, naming both interpreters and the fix, and the
+fix it names works."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
+
+SCRIPT = """
+import sys, time
+from pyspark.sql import SparkSession
+import sparktrain
+
+builder = SparkSession.builder.master(sys.argv[1]).config("spark.ui.enabled", "false")
+if sys.argv[1].startswith("local-cluster"):
+    builder = builder.config("spark.executor.memory", "512m")
+if sys.argv[2] == "fixed":
+    import os
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # the fix the error names
+spark = builder.getOrCreate()
+started = time.monotonic()
+try:
+    print("RESULT", sparktrain.run(lambda: sparktrain.size(), num_proc=2, verbose=0))
+except sparktrain.SparkTrainError as e:
+    print(f"ERROR {type(e).__name__} after {time.monotonic() - started:.2f} s: {e}")
+print("JOBS", spark.sparkContext._jsc.sc().statusStore().jobsList(None).size())
+"""
+
+
+def newcomer(tmp_path, master: str, how: str) -> subprocess.CompletedProcess:
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH")}
+    return subprocess.run([sys.executable, "train.py", master, how], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def path_python():
+    probe = subprocess.run(["python3", "-c", "import sparktrain, cloudpickle, pyarrow"], capture_output=True,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=60)
+    if probe.returncode == 0:
+        pytest.skip("python3 on PATH has sparktrain, so it cannot play an executor without it")
+
+
+@pytest.mark.parametrize("master", ["local[2]", "local-cluster[2,1,1024]"])
+def test_executors_without_sparktrain_are_refused_before_launch_naming_both_pythons(path_python, tmp_path, master):
+    proc = newcomer(tmp_path, master, "as-is")
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR ClusterConfigError" in out, out + proc.stderr[-3000:]
+    assert "the executors' Python, python3 (" in out and "cannot import sparktrain" in out, out
+    assert f"this driver runs {sys.executable}" in out, out
+    assert f"export PYSPARK_PYTHON={sys.executable}" in out, out
+    assert "JOBS 0" in out, out  # refused before any Spark job
+
+
+def test_the_fix_the_error_names_makes_the_run_work(path_python, tmp_path):
+    proc = newcomer(tmp_path, "local[2]", "fixed")
+    assert "RESULT 2" in proc.stdout and "JOBS 1" in proc.stdout, proc.stdout + proc.stderr[-3000:]
