@@ -134,14 +134,13 @@ class DriverServer:
         except OSError:
             pass  # the peer went away; the attempt learns what happened from Spark or other events
         finally:
-            with self._lock:
-                self._pending.discard(sock)
             if chan is not None:
                 chan.close()
             else:
                 sock.close()
             with self._lock:
-                self._all_closed.notify_all()
+                self._pending.discard(sock)
+                self._all_closed.notify_all()  # wait_disconnected looks again
             if rank is not None:
                 self.events.put(Closed(rank))
 
