@@ -36,6 +36,9 @@ class TaskSpec:
     versions: dict | None = None
     #: ``TF_CPP_MIN_LOG_LEVEL`` for ranks whose environment does not set it (0 shows every C++ line).
     tf_log_level: int = 2
+    #: The names of the DataFrames fed to the run (``run(..., data=...)``), in the order the stage's
+    #: input numbers them; empty when no data is fed.
+    feed: tuple[str, ...] = ()
 
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.

@@ -17,6 +17,8 @@ CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
 RUN_ID = "SPARKTRAIN_RUN_ID"
 #: Which attempt of the run this is, 1-based (see ``run(..., max_attempts=N)``).
 ATTEMPT = "SPARKTRAIN_ATTEMPT"
+#: The directory holding this rank's spool of the DataFrames fed with ``run(..., data=...)``.
+DATA_DIR = "SPARKTRAIN_DATA_DIR"
 
 #: The variables that together define a rank; the worker API needs all of them or none.
 TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
@@ -24,7 +26,7 @@ TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
 #: Every variable the contract sets; user ``env`` may not override these.
 RESERVED_VARS = frozenset(
     TOPOLOGY_VARS
-    + (RUN_ID, ATTEMPT, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    + (RUN_ID, ATTEMPT, DATA_DIR, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
        "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
 )
 

@@ -95,18 +95,23 @@ class BarrierJob(_Background):
 
 
 class SparkJob(BarrierJob):
-    """A run's ranks: one barrier stage of ``spec.size`` tasks, each running ``rank.task.barrier_task``."""
+    """A run's ranks: one barrier stage of ``spec.size`` tasks, each running ``executor.task.barrier_task``.
 
-    def __init__(self, spark, spec: TaskSpec, fn_name: str, on_done: Callable[[], None]):
+    The stage reads ``source`` (the fed DataFrames, in ``spec.size`` partitions; see
+    ``driver.feed``), or one row per task when no data is fed.
+    """
+
+    def __init__(self, spark, spec: TaskSpec, fn_name: str, on_done: Callable[[], None], source=None):
         super().__init__(spark, f"sparktrain-{spec.run_id}",
                          f"sparktrain.run({fn_name}) num_proc={spec.size} run {spec.run_id}",
                          self._launch, on_done)
         self.spec = spec
+        self.source = source
 
     def _launch(self) -> list:
         from ..executor.task import barrier_task  # the one entry into the executor side
 
-        df = self.spark.range(0, self.spec.size, 1, self.spec.size)
+        df = self.source if self.source is not None else self.spark.range(0, self.spec.size, 1, self.spec.size)
         return df.mapInArrow(barrier_task(self.spec), RESULT_SCHEMA, barrier=True).collect()
 
     def result_bytes(self) -> bytes | None:

@@ -13,7 +13,7 @@ import uuid
 from typing import IO, Any, Callable, Iterable, Mapping
 
 from .. import settings, versions
-from ..errors import ClusterConfigError, PicklingFailedError
+from ..errors import ClusterConfigError, InvalidArgumentError, PicklingFailedError
 from ..spec import TaskSpec
 from . import cluster, preflight
 from .attempt import RunInfo, run_attempts
@@ -56,6 +56,7 @@ def run(
     checkpoint_url: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     max_attempts: int | None = None,
+    data: Any = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -92,6 +93,11 @@ def run(
         ``RemoteCheckpoint`` a retried run resumes from its latest checkpoint. A cancelled or
         timed-out run, and failures that would recur (a result too large, mismatched versions),
         are not retried.
+    data : a Spark DataFrame, or a dict of them by name (``{"train": df, "val": val_df}``; a bare
+        DataFrame is "train"), fed to the ranks: the rows travel through the run's barrier stage,
+        each task spools its share to the executor's local disk, and ``train_fn`` reads it with
+        ``sparktrain.data.dataset(...)``. Needs Spark ranks (not local mode). See README.md,
+        "Training on a DataFrame".
 
     Returns
     -------
@@ -140,6 +146,10 @@ def run(
                    timestamps=prefix_output_with_timestamp, timeout=timeout, verbose=verbose)
 
     if local:
+        if data is not None:
+            raise InvalidArgumentError(
+                "data= feeds a DataFrame through the run's Spark stage, and local mode runs without Spark. Use "
+                "num_proc > 0 (on a local[N] master for one machine), or read the data inside train_fn")
         conf: dict[str, str] = {}
         output = preflight.normalize_output_ranks(output_ranks, size)
         spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, cloudpickle.dumps),
@@ -154,6 +164,11 @@ def run(
         master = f"local[{size or os.cpu_count() or 1}]"
         spark = cluster.start_session(master)
         log.info("sparktrain: no active SparkSession; started an embedded %s session", master)
+    frames = None
+    if data is not None:
+        from . import feed
+
+        frames = feed.frames_of(data)
     try:
         sc = spark.sparkContext
     except Exception:  # noqa: BLE001 - Spark Connect raises its own not-implemented error
@@ -178,7 +193,12 @@ def run(
                       driver_address=(driver_host, 0) if rendezvous != "barrier" else None, use_gpu=use_gpu,
                       output_ranks=output, max_result_bytes=max_result,
                       env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
-                      spill_url=_spill_url(sc.master, conf))
+                      spill_url=_spill_url(sc.master, conf), feed=tuple(frames or ()))
+    source = None
+    if frames:
+        from . import feed
+
+        source = feed.stage_input(frames, size)
     max_attempts = settings.resolve("max_attempts", max_attempts, conf=conf)
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s",
@@ -189,21 +209,21 @@ def run(
         # A lost executor is usually replaced within seconds; the gang needs all its slots back.
         cluster.wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait))
 
-    return run_attempts(info, spec, lambda s, on_done: SparkJob(spark, s, fn_name, on_done), driver_host,
+    return run_attempts(info, spec, lambda s, on_done: SparkJob(spark, s, fn_name, on_done, source), driver_host,
                         max_attempts, before_retry)
 
 
 def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tuple[str, int] | None, use_gpu: bool,
                output_ranks: frozenset[int] | None, max_result_bytes: int, env: Mapping[str, str],
                conf: Mapping[str, str], checkpoint: bytes | None, start_timeout: float | None,
-               spill_url: str | None = None) -> TaskSpec:
+               spill_url: str | None = None, feed: tuple[str, ...] = ()) -> TaskSpec:
     """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
     return TaskSpec(
         run_id=info.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
         use_gpu=use_gpu, output_ranks=output_ranks, max_result_bytes=max_result_bytes,
         start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
         grace_period=settings.resolve("grace_period", conf=conf), user_env=dict(env), checkpoint=checkpoint,
-        spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2,
+        spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
     )
 
 

@@ -170,6 +170,7 @@ class DriverServer:
                 "hosts": [h["host"] for h in ordered],
                 "ports": [int(h["port"]) for h in ordered],
                 "master_port": int(ordered[0]["master_port"]),
+                "shards": [h.get("shard") or {} for h in ordered],
             }
             channels = list(self._channels.values())
         for chan in channels:

@@ -23,9 +23,13 @@ import time
 from typing import Iterator, Sequence
 
 from .. import channel, versions, worker_env
-from ..errors import RankError, RankFailure, ResultTooLargeError, SparkTrainError, VersionMismatchError, type_name
+from ..errors import (InvalidArgumentError, RankError, RankFailure, ResultTooLargeError, SparkTrainError,
+                      VersionMismatchError, type_name)
 from ..localfiles import file_chunks
+from ..data import layout
 from ..spec import RESULT_FIELDS, SPILLED, TaskSpec
+from .janitor import Janitor
+from .spool import Spool, local_dir
 from .supervisor import ChildProcess
 
 #: Lines of output each rank keeps for its failure report.
@@ -136,9 +140,11 @@ class _Rank:
                 + "\nInstall the same versions on the executors as on the driver (for example with the same "
                 "requirements file or cluster library list)")
 
-    def rendezvous(self, port: int, master_port: int, barrier_ctx) -> tuple[list[str], list[int], int]:
+    def rendezvous(self, port: int, master_port: int, barrier_ctx,
+                   shard: dict[str, int]) -> tuple[list[str], list[int], int, list[dict[str, int]]]:
+        """Meet the other ranks: every rank's host and ports, and its row count per fed DataFrame."""
         me = {"type": "hello", "rank": self.rank, "host": self.host, "port": port,
-              "master_port": master_port, "pid": os.getpid()}
+              "master_port": master_port, "pid": os.getpid(), "shard": shard}
         spec = self.spec
         if spec.driver_address is None:
             # One Spark barrier sync (about a second): the path for executors that cannot reach
@@ -146,7 +152,8 @@ class _Rank:
             self.check_versions()
             infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
             infos.sort(key=lambda i: i["rank"])
-            return [i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"])
+            return ([i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"]),
+                    [i["shard"] for i in infos])
         try:
             self.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout))
         except OSError as e:
@@ -173,7 +180,8 @@ class _Rank:
         if msg["type"] == "abort":
             self.abort_reason = msg.get("reason", "stopped by the driver")
             raise SparkTrainError(f"rank {self.rank} was stopped before it started: {self.abort_reason}")
-        return msg["hosts"], [int(p) for p in msg["ports"]], int(msg["master_port"])
+        return (msg["hosts"], [int(p) for p in msg["ports"]], int(msg["master_port"]),
+                msg.get("shards") or [{}] * len(msg["hosts"]))
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, stream: str, line: str) -> None:
@@ -266,18 +274,32 @@ def _gpu_ids(spec: TaskSpec, rank: int, gpu_addresses: Sequence[str] | None) -> 
 
 
 def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] | None = None,
-             barrier_ctx=None) -> Iterator[bytes]:
-    """Run ``rank`` to completion. Yields rank 0's pickled result in chunks; raises RankError on failure."""
+             barrier_ctx=None, batches=None) -> Iterator[bytes]:
+    """Run ``rank`` to completion. Yields rank 0's pickled result in chunks; raises RankError on failure.
+
+    ``batches`` is this task's share of the fed DataFrames (``spec.feed``), spooled before the
+    rendezvous; ``data_dir`` holds the spool, and a janitor process removes it however the task ends.
+    """
     state = _Rank(spec, rank, host)
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
     child = None
+    janitor = data_dir = spool = None
     try:
         try:
+            if spec.feed:
+                data_dir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-data-", dir=local_dir())
+                janitor = Janitor(data_dir)
+                spool = Spool(data_dir, spec.feed)
+                spool.consume(batches if batches is not None else ())
+            elif batches is not None:
+                for _ in batches:  # the input is one row per task; only the partition id matters
+                    pass
             reserved = [reserve_port()] + ([reserve_port()] if rank == 0 else [])
             port = reserved[0].getsockname()[1]
             master_port = reserved[1].getsockname()[1] if rank == 0 else 0
             try:
-                hosts, ports, master_port = state.rendezvous(port, master_port, barrier_ctx)
+                hosts, ports, master_port, shards = state.rendezvous(
+                    port, master_port, barrier_ctx, spool.rows if spool else {})
             finally:
                 for s in reserved:  # hand the ports over: the child binds them next
                     s.close()
@@ -289,6 +311,13 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 attempt=spec.attempt,
             ))
             env["PYTHONPATH"] = _child_pythonpath()
+            if spool is not None:
+                empty = [n for n in spec.feed if not sum(int(s.get(n, 0)) for s in shards)]
+                if empty:  # every rank sees the same counts, so every rank stops here alike
+                    raise InvalidArgumentError(layout.no_rows(empty[0]))
+                state.emit("stderr", spool.describe(rank))
+                layout.write_manifest(data_dir, rank, {n: [int(s.get(n, 0)) for s in shards] for n in spec.feed})
+                env[worker_env.DATA_DIR] = data_dir
             # The user's env or the executor's own wins; otherwise the run's default (quiet unless verbose=2).
             env.setdefault("TF_CPP_MIN_LOG_LEVEL", str(spec.tf_log_level))
             try:
@@ -335,6 +364,10 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         if state.chan is not None:
             state.chan.close()
         shutil.rmtree(workdir, ignore_errors=True)
+        if data_dir is not None:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        if janitor is not None:
+            janitor.finish()
 
 
 def _failed(state: _Rank, failure: RankFailure) -> RankError:
@@ -378,8 +411,6 @@ def barrier_task(spec: TaskSpec):
         import pyarrow as pa
         from pyspark import BarrierTaskContext
 
-        for _ in batches:  # the input is one row per task; only the partition id matters
-            pass
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
         if ctx.attemptNumber() > 0:
@@ -387,7 +418,7 @@ def barrier_task(spec: TaskSpec):
                                "so this attempt stops")
         host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
         gpu = ctx.resources().get("gpu")
-        for seq, chunk in enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx)):
+        for seq, chunk in enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx, batches)):
             yield pa.RecordBatch.from_arrays(
                 [pa.array([rank], pa.int32()), pa.array([seq], pa.int32()), pa.array([chunk], pa.binary())],
                 names=list(RESULT_FIELDS))

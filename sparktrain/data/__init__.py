@@ -1,0 +1,152 @@
+"""Training data from a Spark DataFrame, inside ``train_fn``: ``run(..., data=df)`` feeds it.
+
+On the driver::
+
+    sparktrain.run(train, num_proc=3, data={"train": train_df, "val": val_df})   # or data=train_df
+
+In ``train_fn``, each rank reads its own shard, which its barrier task spooled to the executor's
+local disk (memory-mapped, so a rank's memory does not grow with its shard)::
+
+    import sparktrain.data
+    ds = sparktrain.data.dataset("features", label="label", batch_size=64, seed=7)
+    val = sparktrain.data.dataset("features", label="label", batch_size=256, name="val", shuffle=False)
+    model.fit(ds, validation_data=val, epochs=5, callbacks=[...])
+
+Every rank yields the same number of batches per epoch (``ds.cardinality()``), whatever its
+shard's size: a shorter shard wraps around (``uneven="wrap"``, the default, so every row is seen
+every epoch) or every rank stops at the shortest shard (``uneven="drop"``). Rank 0 logs one line
+that says which. See README.md, "Training on a DataFrame".
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Any, Mapping, Sequence, Union
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .shard import UNEVEN, Shard, check_uneven, open_shard
+
+__all__ = ["dataset", "numpy", "shard", "Shard", "UNEVEN"]
+
+#: A column, a list of scalar columns stacked side by side, or a dict of those (multi-input models).
+Columns = Union[str, Sequence[str], Mapping[str, Union[str, Sequence[str]]]]
+
+
+def shard(name: str = "train") -> Shard:
+    """This rank's shard of the DataFrame fed as ``name``: its row counts and columns.
+
+    >>> s = sparktrain.data.shard("train")                          # doctest: +SKIP
+    >>> s.rows, s.rows_per_rank, s.steps_per_epoch(64)              # doctest: +SKIP
+    (337, (337, 337, 337), 6)
+    """
+    return open_shard(name)
+
+
+def dataset(features: Columns, label: Columns | None = None, *, batch_size: int, shuffle: bool = True,
+            seed: int | None = None, name: str = "train", uneven: str = "wrap", prefetch: bool = True):
+    """A ``tf.data.Dataset`` of this rank's batches: ``(features, label)``, or features alone.
+
+    features, label : a column name (a tensor of ``[batch]`` for scalars, ``[batch, n]`` for
+        fixed-length arrays and ml Vectors, bytes for binary and string columns); a list of
+        scalar columns (stacked into ``[batch, len(list)]``); or a dict ``{input_name: column(s)}``
+        for a model with several inputs.
+    batch_size : rows per batch on this rank (the global batch is ``batch_size * size()``).
+    shuffle : a new order every epoch, within this rank's shard. Each pass over the dataset is
+        the next epoch.
+    seed : the same seed gives the same order, epoch by epoch, in every run; None: a fresh one.
+    name : which fed DataFrame (``data={"train": ..., "val": ...}``; a bare DataFrame is "train").
+    uneven : "wrap" (default) or "drop"; see the module's docstring.
+    prefetch : prefetch batches in the background (``tf.data.AUTOTUNE``).
+
+    Every batch has ``batch_size`` rows and ``cardinality()`` is the steps per epoch, the same
+    on every rank.
+    """
+    import tensorflow as tf
+
+    batch_size = _check_batch_size(batch_size)
+    check_uneven(uneven)
+    if not isinstance(shuffle, bool):
+        raise InvalidArgumentError(f"shuffle must be True or False, got {shuffle!r}")
+    seed = _check_seed(seed)
+    s = open_shard(name)
+    steps = s.steps_per_epoch(batch_size, uneven)
+    build = _builder(s, features, label)
+    if s.rank == 0:
+        print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
+    epochs = itertools.count()
+
+    def batches():
+        rows = s.epoch_rows(next(epochs), steps * batch_size, shuffle, seed)
+        for step in range(steps):
+            yield build(rows[step * batch_size:(step + 1) * batch_size])
+
+    signature = tf.nest.map_structure(lambda a: _spec(tf, a, batch_size), build(s.epoch_rows(0, 1, False, 0)))
+    ds = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
+    return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
+
+
+def numpy(features: Columns, label: Columns | None = None, name: str = "train", *, uneven: str = "wrap"):
+    """This rank's shard as numpy arrays, in the DataFrame's order: ``(x, y)``, or ``x`` alone.
+
+    For data that fits in memory and ``model.fit(x, y, batch_size=...)``. Every rank gets as many
+    rows as the longest shard (``uneven="wrap"``: a shorter shard repeats its first rows) or the
+    shortest (``"drop"``), so ``fit`` runs the same number of steps on every rank.
+    """
+    check_uneven(uneven)
+    s = open_shard(name)
+    length = max(s.rows_per_rank) if uneven == "wrap" else min(s.rows_per_rank)
+    return _builder(s, features, label)(s.epoch_rows(0, length, False, 0))
+
+
+def _builder(s: Shard, features: Columns, label: Columns | None):
+    """A function from file positions to the batch's structure of arrays; checks every column now."""
+    take_x = _taker(s, features, "features")
+    if label is None:
+        return take_x
+    take_y = _taker(s, label, "label")
+    return lambda rows: (take_x(rows), take_y(rows))
+
+
+def _taker(s: Shard, spec: Columns, what: str):
+    if isinstance(spec, str):
+        column = s.column(spec)
+        return column.take
+    if isinstance(spec, Mapping):
+        if not spec:
+            raise InvalidArgumentError(f"{what} is an empty dict; name at least one input")
+        parts = {str(k): _taker(s, v, f"{what}[{k!r}]") for k, v in spec.items()}
+        return lambda rows: {k: take(rows) for k, take in parts.items()}
+    if isinstance(spec, Sequence) and spec and all(isinstance(c, str) for c in spec):
+        columns = [s.column(c) for c in spec]
+        wide = [c.name for c in columns if c.row_shape or c.bytes_like]
+        if wide:
+            raise InvalidArgumentError(
+                f"{what} stacks scalar numeric columns only; {wide} hold arrays or bytes. Pass such a column "
+                "alone, or a dict of inputs")
+        dtype = np.result_type(*(c.dtype for c in columns))
+        return lambda rows: np.stack([c.take(rows).astype(dtype, copy=False) for c in columns], axis=1)
+    raise InvalidArgumentError(
+        f"{what} must be a column name, a list of column names or a dict of them, got {spec!r}")
+
+
+def _spec(tf, array: np.ndarray, batch_size: int):
+    dtype = tf.string if array.dtype == object else tf.as_dtype(array.dtype)
+    return tf.TensorSpec((batch_size,) + array.shape[1:], dtype)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be a positive int (rows per batch on each rank), "
+                                   f"got {batch_size!r}")
+    return int(batch_size)
+
+
+def _check_seed(seed: Any) -> int:
+    if seed is None:
+        return int(np.random.SeedSequence().entropy % (1 << 63))
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InvalidArgumentError(f"seed must be a non-negative int or None, got {seed!r}")
+    return int(seed)

@@ -1,0 +1,44 @@
+"""The spool's layout: what the barrier task writes and the rank reads. Pure: shared by the
+driver (which builds the stage's input), the task (which spools it) and the rank (which reads it).
+
+The barrier stage's input has one column :data:`FEED_COLUMN` (which named DataFrame a row
+belongs to, by position in the run's ``feed`` names) and one struct column per name holding
+that DataFrame's columns plus :data:`ROW_COLUMN`, a stable row id that fixes the shard's order
+whatever order the shuffle delivered the rows in.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+#: Which named DataFrame a row of the stage's input belongs to (its index in the feed's names).
+FEED_COLUMN = "_sparktrain_feed"
+#: A stable id per row (Spark's monotonically increasing id), taken before the repartition.
+ROW_COLUMN = "_sparktrain_row"
+#: Column names the user's DataFrames may not use.
+RESERVED_COLUMNS = frozenset({FEED_COLUMN, ROW_COLUMN})
+#: The manifest the task writes into the spool directory once every rank's row counts are known.
+MANIFEST = "feed.json"
+#: The name a bare ``data=df`` gets.
+DEFAULT_NAME = "train"
+
+
+def no_rows(name: str) -> str:
+    """Why a run stops when a fed DataFrame has no rows (the driver's and the ranks' message)."""
+    return f"data[{name!r}] has no rows; there is nothing to train on"
+
+
+def spool_file(name: str) -> str:
+    """The Arrow IPC file that holds named DataFrame ``name``'s rows of this rank."""
+    return f"{name}.arrow"
+
+
+def write_manifest(directory: str, rank: int, rows: dict[str, list[int]]) -> None:
+    """Record every rank's row count per name (``rows[name][rank]``) beside the spool files."""
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"rank": rank, "rows": rows}, f)
+
+
+def read_manifest(directory: str) -> dict:
+    with open(os.path.join(directory, MANIFEST)) as f:
+        return json.load(f)
