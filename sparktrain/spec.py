@@ -25,7 +25,8 @@ class TaskSpec:
     max_result_bytes: int
     start_timeout: float
     grace_period: float
-    user_env: dict[str, str]
+    #: Not in the repr: it may hold tokens.
+    user_env: dict[str, str] = dataclasses.field(repr=False)
     #: cloudpickled ``(checkpoint_url, storage_options)`` when rank 0's value goes to storage.
     checkpoint: bytes | None = None
     #: Where rank 0 spills a value too large for Spark's result path (``spill_url`` setting).
@@ -36,6 +37,8 @@ class TaskSpec:
     versions: dict | None = None
     #: ``TF_CPP_MIN_LOG_LEVEL`` for ranks whose environment does not set it (0 shows every C++ line).
     tf_log_level: int = 2
+    #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
+    mlflow: dict | None = dataclasses.field(default=None, repr=False)
 
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.

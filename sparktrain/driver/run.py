@@ -12,7 +12,7 @@ import sys
 import uuid
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from .. import settings, versions
+from .. import settings, tracking, versions
 from ..errors import ClusterConfigError, PicklingFailedError
 from ..spec import TaskSpec
 from . import cluster, preflight
@@ -204,7 +204,16 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
         grace_period=settings.resolve("grace_period", conf=conf), user_env=dict(env), checkpoint=checkpoint,
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2,
+        mlflow=_mlflow_handoff(info.run_id, env),
     )
+
+
+def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
+    """What rank 0 needs to log into the driver's MLflow run (``sparktrain.tracking``); None without MLflow."""
+    handoff = tracking.mlflow_handoff(user_env=env)
+    if handoff:
+        log.debug("sparktrain: run %s: rank 0 logs to MLflow %s", run_id, tracking.describe(handoff))
+    return handoff or None
 
 
 def _spill_url(master: str, conf: Mapping[str, str]) -> str | None:

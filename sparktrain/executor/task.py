@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Iterator, Sequence
 
-from .. import channel, versions, worker_env
+from .. import channel, tracking, versions, worker_env
 from ..errors import RankError, RankFailure, ResultTooLargeError, SparkTrainError, VersionMismatchError, type_name
 from ..localfiles import file_chunks
 from ..spec import RESULT_FIELDS, SPILLED, TaskSpec
@@ -288,6 +288,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
                 attempt=spec.attempt,
             ))
+            env.update(tracking.rank_env(rank, spec.mlflow, workdir))
             env["PYTHONPATH"] = _child_pythonpath()
             # The user's env or the executor's own wins; otherwise the run's default (quiet unless verbose=2).
             env.setdefault("TF_CPP_MIN_LOG_LEVEL", str(spec.tf_log_level))
