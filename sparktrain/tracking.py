@@ -28,6 +28,8 @@ EXPERIMENT_NAME = "MLFLOW_EXPERIMENT_NAME"
 #: Rank 0's copy of the handed-off run id: MLflow deletes ``MLFLOW_RUN_ID`` from the environment
 #: once it resumed the run, and sparktrain still needs to know which run is the driver's.
 HANDED_OFF_RUN = "SPARKTRAIN_MLFLOW_RUN_ID"
+#: Set on rank 0 whenever the run uses MLflow, even when the user's ``env=`` brings every ``MLFLOW_*`` value.
+IN_USE = "SPARKTRAIN_MLFLOW"
 
 #: The variables that say where and as whom to log; each is forwarded from the driver to rank 0.
 MLFLOW_VARS = (
@@ -110,8 +112,9 @@ def mlflow_handoff(environ: Mapping[str, str] | None = None, user_env: Mapping[s
                 out.pop(EXPERIMENT_NAME, None)  # the run decides the experiment
         except Exception:  # noqa: BLE001 - a half-configured MLflow must not stop training
             pass
-    if not out:
+    if not out and not any(k in user_env for k in MLFLOW_VARS):
         return {}
+    out[IN_USE] = "1"
     out.update({k: environ[k] for k in DATABRICKS_VARS if environ.get(k)})
     if TRACKING_URI in out:
         out[TRACKING_URI] = _absolute_local_uri(out[TRACKING_URI], cwd)
@@ -134,7 +137,7 @@ def describe(handoff: Mapping[str, str]) -> str:
     shown = redacted(handoff)
     parts = [f"run {shown[RUN_ID]}" if RUN_ID in shown else "a new run",
              f"at {shown.get(TRACKING_URI, 'the default tracking URI')}"]
-    passed = sorted(k for k in shown if k not in (RUN_ID, TRACKING_URI, HANDED_OFF_RUN))
+    passed = sorted(k for k in shown if k not in (RUN_ID, TRACKING_URI, HANDED_OFF_RUN, IN_USE))
     if passed:
         parts.append("with " + ", ".join(f"{k}={shown[k]}" for k in passed))
     return " ".join(parts)
@@ -145,8 +148,8 @@ def describe(handoff: Mapping[str, str]) -> str:
 def rank_env(rank: int, handoff: Mapping[str, str] | None, workdir: str) -> dict[str, str]:
     """The MLflow variables of one rank's process (on top of its other env), given the driver's hand-off.
 
-    >>> rank_env(0, {"MLFLOW_RUN_ID": "r1"}, "/tmp/w")
-    {'MLFLOW_RUN_ID': 'r1'}
+    >>> rank_env(0, {"MLFLOW_RUN_ID": "r1", "SPARKTRAIN_MLFLOW": "1"}, "/tmp/w")
+    {'MLFLOW_RUN_ID': 'r1', 'SPARKTRAIN_MLFLOW': '1'}
     >>> rank_env(1, {"MLFLOW_RUN_ID": "r1"}, "/tmp/w")["MLFLOW_TRACKING_URI"]
     'sqlite:////tmp/w/mlflow-discarded.db'
     """
@@ -158,6 +161,7 @@ def rank_env(rank: int, handoff: Mapping[str, str] | None, workdir: str) -> dict
     env[EXPERIMENT_NAME] = "Default"
     env[TRACKING_URI] = "sqlite:///" + os.path.join(os.path.abspath(workdir), "mlflow-discarded.db")
     env[HANDED_OFF_RUN] = ""
+    env[IN_USE] = ""
     return env
 
 

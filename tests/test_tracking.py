@@ -41,10 +41,11 @@ def test_handoff_from_the_environment_and_what_each_rank_gets(tmp_path):
     handoff = tracking.mlflow_handoff(environ, {}, cwd="/work/here")
     assert handoff == {"MLFLOW_TRACKING_URI": "sqlite:////work/here/mlflow.db", "MLFLOW_RUN_ID": "r1",
                        "MLFLOW_TRACKING_TOKEN": TOKEN, "DATABRICKS_TOKEN": TOKEN,
-                       tracking.HANDED_OFF_RUN: "r1"}
+                       tracking.HANDED_OFF_RUN: "r1", tracking.IN_USE: "1"}
     assert tracking.mlflow_handoff({"HOME": "/root", "DATABRICKS_TOKEN": TOKEN}, {}) == {}  # no MLflow: nothing
-    # The user's own env= wins over the hand-off.
+    # The user's own env= wins over the hand-off, and still counts as using MLflow.
     assert "MLFLOW_RUN_ID" not in tracking.mlflow_handoff(environ, {"MLFLOW_RUN_ID": "mine"})
+    assert tracking.mlflow_handoff({}, {"MLFLOW_TRACKING_URI": "http://h"}) == {tracking.IN_USE: "1"}
     assert tracking.rank_env(0, handoff, str(tmp_path)) == handoff
     other = tracking.rank_env(1, handoff, str(tmp_path))
     assert other["MLFLOW_RUN_ID"] == "" and other["MLFLOW_TRACKING_TOKEN"] == "" and other[tracking.HANDED_OFF_RUN] == ""
@@ -112,6 +113,12 @@ def _digest_env(name):
     return _digest(os.environ.get(name))
 
 
+def stray_runs(client) -> list[str]:
+    """Runs anywhere on the server that got rank 1's stray metric."""
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return [r.info.run_id for r in client.search_runs(experiments, filter_string="metrics.stray > 0")]
+
+
 def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model(
         spark, mlflow_server, monkeypatch, tmp_path, caplog):  # noqa: F811 - the fixture
     import mlflow
@@ -142,6 +149,7 @@ def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model(
     assert {m.value for m in client.get_metric_history(run.info.run_id, "rank_value")} == {0.5}  # averaged
     metrics = runs[0].data.metrics
     assert "rank0_plain" in metrics and "stray" not in metrics
+    assert stray_runs(client) == []  # in no experiment either
     params = runs[0].data.params
     assert {k: params.get(k) for k in ("num_proc", "batch_size", "global_batch_size", "optimizer", "learning_rate",
                                        "epochs", "dataset")} == {
@@ -185,12 +193,14 @@ def test_run_id_from_the_environment_and_no_token_in_errors(spark, mlflow_server
     client = mlflow.MlflowClient(mlflow_server.uri)
     experiment_id = client.create_experiment(f"sparktrain-env-{uuid.uuid4().hex[:8]}")
     run_id = client.create_run(experiment_id).info.run_id
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
     monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", TOKEN)
     out = io.StringIO()
-    sparktrain.run(plain_logging, args=(str(tmp_path),), num_proc=2, env=ENV, stdout=out, stderr=out)
+    # The tracking URI reaches every rank through env=; rank 1's stray call must still not reach the server.
+    user_env = {**ENV, "MLFLOW_TRACKING_URI": mlflow_server.uri, "MLFLOW_EXPERIMENT_ID": experiment_id}
+    sparktrain.run(plain_logging, args=(str(tmp_path),), num_proc=2, env=user_env, stdout=out, stderr=out)
     assert [r.info.run_id for r in client.search_runs([experiment_id])] == [run_id]
+    assert stray_runs(client) == []
     got = client.get_run(run_id)
     assert got.data.metrics == {"from_rank0": 42.0}
     assert got.info.status == "RUNNING"  # rank 0 resumed it and left it as it was
@@ -198,3 +208,94 @@ def test_run_id_from_the_environment_and_no_token_in_errors(spark, mlflow_server
         sparktrain.run(failing_rank, num_proc=2, env=ENV, stdout=out, stderr=out)
     assert "rank failed on purpose" in str(e.value)
     assert TOKEN not in str(e.value) and TOKEN not in repr(e.value) and TOKEN not in out.getvalue()
+
+
+# -- TensorBoard's event files on Azurite ------------------------------------------------------------
+
+def remote_scalars(url, options, subdir="train", tag="epoch_loss") -> tuple[list[int], int]:
+    """(steps of ``tag``, number of event files) under ``url/subdir``, read with TensorBoard's own reader."""
+    import tempfile
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sparktrain import storage
+
+    fs, path = storage.filesystem(f"{url}/{subdir}", options)
+    fs.invalidate_cache()
+    files = [p for p in fs.find(path) if "tfevents" in p.rsplit("/", 1)[-1]]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, p in enumerate(files):
+            fs.get_file(p, os.path.join(tmp, p.rsplit("/", 1)[-1]))
+        acc = EventAccumulator(tmp, size_guidance={"tensors": 0, "scalars": 0})
+        acc.Reload()
+        tags = acc.Tags()
+        if tag in tags.get("tensors", []):
+            steps = [e.step for e in acc.Tensors(tag)]
+        elif tag in tags.get("scalars", []):
+            steps = [e.step for e in acc.Scalars(tag)]
+        else:
+            steps = []
+    return sorted(steps), len(files)
+
+
+def fit_with_tensorboard(outdir, url, options):
+    import keras
+    import numpy as np
+
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        """After the upload of each epoch: what a reader finds on Azurite already, while training runs."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            if rank == 0:
+                seen.append(remote_scalars(url, options)[0])
+
+    rng = np.random.default_rng(rank)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = (x.sum(axis=1, keepdims=True) > 0).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="binary_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=EPOCHS, verbose=0, validation_data=(x[:16], y[:16]),
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                         hvd.callbacks.RemoteTensorBoard(url, storage_options=options), Probe()])
+    record_rank(outdir, seen=seen)
+
+
+def test_tensorboard_event_files_reach_azurite_every_epoch(spark, azurite, tmp_path):
+    from sparktrain import storage
+
+    options = azurite.options()
+    container = f"tb-{uuid.uuid4().hex[:10]}"
+    storage.filesystem("abfs://x", options)[0].mkdir(container)
+    url = f"abfs://{container}/runs/one"
+    sparktrain.run(fit_with_tensorboard, args=(str(tmp_path), url, options), num_proc=2, env=ENV)
+    ranks = read_ranks(str(tmp_path))
+    assert ranks[0]["seen"] == [[0], [0, 1], [0, 1, 2]]  # uploaded at each epoch's end, before the next
+    assert ranks[1]["seen"] == []
+    assert remote_scalars(url, options) == ([0, 1, 2], 1)  # one scalar per epoch, from rank 0 alone
+    assert remote_scalars(url, options, "validation") == ([0, 1, 2], 1)
+
+
+def test_sync_dir_uploads_only_what_changed(tmp_path):
+    from sparktrain import storage
+
+    local = tmp_path / "logs"
+    (local / "train").mkdir(parents=True)
+    (local / "train" / "a").write_bytes(b"1")
+    url = f"file://{tmp_path}/remote"
+    state = storage.sync_dir(str(local), url)
+    assert (tmp_path / "remote" / "train" / "a").read_bytes() == b"1"
+    (tmp_path / "remote" / "train" / "a").write_bytes(b"changed remotely")  # not re-uploaded: unchanged locally
+    (local / "b").write_bytes(b"2")
+    state = storage.sync_dir(str(local), url, synced=state)
+    assert (tmp_path / "remote" / "train" / "a").read_bytes() == b"changed remotely"
+    assert (tmp_path / "remote" / "b").read_bytes() == b"2"
+    with open(local / "train" / "a", "ab") as f:
+        f.write(b"23")  # a log that grew
+    storage.sync_dir(str(local), url, synced=state)
+    assert (tmp_path / "remote" / "train" / "a").read_bytes() == b"123"
