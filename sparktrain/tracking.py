@@ -104,7 +104,7 @@ def mlflow_handoff(environ: Mapping[str, str] | None = None, user_env: Mapping[s
     if mlflow is not None:
         try:
             run = mlflow.active_run()
-            if run is not None or out or _uri_was_set(mlflow):
+            if run is not None or out or tracking_uri_set(mlflow):
                 out[TRACKING_URI] = mlflow.get_tracking_uri()
             if run is not None:
                 out[RUN_ID] = run.info.run_id
@@ -123,7 +123,8 @@ def mlflow_handoff(environ: Mapping[str, str] | None = None, user_env: Mapping[s
     return {k: v for k, v in out.items() if k not in user_env}
 
 
-def _uri_was_set(mlflow) -> bool:
+def tracking_uri_set(mlflow) -> bool:
+    """Whether this process chose a tracking URI (``set_tracking_uri`` or ``MLFLOW_TRACKING_URI``)."""
     try:
         from mlflow.tracking._tracking_service import utils
 

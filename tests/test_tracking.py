@@ -69,6 +69,24 @@ def test_secrets_are_redacted_wherever_sparktrain_shows_them():
     assert TOKEN not in str(e.value) and "MLFLOW_TRACKING_TOKEN" in str(e.value)
 
 
+def test_mlflow_logger_warns_when_the_driver_set_up_no_tracking(monkeypatch, tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    from sparktrain.keras.tracking import MLflowLogger
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", tracking.IN_USE):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPARKTRAIN_RUN_ID", "r")  # inside a run whose driver used no MLflow
+    monkeypatch.chdir(tmp_path)
+    logger = MLflowLogger()
+    try:
+        with pytest.warns(RuntimeWarning, match="no tracking server from the driver"):
+            logger._start()
+        assert logger.run_id == mlflow.active_run().info.run_id
+    finally:
+        mlflow.end_run()
+    assert (tmp_path / "mlflow.db").exists()
+
+
 # -- MLflow against a real server --------------------------------------------------------------------
 
 def fit_with_mlflow(outdir, token_digest):

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import keras
 
 from .. import tensorflow as _tfc
-from .. import tracking
+from .. import tracking, worker_env
 from ..errors import SparkTrainError
 
 
@@ -85,6 +85,12 @@ class MLflowLogger(keras.callbacks.Callback):
         import mlflow
 
         run = mlflow.active_run()
+        if run is None and os.environ.get(worker_env.RUN_ID) and not os.environ.get(tracking.IN_USE) \
+                and not tracking.tracking_uri_set(mlflow):
+            warnings.warn(
+                "sparktrain: MLflowLogger got no tracking server from the driver (no active MLflow run and no "
+                f"MLFLOW_TRACKING_URI there), so rank 0 logs to MLflow's default store in {os.getcwd()}; start a "
+                "run on the driver or set MLFLOW_TRACKING_URI before sparktrain.run", RuntimeWarning, stacklevel=2)
         if run is None:
             # Resumes the driver's run when it was handed off (MLFLOW_RUN_ID); else starts one.
             handed_off = os.environ.get(tracking.HANDED_OFF_RUN) or None
