@@ -48,7 +48,7 @@ def test_handoff_from_the_environment_and_what_each_rank_gets(tmp_path):
     assert tracking.mlflow_handoff({}, {"MLFLOW_TRACKING_URI": "http://h"}) == {tracking.IN_USE: "1"}
     assert tracking.rank_env(0, handoff, str(tmp_path)) == handoff
     other = tracking.rank_env(1, handoff, str(tmp_path))
-    assert other["MLFLOW_RUN_ID"] == "" and other["MLFLOW_TRACKING_TOKEN"] == "" and other[tracking.HANDED_OFF_RUN] == ""
+    assert other["MLFLOW_RUN_ID"] == other["MLFLOW_TRACKING_TOKEN"] == other[tracking.HANDED_OFF_RUN] == ""
     assert other["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path}/mlflow-discarded.db"
     assert tracking.rank_env(1, None, str(tmp_path)) == {}
 

@@ -71,7 +71,10 @@ def run(
         ``-num_proc`` processes on the driver without Spark (local mode), as with HorovodRunner.
     start_timeout : seconds for every rank to start and check in (default 600; also
         ``SPARKTRAIN_START_TIMEOUT`` or ``spark.sparktrain.startTimeout``).
-    env : extra environment variables for every rank.
+    env : extra environment variables for every rank. When the driver has an active MLflow run (or
+        ``MLFLOW_TRACKING_URI``/``MLFLOW_RUN_ID``), rank 0 also gets what it needs to log into that
+        run, and the other ranks a throwaway store (``sparktrain.tracking``; README, "Tracking with
+        MLflow and TensorBoard").
     stdout, stderr : where ranks' output lines go (default ``sys.stdout``/``sys.stderr``).
     verbose : 0 warnings only, 1 progress (default), 2 debug.
     prefix_output_with_timestamp : put the time before each rank's output line.

@@ -1,7 +1,7 @@
-"""Keras callbacks that track a run from rank 0: MLflow (:class:`MLflowLogger`) and TensorBoard (:class:`RemoteTensorBoard`).
+"""Keras callbacks that track a run from rank 0: :class:`MLflowLogger` and :class:`RemoteTensorBoard`.
 
-MLflow and TensorBoard's writer are imported when a callback first runs on rank 0, never at
-``import sparktrain.keras``. Both are also in ``sparktrain.keras.callbacks``.
+MLflow is imported when :class:`MLflowLogger` first runs on rank 0, never at ``import
+sparktrain.keras``. Both callbacks are also in ``sparktrain.keras.callbacks``.
 """
 from __future__ import annotations
 
@@ -161,13 +161,9 @@ class MLflowLogger(keras.callbacks.Callback):
             return
         import mlflow
 
-        kwargs = {"name": self.model_name, **self.log_model_kwargs}
-        active = mlflow.active_run()
-        if active is None or active.info.run_id != self.run_id:
-            with mlflow.start_run(run_id=self.run_id):
-                mlflow.keras.log_model(self.model, **kwargs)
-        else:
-            mlflow.keras.log_model(self.model, **kwargs)
+        if mlflow.active_run() is None:  # train_fn ended it meanwhile: resume, and leave it to whoever owns it
+            mlflow.start_run(run_id=self.run_id)
+        mlflow.keras.log_model(self.model, **{"name": self.model_name, **self.log_model_kwargs})
 
 
 class RemoteTensorBoard(keras.callbacks.Callback):
