@@ -25,7 +25,8 @@ class TaskSpec:
     max_result_bytes: int
     start_timeout: float
     grace_period: float
-    user_env: dict[str, str]
+    #: Not in the repr: it may hold tokens.
+    user_env: dict[str, str] = dataclasses.field(repr=False)
     #: cloudpickled ``(checkpoint_url, storage_options)`` when rank 0's value goes to storage.
     checkpoint: bytes | None = None
     #: Where rank 0 spills a value too large for Spark's result path (``spill_url`` setting).
@@ -39,6 +40,8 @@ class TaskSpec:
     #: The names of the DataFrames fed to the run (``run(..., data=...)``), in the order the stage's
     #: input numbers them; empty when no data is fed.
     feed: tuple[str, ...] = ()
+    #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
+    mlflow: dict | None = dataclasses.field(default=None, repr=False)
 
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.

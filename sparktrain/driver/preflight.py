@@ -13,7 +13,7 @@ import math
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
-from .. import worker_env
+from .. import tracking, worker_env
 from ..errors import (ClusterConfigError, InsufficientResourcesError, InvalidArgumentError,
                      PicklingFailedError)
 
@@ -107,8 +107,9 @@ def check_env(env: Any) -> dict[str, str]:
     bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
         k, v = next(iter(bad.items()))
+        shown = "a value" if isinstance(k, str) and tracking.is_secret(k) else repr(v)  # never a token
         raise InvalidArgumentError(
-            f"env must map str to str; {k!r} maps to {v!r} ({type(v).__name__}). Convert values with str()")
+            f"env must map str to str; {k!r} maps to {shown} ({type(v).__name__}). Convert values with str()")
     reserved = sorted(set(env) & worker_env.RESERVED_VARS)
     if reserved:
         raise InvalidArgumentError(

@@ -12,7 +12,7 @@ import sys
 import uuid
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from .. import settings, versions
+from .. import settings, tracking, versions
 from ..errors import ClusterConfigError, InvalidArgumentError, PicklingFailedError
 from ..spec import TaskSpec
 from . import cluster, preflight
@@ -72,7 +72,10 @@ def run(
         ``-num_proc`` processes on the driver without Spark (local mode), as with HorovodRunner.
     start_timeout : seconds for every rank to start and check in (default 600; also
         ``SPARKTRAIN_START_TIMEOUT`` or ``spark.sparktrain.startTimeout``).
-    env : extra environment variables for every rank.
+    env : extra environment variables for every rank. When the driver has an active MLflow run (or
+        ``MLFLOW_TRACKING_URI``/``MLFLOW_RUN_ID``), rank 0 also gets what it needs to log into that
+        run, and the other ranks a throwaway store (``sparktrain.tracking``; README, "Tracking with
+        MLflow and TensorBoard").
     stdout, stderr : where ranks' output lines go (default ``sys.stdout``/``sys.stderr``).
     verbose : 0 warnings only, 1 progress (default), 2 debug.
     prefix_output_with_timestamp : put the time before each rank's output line.
@@ -224,7 +227,16 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
         grace_period=settings.resolve("grace_period", conf=conf), user_env=dict(env), checkpoint=checkpoint,
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
+        mlflow=_mlflow_handoff(info.run_id, env),
     )
+
+
+def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
+    """What rank 0 needs to log into the driver's MLflow run (``sparktrain.tracking``); None without MLflow."""
+    handoff = tracking.mlflow_handoff(user_env=env)
+    if handoff:
+        log.debug("sparktrain: run %s: rank 0 logs to MLflow %s", run_id, tracking.describe(handoff))
+    return handoff or None
 
 
 def _spill_url(master: str, conf: Mapping[str, str]) -> str | None:

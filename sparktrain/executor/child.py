@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Mapping
 
-from .. import worker_env
+from .. import tracking, worker_env
 from ..errors import type_name
 from ..localfiles import replaced_atomically, write_atomically
 
@@ -199,7 +199,10 @@ def main(argv: list[str]) -> int:
         return 1
 
     try:
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            tracking.release_run()  # the driver's MLflow run ends when the driver says so
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if code != 0:

@@ -22,11 +22,11 @@ import tempfile
 import time
 from typing import Iterator, Sequence
 
-from .. import channel, versions, worker_env
+from .. import channel, tracking, versions, worker_env
 from ..errors import (InvalidArgumentError, RankError, RankFailure, ResultTooLargeError, SparkTrainError,
                       VersionMismatchError, type_name)
-from ..localfiles import file_chunks
 from ..data import layout
+from ..localfiles import file_chunks
 from ..spec import RESULT_FIELDS, SPILLED, TaskSpec
 from .janitor import Janitor
 from .spool import Spool, local_dir
@@ -310,6 +310,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
                 attempt=spec.attempt,
             ))
+            env.update(tracking.rank_env(rank, spec.mlflow, workdir))
             env["PYTHONPATH"] = _child_pythonpath()
             if spool is not None:
                 empty = [n for n in spec.feed if not sum(int(s.get(n, 0)) for s in shards)]

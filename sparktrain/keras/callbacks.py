@@ -193,3 +193,7 @@ def save_checkpoint(model, url: str, epoch: int, storage_options: Mapping[str, A
         metadata = {"epoch": int(epoch), "metrics": {k: float(v) for k, v in (metrics or {}).items()
                                                      if isinstance(v, (int, float))}}
         return storage.put_file(local, url, storage_options, metadata=metadata)
+
+
+# Experiment tracking lives in its own module; its callbacks are Keras callbacks like these.
+from .tracking import MLflowLogger, RemoteTensorBoard  # noqa: E402,F401

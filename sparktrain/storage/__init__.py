@@ -249,3 +249,38 @@ def latest_checkpoint(prefix: str, storage_options: StorageOptions = None) -> st
     """The most recently committed checkpoint under ``prefix``, or None."""
     found = list_checkpoints(prefix, storage_options)
     return found[-1] if found else None
+
+
+# -- mirroring a growing directory --------------------------------------------------------------------
+
+def sync_dir(local_dir: str, url: str, storage_options: StorageOptions = None,
+             synced: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
+    """Copy every file under ``local_dir`` that is new or changed since the last call to ``url/``.
+
+    For logs that grow while a program runs, such as TensorBoard's event files: each call uploads
+    the files whose size or modification time differ from ``synced`` (what the previous call
+    returned) and returns the new state. Files are copied whole, with no manifest: each upload
+    replaces the remote file, and a reader sees the old or the new copy on object stores.
+
+    >>> state = sync_dir("/tmp/logs", "abfs://runs/tb")          # doctest: +SKIP
+    >>> state = sync_dir("/tmp/logs", "abfs://runs/tb", synced=state)   # only what changed
+    """
+    synced = dict(synced or {})
+    base = url.rstrip("/")
+    for root, _, names in os.walk(local_dir):
+        for name in sorted(names):
+            full = os.path.join(root, name)
+            try:
+                st = os.stat(full)
+            except FileNotFoundError:  # removed while we walked
+                continue
+            rel = os.path.relpath(full, local_dir).replace(os.sep, "/")
+            stamp = (st.st_size, st.st_mtime_ns)
+            if synced.get(rel) == stamp:
+                continue
+            target = f"{base}/{rel}"
+            fs, path = filesystem(target, storage_options)
+            _mkdirs(fs, path)
+            retry("syncing", target, storage_options, lambda: fs.put_file(full, path))
+            synced[rel] = stamp
+    return synced
