@@ -16,7 +16,7 @@ nbclient = pytest.importorskip("nbclient")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
-NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb"]
+NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb", "04-dataframe.ipynb"]
 
 
 def execute(name: str, workdir, monkeypatch, **env) -> list[list[str]]:
@@ -123,3 +123,21 @@ def test_custom_loop_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert names == [f"epoch-{i:02d}.keras" for i in range(1, 7)]
     accuracy = float(re.search(r"test accuracy on the driver: ([\d.]+)", outputs[-1]).group(1))
     assert accuracy > 0.85, outputs[-1]
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_dataframe_trains_from_a_dataframe_with_equal_steps(tmp_path, monkeypatch):
+    outputs = texts(execute("04-dataframe.ipynb", tmp_path, monkeypatch))
+    text = "\n".join(outputs)
+    shards = re.search(r"'train' rank shards (\d+)/(\d+)/(\d+) rows; wrapping to (\d+) steps per epoch of 32", text)
+    assert shards, text
+    rows = [int(n) for n in shards.groups()[:3]]
+    assert max(rows) - min(rows) <= 1 and 1300 < sum(rows) < 1580  # about 80% of 1797 digits, dealt evenly
+    steps = int(shards.group(4))
+    assert steps == -(-max(rows) // 32)
+    assert f"rank 0: {rows[0]} training rows, {steps} steps per epoch" in text
+    epochs = [line for line in stream_lines(text, 0) if line.startswith("Epoch ")]
+    assert epochs == [f"Epoch {i}/8" for i in range(1, 9)], text
+    accuracy = float(re.search(r"validation accuracy, averaged over the ranks: ([\d.]+)", text).group(1))
+    assert accuracy > 0.85, text
