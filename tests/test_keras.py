@@ -287,7 +287,8 @@ def test_readme_demo_trains_a_cnn_on_3_ranks(tmp_path):
     assert (tmp_path / "sparktrain-demo-model.keras").stat().st_size > 10_000
     assert "started an embedded local[3] session" in proc.stderr
     rank_lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("[0]<")]
-    startup = [line for line in rank_lines if "absl::InitializeLog" in line or "oneDNN" in line or "cudart" in line]
+    startup = [line for line in rank_lines if "absl::InitializeLog" in line or "oneDNN" in line or "cudart" in line
+               or "cuInit" in line]
     assert rank_lines and startup == [], startup  # TensorFlow's C++ start-up lines are hidden by default
 
 

@@ -44,6 +44,8 @@ _CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] "
 _CPP_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
 #: What each of TensorFlow's two copies of absl prints once before its first line.
 _ABSL_PREINIT = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+#: What TensorFlow logs as an error at start-up when it finds no GPU: expected in a rank told to use none.
+_NO_GPU_LINE = re.compile(r"^E\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ cuda_\w+\.cc:\d+\] failed call to cuInit: ")
 
 
 def below_log_level(line: str, level: int) -> bool:
@@ -185,7 +187,8 @@ class _Rank:
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, stream: str, line: str) -> None:
-        if stream == "stderr" and self.log_level and below_log_level(line, self.log_level):
+        if stream == "stderr" and self.log_level and (
+                below_log_level(line, self.log_level) or (not self.spec.use_gpu and _NO_GPU_LINE.match(line))):
             return
         self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
         if not self.show:
