@@ -134,7 +134,7 @@ def main() -> int:
         F.array(*[F.rand(i).cast("float") for i in range(FEATURES)]).alias("x"),
         F.rand(99).cast("float").alias("y")).write.parquet(table)
     df = spark.read.parquet(table)
-    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "-1"}
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3"}
     b, e = args.batch_size, args.epochs
 
     def petastorm_run(started):

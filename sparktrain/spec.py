@@ -40,6 +40,9 @@ class TaskSpec:
     #: The names of the DataFrames fed to the run (``run(..., data=...)``), in the order the stage's
     #: input numbers them; empty when no data is fed.
     feed: tuple[str, ...] = ()
+    #: Send each rank's output tail back with the result: the client cannot be reached for live
+    #: output (Spark Connect, ranks meeting through the barrier allGather).
+    return_output: bool = False
     #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
 
@@ -48,5 +51,7 @@ class TaskSpec:
 RESULT_FIELDS = ("rank", "seq", "data")
 #: The same as a Spark schema.
 RESULT_SCHEMA = "rank int, seq int, data binary"
+#: The ``seq`` of the row in which a rank returns its output tail (``TaskSpec.return_output``).
+OUTPUT_SEQ = -1
 #: Starts rank 0's answer when its value was spilled to storage; no pickle starts this way.
 SPILLED = b"SPARKTRAIN-SPILLED:"

@@ -273,6 +273,7 @@ class Attempt:
             raise self._spark_failure(self.job.error) from self.job.error
         data = self.job.result_bytes()
         value = load_result(data)
+        self._write_tails()
         if self.spec.checkpoint is not None:
             returned = f"checkpoint at {value}"
         else:
@@ -283,6 +284,16 @@ class Attempt:
         log.info("sparktrain: run %s of %s finished in %.2f s (%s); rank 0 returned %s", self.info.run_id,
                  self.info.fn_name, self.info.elapsed(), started, returned)
         return value
+
+    def _write_tails(self) -> None:
+        """Output that could not stream live (see ``TaskSpec.return_output``): each rank's tail, now."""
+        tails = getattr(self.job, "output_tails", dict)()
+        now = time.time()
+        for rank in sorted(tails):
+            for line in tails[rank]:
+                stream, text = ("stderr", line[len("[stderr] "):]) if line.startswith("[stderr] ") else ("stdout", line)
+                if self.spec.output_ranks is None or rank in self.spec.output_ranks:
+                    self.info.write(Output(rank, stream, text, now))
 
     def _spark_failure(self, error: BaseException) -> SparkTrainError:
         """The error for a Spark job that failed without a report from the ranks' channel."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Protocol
 
-from ..spec import RESULT_SCHEMA, TaskSpec
+from ..spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
+from .connect import is_connect
 
 
 class Job(Protocol):
@@ -81,17 +82,28 @@ class BarrierJob(_Background):
         self.group = group
         self.description = description
         self._collect = collect
+        self._connect = is_connect(spark)
 
     @property
     def rows(self) -> list | None:
         return self.value
 
     def _body(self) -> list:
+        if self._connect:
+            # A Connect client has no job groups; a tag marks this thread's jobs for interruptTag.
+            self.spark.addTag(self.group)
+            try:
+                return self._collect()
+            finally:
+                self.spark.removeTag(self.group)
         self.spark.sparkContext.setJobGroup(self.group, self.description, interruptOnCancel=True)
         return self._collect()
 
     def cancel(self) -> None:
-        self.spark.sparkContext.cancelJobGroup(self.group)
+        if self._connect:
+            self.spark.interruptTag(self.group)
+        else:
+            self.spark.sparkContext.cancelJobGroup(self.group)
 
 
 class SparkJob(BarrierJob):
@@ -115,8 +127,13 @@ class SparkJob(BarrierJob):
         return df.mapInArrow(barrier_task(self.spec), RESULT_SCHEMA, barrier=True).collect()
 
     def result_bytes(self) -> bytes | None:
-        chunks = sorted((r["seq"], r["data"]) for r in self.rows or () if r["rank"] == 0)
+        chunks = sorted((r["seq"], r["data"]) for r in self.rows or () if r["rank"] == 0 and r["seq"] >= 0)
         return b"".join(bytes(d) for _, d in chunks) if chunks else None
+
+    def output_tails(self) -> dict[int, list[str]]:
+        """Each rank's output tail, when the ranks sent it back (``TaskSpec.return_output``)."""
+        return {r["rank"]: bytes(r["data"]).decode(errors="replace").split("\n")
+                for r in self.rows or () if r["seq"] == OUTPUT_SEQ}
 
 
 class LocalJob(_Background):

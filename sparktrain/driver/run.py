@@ -13,9 +13,9 @@ import uuid
 from typing import IO, Any, Callable, Iterable, Mapping
 
 from .. import settings, tracking, versions
-from ..errors import ClusterConfigError, InvalidArgumentError, PicklingFailedError
+from ..errors import InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
 from ..spec import TaskSpec
-from . import cluster, preflight
+from . import cluster, connect, preflight
 from .attempt import RunInfo, run_attempts
 from .jobs import LocalJob, SparkJob
 
@@ -172,31 +172,44 @@ def run(
         from . import feed
 
         frames = feed.frames_of(data)
-    try:
-        sc = spark.sparkContext
-    except Exception:  # noqa: BLE001 - Spark Connect raises its own not-implemented error
-        raise ClusterConfigError(
-            "this SparkSession has no SparkContext (a Spark Connect session?); sparktrain.run needs a classic "
-            "session for now. Run it where the driver has a SparkContext, or use local_mode=True") from None
-    conf = dict(sc.getConf().getAll())
+    connected = connect.is_connect(spark)
+    sc = None if connected else spark.sparkContext  # a Connect client has no SparkContext
+    conf = connect.conf_of(spark) if connected else dict(sc.getConf().getAll())
+    master = conf.get("spark.master", "")
     preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
-    cluster.check_executors_python(sc)
+    if sc is not None:
+        cluster.check_executors_python(sc)
     if use_gpu is None:
         use_gpu = preflight.gpu_amount(conf) > 0
     preflight.check_gpu_conf(conf, use_gpu)
-    if size is None:
-        size = max(1, cluster.capacity(sc, conf).slots(use_gpu))
     capacity_wait = settings.resolve("capacity_wait", conf=conf)
-    cluster.wait_for_capacity(sc, conf, size, use_gpu, capacity_wait)
+    if connected:
+        size = _check_connect_capacity(conf, size, use_gpu)
+    else:
+        if size is None:
+            size = max(1, cluster.capacity(sc, conf).slots(use_gpu))
+        cluster.wait_for_capacity(sc, conf, size, use_gpu, capacity_wait)
     rendezvous = settings.resolve("rendezvous", conf=conf)
-    driver_host = conf.get("spark.driver.host", "127.0.0.1")
-    max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
+    if connected:
+        driver_host = connect.client_host(spark)
+        if rendezvous == "auto":
+            reach = connect.executors_reach(spark, driver_host)
+            rendezvous = "driver" if reach else "barrier"
+            log.info("sparktrain: run %s over Spark Connect: executors %s this client at %s; ranks meet through %s",
+                     info.run_id, "can reach" if reach else "cannot reach", driver_host,
+                     "its channel, and their output streams here live" if reach else
+                     "Spark's barrier allGather, and each rank's output tail comes back with the result or error")
+        max_result = connect.size_bytes(conf.get("spark.driver.maxResultSize", "1g"))
+    else:
+        driver_host = conf.get("spark.driver.host", "127.0.0.1")
+        max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
     output = preflight.normalize_output_ranks(output_ranks, size)
     spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, cloudpickle.dumps),
                       driver_address=(driver_host, 0) if rendezvous != "barrier" else None, use_gpu=use_gpu,
                       output_ranks=output, max_result_bytes=max_result,
                       env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
-                      spill_url=_spill_url(sc.master, conf), feed=tuple(frames or ()))
+                      spill_url=_spill_url(master, conf), feed=tuple(frames or ()),
+                      return_output=connected and rendezvous == "barrier")
     source = None
     if frames:
         from . import feed
@@ -210,16 +223,43 @@ def run(
 
     def before_retry() -> None:
         # A lost executor is usually replaced within seconds; the gang needs all its slots back.
-        cluster.wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait))
+        if connected:
+            _check_connect_capacity(conf, size, use_gpu)
+        else:
+            cluster.wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait))
 
     return run_attempts(info, spec, lambda s, on_done: SparkJob(spark, s, fn_name, on_done, source), driver_host,
                         max_attempts, before_retry)
 
 
+def _check_connect_capacity(conf: Mapping[str, str], size: int | None, use_gpu: bool) -> int:
+    """Over Connect the client cannot list executors: count slots from the conf, and fail now
+    rather than wait out Spark's barrier slot check (about 10 minutes). Returns the size."""
+    cap = connect.capacity(conf)
+    checked = (f"counted from the session's conf (spark.master={conf.get('spark.master', '?')}, "
+               f"spark.executor.instances={conf.get('spark.executor.instances', 'unset')}, "
+               f"spark.executor.cores={conf.get('spark.executor.cores', 'unset')}, "
+               f"spark.task.cpus={conf.get('spark.task.cpus', '1')})")
+    if cap is None:
+        if size is None:
+            raise InvalidArgumentError(
+                "num_proc is required over Spark Connect when the conf does not say how many executors there "
+                f"are (dynamic allocation, or spark.executor.instances/cores unset); {checked}")
+        log.info("sparktrain: over Spark Connect the task slots cannot be %s; launching %d ranks", checked, size)
+        return size
+    if size is None:
+        return max(1, cap.slots(use_gpu))
+    try:
+        preflight.check_capacity(size, cap, use_gpu)
+    except InsufficientResourcesError as e:
+        raise InsufficientResourcesError(f"{e} (slots {checked})") from None
+    return size
+
+
 def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tuple[str, int] | None, use_gpu: bool,
                output_ranks: frozenset[int] | None, max_result_bytes: int, env: Mapping[str, str],
                conf: Mapping[str, str], checkpoint: bytes | None, start_timeout: float | None,
-               spill_url: str | None = None, feed: tuple[str, ...] = ()) -> TaskSpec:
+               spill_url: str | None = None, feed: tuple[str, ...] = (), return_output: bool = False) -> TaskSpec:
     """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
     return TaskSpec(
         run_id=info.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
@@ -227,6 +267,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
         grace_period=settings.resolve("grace_period", conf=conf), user_env=dict(env), checkpoint=checkpoint,
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
+        return_output=return_output,
         mlflow=_mlflow_handoff(info.run_id, env),
     )
 

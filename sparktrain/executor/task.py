@@ -27,7 +27,7 @@ from ..errors import (InvalidArgumentError, RankError, RankFailure, ResultTooLar
                       VersionMismatchError, type_name)
 from ..data import layout
 from ..localfiles import file_chunks
-from ..spec import RESULT_FIELDS, SPILLED, TaskSpec
+from ..spec import OUTPUT_SEQ, RESULT_FIELDS, SPILLED, TaskSpec
 from .janitor import Janitor
 from .spool import Spool, local_dir
 from .supervisor import ChildProcess
@@ -36,8 +36,9 @@ from .supervisor import ChildProcess
 TAIL_LINES = 100
 #: Longest output line forwarded; longer lines are split.
 MAX_LINE = 16 * 1024
-#: Size of the pieces rank 0's pickled result travels in.
-RESULT_CHUNK = 4 * 1024 * 1024
+#: Size of the pieces rank 0's pickled result travels in: well inside the 4 MiB Arrow batches
+#: a Spark Connect server sends (``spark.connect.grpc.arrow.maxBatchSize``).
+RESULT_CHUNK = 1024 * 1024
 
 #: A C++ log line in absl's format, severity letter first (``I0000 00:00:17.5 123 port.cc:153] ...``).
 _CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] ")
@@ -277,11 +278,12 @@ def _gpu_ids(spec: TaskSpec, rank: int, gpu_addresses: Sequence[str] | None) -> 
 
 
 def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] | None = None,
-             barrier_ctx=None, batches=None) -> Iterator[bytes]:
+             barrier_ctx=None, batches=None, output: list[str] | None = None) -> Iterator[bytes]:
     """Run ``rank`` to completion. Yields rank 0's pickled result in chunks; raises RankError on failure.
 
     ``batches`` is this task's share of the fed DataFrames (``spec.feed``), spooled before the
     rendezvous; ``data_dir`` holds the spool, and a janitor process removes it however the task ends.
+    ``output``, when given, receives the rank's output tail once it succeeded.
     """
     state = _Rank(spec, rank, host)
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
@@ -360,6 +362,8 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             raise _failed(state, state.failure(exitcode=code, **info))
         if rank == 0:
             yield from _result_chunks(state, os.path.join(workdir, "result.pkl"))
+        if output is not None:
+            output.extend(state.tail)
     finally:
         if child is not None and child.poll() is None:
             child.stop(spec.grace_period)  # the task itself is being torn down
@@ -412,7 +416,6 @@ def barrier_task(spec: TaskSpec):
     """The function each barrier task runs (``mapInArrow``'s); it is pickled with ``spec`` inside."""
 
     def run_barrier_task(batches):
-        import pyarrow as pa
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
@@ -422,9 +425,18 @@ def barrier_task(spec: TaskSpec):
                                "so this attempt stops")
         host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
         gpu = ctx.resources().get("gpu")
-        for seq, chunk in enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx, batches)):
-            yield pa.RecordBatch.from_arrays(
-                [pa.array([rank], pa.int32()), pa.array([seq], pa.int32()), pa.array([chunk], pa.binary())],
-                names=list(RESULT_FIELDS))
+        output: list[str] | None = [] if spec.return_output else None
+        rows = enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx, batches, output))
+        for seq, chunk in rows:
+            yield _row(rank, seq, chunk)
+        if output:
+            yield _row(rank, OUTPUT_SEQ, "\n".join(output).encode())
+
+    def _row(rank: int, seq: int, data: bytes):
+        import pyarrow as pa
+
+        return pa.RecordBatch.from_arrays(
+            [pa.array([rank], pa.int32()), pa.array([seq], pa.int32()), pa.array([data], pa.binary())],
+            names=list(RESULT_FIELDS))
 
     return run_barrier_task

@@ -1,0 +1,135 @@
+"""What the driver does differently on a Spark Connect session: no SparkContext, RDD or Py4J.
+
+A Connect session (``SparkSession.builder.remote(...)``, an application started with
+``spark.api.mode=connect``, or the pyspark-client package) is detected by its type. Everything
+here is what a client can see or do:
+- the conf, through ``spark.conf``;
+- the capacity, counted from that conf (master, executor instances and cores), since the
+  client cannot list executors;
+- whether executors can open connections to this client, by a one-task probe, which decides
+  how ranks meet: through the run's channel (live output) or Spark's barrier ``allGather``;
+- a job's handle: a tag (``addTag``/``interruptTag``) in place of a job group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from typing import Mapping
+
+from .preflight import Capacity, gpu_amount
+
+log = logging.getLogger("sparktrain")
+
+#: Seconds a probe task waits for its connection to this client.
+PROBE_CONNECT_TIMEOUT = 3.0
+#: Seconds the probe job may take in all (it waits for a free task slot first).
+PROBE_JOB_TIMEOUT = 60.0
+
+_LOCAL = re.compile(r"local(?:\[(\d+|\*)(?:,\d+)?\])?")
+_LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\]")
+_SIZE = re.compile(r"(\d+)\s*([kmgtp]?)b?", re.IGNORECASE)
+
+
+def is_connect(spark) -> bool:
+    """Whether ``spark`` is a Spark Connect session (its class lives in ``pyspark.sql.connect``)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def conf_of(spark) -> dict[str, str]:
+    """The session's conf as the server reports it (a Connect client has no SparkConf)."""
+    return {str(k): str(v) for k, v in dict(spark.conf.getAll).items()}
+
+
+def size_bytes(text: str) -> int:
+    """Spark's size notation in bytes: ``"1g"`` -> 1073741824; ``"0"`` -> 0 (no limit).
+
+    >>> size_bytes("4m"), size_bytes("1024"), size_bytes("2G")
+    (4194304, 1024, 2147483648)
+    """
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"not a size: {text!r}")
+    return int(m.group(1)) << (10 * "bkmgtp".index((m.group(2) or "b").lower()))
+
+
+def capacity(conf: Mapping[str, str]) -> Capacity | None:
+    """The task slots the conf promises, or None when the conf does not say (dynamic allocation,
+    or executors whose count is not configured)."""
+    master = conf.get("spark.master", "")
+    task_cpus = int(conf.get("spark.task.cpus", "1"))
+    task_gpus = gpu_amount(conf, "task")
+    m = _LOCAL.fullmatch(master)
+    if m:
+        slots = m.group(1)
+        cores = 1 if slots is None else (os.cpu_count() or 1) if slots == "*" else int(slots)
+        return Capacity(1, cores, task_cpus, gpu_amount(conf, "driver"), task_gpus)
+    m = _LOCAL_CLUSTER.fullmatch(master)
+    if m:
+        return Capacity(int(m.group(1)), int(m.group(2)), task_cpus, gpu_amount(conf, "executor"), task_gpus)
+    dynamic = conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true"
+    instances, cores = conf.get("spark.executor.instances"), conf.get("spark.executor.cores")
+    if dynamic or not instances or not cores:
+        return None
+    return Capacity(int(instances), int(cores), task_cpus, gpu_amount(conf, "executor"), task_gpus)
+
+
+def client_host(spark) -> str:
+    """This client's address on the route to the Connect server: where executors would reach it."""
+    server = getattr(getattr(spark, "client", None), "host", None) or "localhost"
+    if server in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((server, 15002))  # no packet is sent: this only picks the route
+        return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
+
+
+def executors_reach(spark, host: str) -> bool:
+    """Whether a task of this session can open a TCP connection to ``host`` (this client).
+
+    One one-task job, which connects to a listener here; the kernel completes the handshake, so
+    nothing needs to accept it. A job that does not finish in time counts as "cannot".
+    """
+    from .jobs import BarrierJob
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        job = BarrierJob(spark, f"sparktrain-probe-{port}", "sparktrain: can executors reach the client?",
+                         lambda: spark.range(0, 1, 1, 1).mapInArrow(_reach(host, port), "reached boolean").collect())
+        job.start()
+        if not job.wait(PROBE_JOB_TIMEOUT):
+            job.cancel()
+            return False
+        return job.error is None and bool(job.rows) and bool(job.rows[0]["reached"])
+    except OSError as e:
+        log.debug("sparktrain: no probe listener on %s: %s", host, e)
+        return False
+    finally:
+        listener.close()
+
+
+def _reach(host: str, port: int):
+    def reach(batches):
+        import socket
+
+        import pyarrow as pa
+
+        for _ in batches:
+            pass
+        try:
+            socket.create_connection((host, port), timeout=PROBE_CONNECT_TIMEOUT).close()
+            ok = True
+        except OSError:
+            ok = False
+        yield pa.RecordBatch.from_arrays([pa.array([ok])], names=["reached"])
+
+    return reach

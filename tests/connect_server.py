@@ -1,0 +1,83 @@
+"""A Spark Connect server in its own process, for tests whose client must not be the driver.
+
+Started with pyspark's own ``spark-submit`` and the Connect server class, on a free port of
+127.0.0.1; its executors run this interpreter and can import tests/helpers.py. Stopped, with its
+whole process group, when the test module ends.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ConnectServer:
+    """``spark-submit --class ...SparkConnectServer`` on ``master``; ``url`` is its ``sc://`` address."""
+
+    def __init__(self, master: str = "local[3]", timeout: float = 180.0):
+        import pyspark
+
+        self.port = free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        home = os.path.dirname(pyspark.__file__)
+        env = dict(os.environ, SPARK_HOME=home, PYSPARK_PYTHON=sys.executable,
+                   PYTHONPATH=os.pathsep.join([HERE, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p]]))
+        for key in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE",
+                    "SPARK_CONNECT_AUTHENTICATE_TOKEN"):
+            env.pop(key, None)
+        self.log = tempfile.NamedTemporaryFile(prefix="connect-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [os.path.join(home, "bin", "spark-submit"), "--master", master,
+             "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+             "--conf", f"spark.connect.grpc.binding.port={self.port}",
+             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+             "--conf", "spark.ui.enabled=false", "--conf", "spark.ui.showConsoleProgress=false",
+             "--conf", f"spark.driver.extraJavaOptions=-Dlog4j2.configurationFile={HERE}/log4j2-test.properties"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the Connect server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"the Connect server did not listen on {self.port} within {timeout} s:\n"
+                                       f"{self.output()[-3000:]}")
+                time.sleep(0.2)  # a JVM's listening socket has no event a test can await
+
+    def output(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def driver_pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.log.close()
+        os.unlink(self.log.name)

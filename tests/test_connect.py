@@ -1,0 +1,243 @@
+"""``sparktrain.run`` over Spark Connect, against two servers: the embedded one that
+``SparkSession.builder.remote("local[3]")`` starts, and a Connect server in a process of its own
+(its driver is not this process), reached at ``sc://127.0.0.1:PORT``.
+
+The core path, the fault paths and the refusals of the classic tests, over both.
+"""
+from __future__ import annotations
+
+import _thread
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import sparktrain
+from connect_server import ConnectServer
+from helpers import rank_processes, read_ranks, record_rank, run_marker, wait_for_file, wait_for_ranks, weights_digest
+
+pytest.importorskip("grpc")
+pytestmark = pytest.mark.timeout(300)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = {"SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
+
+
+@pytest.fixture(scope="module", params=["embedded", "server"])
+def spark(request):
+    from pyspark.sql import SparkSession
+
+    saved = dict(os.environ)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *[p for p in saved.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    server = None
+    if request.param == "embedded":
+        session = SparkSession.builder.remote("local[3]").config("spark.ui.showConsoleProgress", "false").getOrCreate()
+    else:
+        server = ConnectServer("local[3]")
+        session = SparkSession.builder.remote(server.url).getOrCreate()
+    session.kind = request.param
+    session.server = server
+    yield session
+    session.stop()
+    if server is not None:
+        server.stop()
+    os.environ.clear()
+    os.environ.update(saved)  # the embedded server leaves its token behind
+
+
+def hello(n):
+    import os
+
+    import sparktrain
+
+    print(f"hello from {sparktrain.rank()}")
+    return {"rank": sparktrain.rank(), "size": sparktrain.size(), "blob": os.urandom(n)}
+
+
+def test_a_connect_session_runs_and_returns_rank_zeros_value_in_chunks(spark, caplog):
+    from sparktrain.driver import connect
+
+    assert connect.is_connect(spark)
+    out = io.StringIO()
+    with caplog.at_level(logging.INFO, "sparktrain"):
+        got = sparktrain.run(hello, args=(3 << 20,), num_proc=3, stdout=out)  # more than one 1 MiB chunk
+    assert (got["rank"], got["size"], len(got["blob"])) == (0, 3, 3 << 20)
+    assert "over Spark Connect: executors can reach this client at 127.0.0.1; ranks meet through its channel" \
+        in caplog.text
+    assert sorted(line for line in out.getvalue().splitlines() if "hello" in line) == \
+        [f"[{r}]<stdout>:hello from {r}" for r in range(3)]  # live, over the channel
+
+
+def test_without_a_channel_each_ranks_output_comes_back_with_the_result(spark, monkeypatch, caplog):
+    monkeypatch.setenv("SPARKTRAIN_RENDEZVOUS", "barrier")  # as when executors cannot reach this client
+    out = io.StringIO()
+    assert sparktrain.run(hello, args=(10,), num_proc=3, stdout=out, verbose=0)["rank"] == 0
+    assert sorted(line for line in out.getvalue().splitlines() if "hello" in line) == \
+        [f"[{r}]<stdout>:hello from {r}" for r in range(3)]
+
+
+def shard_rows():
+    import sparktrain.data
+
+    return list(sparktrain.data.shard().rows_per_rank)
+
+
+def test_data_feeds_a_dataframe_over_connect(spark):
+    assert sorted(sparktrain.run(shard_rows, num_proc=3, data=spark.range(0, 100), verbose=0)) == [33, 33, 34]
+
+
+def fail_on_one(outdir):
+    import time
+
+    import sparktrain
+
+    record_rank(outdir)
+    if sparktrain.rank() == 1:
+        wait_for_ranks(outdir, 3)
+        raise ValueError("rank one gives up")
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("rendezvous", ["auto", "barrier"])
+def test_a_rank_that_raises_fails_the_run_with_its_cause_first(spark, tmp_path, monkeypatch, rendezvous):
+    monkeypatch.setenv("SPARKTRAIN_RENDEZVOUS", rendezvous)
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(fail_on_one, args=(str(tmp_path),), num_proc=3, verbose=0)
+    assert e.value.root_cause.rank == 1
+    assert "root cause: rank 1 " in str(e.value)
+    assert "ValueError: rank one gives up" in str(e.value)
+    assert rank_processes(run_marker(read_ranks(str(tmp_path))[0]), timeout=10) == []
+
+
+def exit_hard(outdir):
+    import os
+    import time
+
+    import sparktrain
+
+    record_rank(outdir)
+    if sparktrain.rank() == 2:
+        wait_for_ranks(outdir, 3)
+        os._exit(3)
+    time.sleep(120)
+
+
+def test_a_hard_exit_names_the_rank_and_its_code(spark, tmp_path):
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(exit_hard, args=(str(tmp_path),), num_proc=3, verbose=0)
+    assert (e.value.root_cause.rank, e.value.root_cause.exitcode) == (2, 3)
+
+
+def hang(outdir):
+    import time
+
+    record_rank(outdir)
+    time.sleep(600)
+
+
+def test_a_hang_is_ended_by_the_timeout_and_leaves_no_process(spark, tmp_path):
+    with pytest.raises(sparktrain.RunTimeoutError):
+        sparktrain.run(hang, args=(str(tmp_path),), num_proc=3, timeout=20, verbose=0)
+    assert rank_processes(run_marker(read_ranks(str(tmp_path))[0]), timeout=10) == []
+    assert sparktrain.run(lambda: sparktrain.size(), num_proc=3, verbose=0) == 3  # the session is fine
+
+
+def test_keyboard_interrupt_cancels_the_run_by_its_tag(spark, tmp_path):
+    outdir = str(tmp_path)
+
+    def interrupt():
+        wait_for_ranks(outdir, 3, timeout=120)
+        _thread.interrupt_main()  # what a notebook's stop button does
+
+    t = threading.Thread(target=interrupt, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sparktrain.run(hang, args=(outdir,), num_proc=3, verbose=0)
+    finally:
+        t.join(130)
+    assert rank_processes(run_marker(read_ranks(outdir)[0]), timeout=10) == []
+
+
+def test_too_few_slots_are_refused_with_figures_before_launch(spark):
+    with pytest.raises(sparktrain.InsufficientResourcesError) as e:
+        sparktrain.run(lambda: 0, num_proc=5, verbose=0)
+    assert "num_proc=5 needs 5 task slots at once" in str(e.value)
+    assert "but the cluster has 3" in str(e.value)
+    assert "counted from the session's conf (spark.master=local[3]" in str(e.value)
+
+
+def test_other_versions_on_the_executors_fail_at_once(spark, monkeypatch):
+    from sparktrain import versions
+
+    real = versions.collect()
+    monkeypatch.setattr(versions, "collect", lambda: dict(real, cloudpickle="0.0.1"))
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(lambda: 1, num_proc=3, verbose=0)
+    assert e.value.root_cause.exc_type == "sparktrain.errors.VersionMismatchError"
+    assert f"cloudpickle: driver 0.0.1, this executor {real['cloudpickle']}" in e.value.root_cause.message
+
+
+def fit_keras(outdir):
+    import keras
+    import numpy as np
+
+    import sparktrain.keras as hvd
+
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(256, 4)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5)), loss="binary_crossentropy",
+                  metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    with open(os.path.join(outdir, f"digest-{hvd.rank()}"), "w") as f:
+        f.write(weights_digest(model.get_weights()))
+    return history.history["accuracy"][-1]
+
+
+def test_keras_fit_with_the_distributed_optimizer_trains_over_connect(spark, tmp_path):
+    if spark.kind == "embedded":
+        pytest.skip("trained once, against the separate server")
+    accuracy = sparktrain.run(fit_keras, args=(str(tmp_path),), num_proc=3, env=ENV, verbose=0)
+    assert accuracy > 0.8
+    assert len({open(tmp_path / f"digest-{r}").read() for r in range(3)}) == 1
+
+
+CLIENT_ONLY = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class NoClassicSpark(importlib.abc.MetaPathFinder):
+        # What a pyspark-client installation lacks: the classic core and Py4J.
+        def find_spec(self, name, path=None, target=None):
+            if name == "py4j" or name.startswith(("py4j.", "pyspark.core")):
+                raise ImportError(f"{name} is not on a Connect-only client")
+            return None
+
+    sys.meta_path.insert(0, NoClassicSpark())
+    from pyspark.sql import SparkSession
+    import sparktrain
+    spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
+    value = sparktrain.run(lambda: sparktrain.rank() + 41, num_proc=2, verbose=0,
+                           data=spark.range(0, 10))
+    print("VALUE", value, "PY4J", any(m == "py4j" or m.startswith("py4j.") for m in sys.modules))
+""")
+
+
+def test_a_client_without_py4j_or_pyspark_core_runs(spark):
+    if spark.kind == "embedded":
+        pytest.skip("the embedded server itself runs on Py4J in this process")
+    proc = subprocess.run([sys.executable, "-c", CLIENT_ONLY, spark.server.url], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "VALUE 41 PY4J False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
