@@ -20,7 +20,7 @@ import uuid
 from typing import Any, Callable, Mapping, TextIO
 
 from . import __version__, settings, versions
-from .driver import cluster, jobs, preflight
+from .driver import cluster, connect, jobs, preflight
 from .errors import ClusterConfigError, InsufficientResourcesError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
@@ -109,16 +109,14 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
 
 
 def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float) -> None:
-    try:
-        sc = spark.sparkContext
-    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
-        report.fail("this SparkSession has no SparkContext (Spark Connect?); sparktrain.run needs a classic session")
-        return
-    conf = dict(sc.getConf().getAll())
-    report.field("master", sc.master)
-    report.field("Spark version", sc.version)
-    if tuple(int(p) for p in re.findall(r"\d+", sc.version)[:2]) < (3, 5):
-        report.fail(f"Spark {sc.version} is too old: sparktrain launches ranks with mapInArrow(barrier=True), "
+    over_connect = connect.is_connect(spark)
+    sc = None if over_connect else spark.sparkContext  # a Connect client has no SparkContext
+    conf = connect.conf_of(spark) if over_connect else dict(sc.getConf().getAll())
+    master = conf.get("spark.master", "?")
+    report.field("master", master + (" (through Spark Connect)" if over_connect else ""))
+    report.field("Spark version", spark.version)
+    if tuple(int(p) for p in re.findall(r"\d+", spark.version)[:2]) < (3, 5):
+        report.fail(f"Spark {spark.version} is too old: sparktrain launches ranks with mapInArrow(barrier=True), "
                     "new in Spark 3.5. Upgrade the cluster to Spark 3.5 or later")
 
     try:
@@ -126,30 +124,37 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
         report.ok("barrier mode: dynamic allocation is off, so every rank can be gang-scheduled")
     except ClusterConfigError as e:
         report.fail(str(e))
-    use_gpu = _check_gpu_conf(report, sc.master, conf)
+    use_gpu = _check_gpu_conf(report, master, conf)
 
-    # Executors register after the session starts; with the conf already broken, do not wait for them.
-    expected = cluster.expected_executors(sc.master, conf)
-    cap = cluster.wait_for_executors(sc, conf, lambda c: c.executors >= (expected or 1), 0 if report.failures else wait)
-    if cluster.is_local(sc.master):
-        report.field("executors", "1 (local mode: the driver runs the tasks)")
+    if over_connect:
+        cap = connect.capacity(conf)
+        if cap is None:
+            if num_proc is None:
+                report.fail("a Spark Connect client cannot count the task slots of this cluster from its conf "
+                            "(dynamic allocation, or spark.executor.instances/cores unset); pass --num-proc")
+                return
+            report.warn("the task slots cannot be counted from the conf over Spark Connect; the probing stage "
+                        f"below shows whether {num_proc} rank(s) fit")
+        else:
+            report.field("executors", f"{cap.executors} (from the conf; a Connect client cannot list them)")
     else:
-        report.field("executors", f"{cap.executors} registered" + (f" of {expected} expected" if expected else ""))
-    slots = f"{cap.cpu_slots}: {cap.executors} executor(s) x {cap.cores_per_executor} core(s) / " \
-            f"spark.task.cpus={cap.task_cpus}"
-    if cap.spark_slots is not None and cap.spark_slots != cap.cpu_slots:
-        slots += f" (Spark counts {cap.spark_slots})"
-    report.field("task slots", slots)
-    if use_gpu:
-        offered = "spark.driver" if cluster.is_local(sc.master) else "spark.executor"
-        report.field("GPUs per executor", f"{cap.gpus_per_executor:g} ({offered}.resource.gpu.amount), "
-                                          f"{cap.task_gpus:g} per task: {cap.gpu_slots} GPU slot(s)")
-    if expected and 0 < cap.executors < expected:
-        report.warn(f"only {cap.executors} of {expected} expected executors registered within {wait:g} s; "
-                    "the others may still be starting (pass --wait to give them longer)")
-
+        # Executors register after the session starts; with the conf already broken, do not wait for them.
+        expected = cluster.expected_executors(master, conf)
+        cap = cluster.wait_for_executors(sc, conf, lambda c: c.executors >= (expected or 1),
+                                         0 if report.failures else wait)
+        if cluster.is_local(master):
+            report.field("executors", "1 (local mode: the driver runs the tasks)")
+        else:
+            report.field("executors", f"{cap.executors} registered" + (f" of {expected} expected" if expected else ""))
+        if expected and 0 < cap.executors < expected:
+            report.warn(f"only {cap.executors} of {expected} expected executors registered within {wait:g} s; "
+                        "the others may still be starting (pass --wait to give them longer)")
+    if cap is not None:
+        _slots(report, cap, master, use_gpu)
     size = num_proc if num_proc is not None else cap.slots(use_gpu)
-    if size == 0:
+    if cap is None:
+        pass  # not countable from a Connect client: the probing stage is the test
+    elif size == 0:
         if not report.failures:  # with the conf already broken, no slots is a consequence, not a new problem
             report.fail(f"no task slots: {cap.executors} executor(s) registered within {wait:g} s. Start executors "
                         "(spark.executor.instances, spark.executor.cores), check the cluster manager's UI for "
@@ -170,6 +175,18 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
         tasks = _probe(report, spark, conf, size, use_gpu, timeout)
     _versions(report, driver, tasks)
     _backends(report, driver, tasks)
+
+
+def _slots(report: Report, cap: preflight.Capacity, master: str, use_gpu: bool) -> None:
+    slots = f"{cap.cpu_slots}: {cap.executors} executor(s) x {cap.cores_per_executor} core(s) / " \
+            f"spark.task.cpus={cap.task_cpus}"
+    if cap.spark_slots is not None and cap.spark_slots != cap.cpu_slots:
+        slots += f" (Spark counts {cap.spark_slots})"
+    report.field("task slots", slots)
+    if use_gpu:
+        offered = "spark.driver" if cluster.is_local(master) else "spark.executor"
+        report.field("GPUs per executor", f"{cap.gpus_per_executor:g} ({offered}.resource.gpu.amount), "
+                                          f"{cap.task_gpus:g} per task: {cap.gpu_slots} GPU slot(s)")
 
 
 def _check_gpu_conf(report: Report, master: str, conf: Mapping[str, str]) -> bool:
@@ -280,7 +297,9 @@ def _make_probe(packages: tuple, backends: tuple, driver: tuple[str, int]):
 
 def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: bool, timeout: float) -> list[dict]:
     """Run one barrier stage of ``size`` tasks; each reports what it sees. Returns their reports."""
-    host = conf.get("spark.driver.host", "127.0.0.1")
+    over_connect = connect.is_connect(spark)
+    # Ranks check in where run() listens: the driver, or this client over Spark Connect.
+    host = connect.client_host(spark) if over_connect else conf.get("spark.driver.host", "127.0.0.1")
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((host, 0))
     listener.listen(max(16, size))
@@ -297,7 +316,7 @@ def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: b
     probe = _make_probe(PACKAGES, tuple(BACKENDS), (host, listener.getsockname()[1]))
     job = jobs.BarrierJob(spark, f"sparktrain-check-{uuid.uuid4().hex[:8]}",
                           f"sparktrain check: a barrier stage of {size} task(s)",
-                          lambda: spark.sparkContext.parallelize(range(size), size).barrier().mapPartitions(probe).collect())
+                          lambda: _probe_stage(spark, size, probe, over_connect))
     started = time.monotonic()
     job.start()
     try:
@@ -324,7 +343,11 @@ def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: b
     unreachable = [t for t in tasks if t["reach"]]
     rendezvous = settings.resolve("rendezvous", conf=conf)
     if not unreachable:
-        report.ok(f"every task reached the driver at {host} (ranks check in there)")
+        report.ok(f"every task reached the {'client' if over_connect else 'driver'} at {host} (ranks check in there)")
+    elif over_connect and rendezvous != "driver":
+        report.warn(f"{len(unreachable)} task(s) cannot reach this client at {host} ({unreachable[0]['reach']}); "
+                    "over Spark Connect, runs then meet through Spark's barrier allGather, and each rank's output "
+                    "tail comes back with the result or the error instead of live")
     elif rendezvous == "barrier":
         report.warn(f"{len(unreachable)} task(s) cannot reach the driver at {host} ({unreachable[0]['reach']}); "
                     "rendezvous=barrier is set, so runs still start, and ranks' output goes to executor logs")
@@ -333,6 +356,20 @@ def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: b
                     "where ranks check in. Fix: open the driver's ports to the executors (spark.driver.host must be "
                     "an address they can reach), or set spark.sparktrain.rendezvous=barrier")
     return tasks
+
+
+def _probe_stage(spark, size: int, probe, over_connect: bool) -> list[str]:
+    """The probing barrier stage: an RDD one on a classic session, where it needs nothing but Python
+    on the executors (so it can report a missing pyarrow); mapInArrow over Connect, which has no RDDs."""
+    if not over_connect:
+        return spark.sparkContext.parallelize(range(size), size).barrier().mapPartitions(probe).collect()
+
+    def in_arrow(batches):
+        import pyarrow as pa
+
+        yield pa.RecordBatch.from_arrays([pa.array(list(probe(batches)))], names=["info"])
+
+    return [r["info"] for r in spark.range(0, size, 1, size).mapInArrow(in_arrow, "info string", barrier=True).collect()]
 
 
 def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:

@@ -67,13 +67,25 @@ class UsageError(Exception):
     """A command-line option that cannot apply; printed with the fix, exit code 2."""
 
 
-def _session(master: str | None, conf: list[tuple[str, str]], default_master: str):
+def _session(master: str | None, conf: list[tuple[str, str]], default_master: str, remote: str | None = None):
     """The SparkSession a command uses, and whether the command started it (and should stop it).
 
-    Under spark-submit, spark-submit has chosen the master and conf; in a notebook that calls
-    ``main`` the running session is used; otherwise an embedded session starts on ``master``.
+    With ``remote``, a Spark Connect session to that server. Under spark-submit, spark-submit has
+    chosen the master and conf; in a notebook that calls ``main`` the running session is used;
+    otherwise an embedded session starts on ``master``.
     """
     from .driver import cluster
+
+    if remote:
+        if master:
+            raise UsageError(f"--master {master} cannot apply with --remote {remote}: the Connect server chose "
+                             "its master; drop one of them")
+        from pyspark.sql import SparkSession
+
+        builder = SparkSession.builder.remote(remote)
+        for key, value in conf:
+            builder = builder.config(key, value)
+        return builder.getOrCreate(), True  # stopping a Connect client ends its session, not the server
 
     running = cluster.active_session()
     # spark-submit hands its JVM to the Python it starts through this variable.
@@ -100,8 +112,9 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
 
     if args.local and args.num_proc is None:
         raise UsageError("--local needs --num-proc, the number of processes to start, for example --local --num-proc 2")
-    if args.local and (args.master or args.conf):
-        raise UsageError("--local runs without Spark, so --master and --conf do not apply; drop them or drop --local")
+    if args.local and (args.master or args.conf or args.remote):
+        raise UsageError("--local runs without Spark, so --master, --conf and --remote do not apply; drop them or "
+                         "drop --local")
     path = os.path.abspath(args.script)
     try:
         source = script.load(args.script)
@@ -111,10 +124,10 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
     try:
         if not args.local:
             # A session the command starts reports a failed rank once, below, not again per task.
-            spark, owned = _session(args.master, args.conf, f"local[{args.num_proc or '*'}]")
+            spark, owned = _session(args.master, args.conf, f"local[{args.num_proc or '*'}]", args.remote)
             if args.verbose:
-                sc = spark.sparkContext
-                print(f"sparktrain run: {args.script} on Spark {sc.version}, master {sc.master}", file=sys.stderr)
+                master = spark.conf.get("spark.master", "?")
+                print(f"sparktrain run: {args.script} on Spark {spark.version}, master {master}", file=sys.stderr)
         sparktrain.run(script.run_script, args=(path, source, script_args), num_proc=args.num_proc,
                        local_mode=args.local, env=dict(args.env), use_gpu=args.gpu, start_timeout=args.start_timeout,
                        timeout=args.timeout, output_ranks=args.output_ranks,
@@ -144,7 +157,7 @@ def _check(args: argparse.Namespace) -> int:
         raise UsageError(f"--master {args.master} cannot apply: spark-submit already chose the master; "
                          "pass --master to spark-submit instead")
     default = f"local[{args.num_proc or '*'}]"
-    return check.run_check(lambda: _session(args.master, args.conf, default), num_proc=args.num_proc,
+    return check.run_check(lambda: _session(args.master, args.conf, default, args.remote), num_proc=args.num_proc,
                            wait=args.wait, timeout=args.timeout)
 
 
@@ -182,6 +195,9 @@ def _spark_options(p: argparse.ArgumentParser) -> None:
                                     "under spark-submit, give it to spark-submit instead")
     p.add_argument("--conf", action="append", default=[], type=_key_value("--conf"), metavar="KEY=VALUE",
                    help="a Spark setting for that session; repeatable")
+    p.add_argument("--remote", metavar="sc://HOST:PORT",
+                   help="use a Spark Connect server instead of starting a session (needs pyspark[connect] or "
+                        "pyspark-client)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -38,7 +38,7 @@ def spark(request):
     os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *[p for p in saved.get("PYTHONPATH", "").split(os.pathsep) if p]])
     server = None
     if request.param == "embedded":
-        session = SparkSession.builder.remote("local[3]").config("spark.ui.showConsoleProgress", "false").getOrCreate()
+        session = SparkSession.builder.remote("local[3]").getOrCreate()
     else:
         server = ConnectServer("local[3]")
         session = SparkSession.builder.remote(server.url).getOrCreate()
@@ -241,3 +241,26 @@ def test_a_client_without_py4j_or_pyspark_core_runs(spark):
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "VALUE 41 PY4J False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_check_reports_a_connect_session(spark):
+    from sparktrain import check
+
+    out = io.StringIO()
+    code = check.run_check(lambda: (spark, False), num_proc=3, out=out, timeout=120)
+    report = out.getvalue()
+    assert code == 0, report
+    assert "local[3] (through Spark Connect)" in report
+    assert "1 (from the conf; a Connect client cannot list them)" in report, report
+    assert "3: 1 executor(s) x 3 core(s)" in report, report
+    assert "barrier mode: a barrier stage of 3 task(s) ran" in report
+    assert "every task reached the client at 127.0.0.1" in report
+
+
+def test_the_check_command_takes_a_connect_server(spark):
+    if spark.kind == "embedded":
+        pytest.skip("the command connects to a server by its URL")
+    proc = subprocess.run([sys.executable, "-m", "sparktrain", "check", "--remote", spark.server.url],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "capacity: 3 rank(s) fit at once" in proc.stdout, proc.stdout
