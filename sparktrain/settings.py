@@ -82,6 +82,9 @@ SETTINGS = {
                 "fsspec URL (a prefix) where rank 0 spills a return value too large for spark.driver.maxResultSize; "
                 "the driver reads it back and deletes it. Default: a local temporary directory on local masters, "
                 "none elsewhere; 'none' turns it off"),
+        Setting("log_url", "SPARKTRAIN_LOG_URL", "spark.sparktrain.logUrl", None, lambda n, v: _url(n, v),
+                "fsspec URL (a prefix) where ranks also write their output; the driver prints it from there "
+                "when the ranks cannot reach it (Spark Connect); 'none' turns it off"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
         # Read in the rank's process, where there is no Spark conf: give it with run(env=...).

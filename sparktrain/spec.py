@@ -43,6 +43,9 @@ class TaskSpec:
     #: Send each rank's output tail back with the result: the client cannot be reached for live
     #: output (Spark Connect, ranks meeting through the barrier allGather).
     return_output: bool = False
+    #: cloudpickled ``(log_url, storage_options)`` when ranks write their output to storage too
+    #: (``sparktrain.storage.outputlog``).
+    log_target: bytes | None = dataclasses.field(default=None, repr=False)
     #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
 

@@ -83,6 +83,45 @@ def test_without_a_channel_each_ranks_output_comes_back_with_the_result(spark, m
         [f"[{r}]<stdout>:hello from {r}" for r in range(3)]
 
 
+class Watched(io.StringIO):
+    """An output stream that sets ``seen`` once ``needle`` was written to it."""
+
+    def __init__(self, needle: str):
+        super().__init__()
+        self.needle, self.seen = needle, threading.Event()
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if self.needle in self.getvalue():
+            self.seen.set()
+        return n
+
+
+def wait_for_go(outdir):
+    import sparktrain
+
+    print(f"rank {sparktrain.rank()} waits")
+    if sparktrain.rank() == 0:
+        wait_for_file(os.path.join(outdir, "go"), timeout=120)
+    print(f"rank {sparktrain.rank()} done")
+
+
+def test_with_a_log_url_output_streams_through_storage_while_the_ranks_run(spark, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKTRAIN_RENDEZVOUS", "barrier")  # as when executors cannot reach this client
+    out = Watched("[0]<stdout>:rank 0 waits")
+    go = threading.Thread(target=lambda: out.seen.wait(120) and (tmp_path / "go").touch(), daemon=True)
+    go.start()
+    sparktrain.run(wait_for_go, args=(str(tmp_path),), num_proc=3, stdout=out, verbose=0,
+                   log_url=f"file://{tmp_path}/logs")
+    go.join(10)
+    assert out.seen.is_set()  # rank 0 was still waiting for "go" when its first line arrived here
+    lines = out.getvalue().splitlines()
+    assert sorted(lines) == sorted([f"[{r}]<stdout>:rank {r} waits" for r in range(3)]
+                                   + [f"[{r}]<stdout>:rank {r} done" for r in range(3)])
+    pieces = sorted(os.listdir(next((tmp_path / "logs").iterdir())))
+    assert {p.split("-")[1] for p in pieces} == {"0", "1", "2"}  # the run's log stays in storage
+
+
 def shard_rows():
     import sparktrain.data
 
@@ -264,3 +303,15 @@ def test_the_check_command_takes_a_connect_server(spark):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "capacity: 3 rank(s) fit at once" in proc.stdout, proc.stdout
+
+
+def fail_first_attempt():
+    import sparktrain
+
+    if sparktrain.attempt() == 1 and sparktrain.rank() == 1:
+        raise RuntimeError("a transient failure")
+    return sparktrain.attempt()
+
+
+def test_max_attempts_starts_the_gang_again_over_connect(spark):
+    assert sparktrain.run(fail_first_attempt, num_proc=3, max_attempts=2, verbose=0) == 2

@@ -149,6 +149,7 @@ class Attempt:
     # -- the loop ----------------------------------------------------------------------------------
     def supervise(self) -> Any:
         """Start the job and watch it until it ends; return rank 0's value or raise one error."""
+        tail = self._output_tail()
         try:
             self.job.start()
             of = f" (attempt {self.spec.attempt} of {self.max_attempts})" if self.max_attempts > 1 else ""
@@ -165,7 +166,21 @@ class Attempt:
         finally:
             if self.server is not None:
                 self.server.close()
+            if tail is not None:
+                tail.stop()
         return self._outcome()
+
+    def _output_tail(self):
+        """Without a channel, and with a log_url, the ranks' output comes here through storage."""
+        if self.spec.log_target is None or self.server is not None:
+            return None
+        import cloudpickle
+
+        from ..storage.outputlog import DriverTail
+
+        url, options = cloudpickle.loads(self.spec.log_target)
+        write = lambda rank, stream, line, at: self.info.write(Output(rank, stream, line, at))  # noqa: E731
+        return DriverTail(url, options, self.info.run_id, write).start()
 
     def _step(self) -> None:
         """The transitions that the clocks and the job decide."""

@@ -57,6 +57,7 @@ def run(
     storage_options: Mapping[str, Any] | None = None,
     max_attempts: int | None = None,
     data: Any = None,
+    log_url: str | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -101,6 +102,10 @@ def run(
         each task spools its share to the executor's local disk, and ``train_fn`` reads it with
         ``sparktrain.data.dataset(...)``. Needs Spark ranks (not local mode). See README.md,
         "Training on a DataFrame".
+    log_url : an fsspec URL (a prefix) where every rank also writes its output, under
+        ``sparktrain-<run id>/`` (also ``SPARKTRAIN_LOG_URL`` or ``spark.sparktrain.logUrl``);
+        ``storage_options`` apply. When the ranks cannot reach this process (Spark Connect) the
+        output is printed from there, about 2 s behind. See README.md, "Spark Connect".
 
     Returns
     -------
@@ -203,13 +208,15 @@ def run(
     else:
         driver_host = conf.get("spark.driver.host", "127.0.0.1")
         max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
+    log_target = _log_target(log_url, storage_options, conf)
     output = preflight.normalize_output_ranks(output_ranks, size)
     spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, cloudpickle.dumps),
                       driver_address=(driver_host, 0) if rendezvous != "barrier" else None, use_gpu=use_gpu,
                       output_ranks=output, max_result_bytes=max_result,
                       env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
                       spill_url=_spill_url(master, conf), feed=tuple(frames or ()),
-                      return_output=connected and rendezvous == "barrier")
+                      return_output=connected and rendezvous == "barrier" and log_target is None,
+                      log_target=log_target)
     source = None
     if frames:
         from . import feed
@@ -230,6 +237,20 @@ def run(
 
     return run_attempts(info, spec, lambda s, on_done: SparkJob(spark, s, fn_name, on_done, source), driver_host,
                         max_attempts, before_retry)
+
+
+def _log_target(log_url: str | None, storage_options: Mapping[str, Any] | None,
+                conf: Mapping[str, str]) -> bytes | None:
+    """``(log_url, storage_options)`` pickled for the ranks, or None when no log_url is set."""
+    url = settings.resolve("log_url", log_url, conf=conf)
+    if not url:
+        return None
+    from .. import storage
+
+    storage.check_url(url, storage_options)
+    import cloudpickle
+
+    return cloudpickle.dumps((url, dict(storage_options or {})))
 
 
 def _check_connect_capacity(conf: Mapping[str, str], size: int | None, use_gpu: bool) -> int:
@@ -259,7 +280,8 @@ def _check_connect_capacity(conf: Mapping[str, str], size: int | None, use_gpu: 
 def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tuple[str, int] | None, use_gpu: bool,
                output_ranks: frozenset[int] | None, max_result_bytes: int, env: Mapping[str, str],
                conf: Mapping[str, str], checkpoint: bytes | None, start_timeout: float | None,
-               spill_url: str | None = None, feed: tuple[str, ...] = (), return_output: bool = False) -> TaskSpec:
+               spill_url: str | None = None, feed: tuple[str, ...] = (), return_output: bool = False,
+               log_target: bytes | None = None) -> TaskSpec:
     """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
     return TaskSpec(
         run_id=info.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
@@ -267,7 +289,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
         grace_period=settings.resolve("grace_period", conf=conf), user_env=dict(env), checkpoint=checkpoint,
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
-        return_output=return_output,
+        return_output=return_output, log_target=log_target,
         mlflow=_mlflow_handoff(info.run_id, env),
     )
 

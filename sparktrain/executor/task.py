@@ -109,6 +109,30 @@ class _Rank:
         self.show = spec.output_ranks is None or rank in spec.output_ranks
         #: The rank's TF_CPP_MIN_LOG_LEVEL: C++ log lines below it are dropped (see below_log_level).
         self.log_level = 0
+        #: Where the output also goes when the run has a log_url (see sparktrain.storage.outputlog).
+        self.log = None
+
+    def open_log(self) -> None:
+        if self.spec.log_target is None or not self.show:
+            return
+        import cloudpickle
+
+        from ..storage.outputlog import RankLog
+
+        url, options = cloudpickle.loads(self.spec.log_target)
+        try:
+            self.log = RankLog(url, options, self.spec.run_id, self.rank)
+        except Exception as e:  # noqa: BLE001 - the output's copy must never stop training
+            print(f"sparktrain rank {self.rank}: cannot write output under {url}: {e}", file=sys.stderr)
+
+    def flush_log(self, force: bool = False) -> None:
+        if self.log is None:
+            return
+        try:
+            self.log.flush(force)
+        except Exception as e:  # noqa: BLE001 - the output's copy must never stop training
+            print(f"sparktrain rank {self.rank}: stopped writing output to storage: {e}", file=sys.stderr)
+            self.log = None
 
     # -- channel -----------------------------------------------------------------------------
     def send(self, msg: dict) -> bool:
@@ -194,6 +218,8 @@ class _Rank:
         self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
         if not self.show:
             return
+        if self.log is not None:
+            self.log.add(stream, line, time.time())
         if self.chan is not None:
             self.send({"type": "out", "stream": stream, "line": line, "time": time.time()})
         if self.chan is None:
@@ -234,6 +260,7 @@ class _Rank:
                             self.emit(key.data, buffers[key.data].decode(errors="replace"))
                         continue
                     buffers[key.data] = self._lines(key.data, buffers[key.data] + chunk)
+                self.flush_log()
                 if child.poll() is not None:
                     # A grandchild may hold the pipes open after the child exited: give the
                     # last lines a moment to arrive, then stop waiting for EOF.
@@ -242,6 +269,7 @@ class _Rank:
                         break
         finally:
             sel.close()
+            self.flush_log(force=True)
 
     def _lines(self, stream: str, data: bytes) -> bytes:
         *lines, rest = data.split(b"\n")
@@ -309,6 +337,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 for s in reserved:  # hand the ports over: the child binds them next
                     s.close()
             state.local_rank = worker_env.topology(hosts, rank)["local_rank"]
+            state.open_log()
             env = dict(os.environ)
             env.update(worker_env.build_worker_env(
                 rank=rank, hosts=hosts, ports=ports, master_port=master_port,
