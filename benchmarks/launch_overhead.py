@@ -135,7 +135,10 @@ def timed_call(spark, c: Contender, timeout: float) -> float:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        spark.sparkContext.cancelAllJobs()
+        if type(spark).__module__.startswith("pyspark.sql.connect"):
+            spark.interruptAll()  # a Connect client has no SparkContext
+        else:
+            spark.sparkContext.cancelAllJobs()
         thread.join(60)
         raise TimeoutError(f"no result after {timeout:g} s (jobs cancelled)")
     if "error" in box:
