@@ -40,6 +40,9 @@ class TaskSpec:
     #: The names of the DataFrames fed to the run (``run(..., data=...)``), in the order the stage's
     #: input numbers them; empty when no data is fed.
     feed: tuple[str, ...] = ()
+    #: The CPU cores each rank's task holds (its resource profile's, or ``spark.task.cpus``); the rank's
+    #: compute threads follow it (``worker_env.compute_threads_env``). None: leave the threads alone.
+    task_cpus: int | None = None
     #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
 
