@@ -124,3 +124,34 @@ def test_capacity_check_counts_the_profile(cluster, kwargs, words):
     for word in words:
         assert word in msg, f"{word!r} not in {msg!r}"
     assert _jobs_started(cluster) == before
+
+
+def count_rows():
+    import os
+
+    import sparktrain.data
+
+    s = sparktrain.data.shard("train")
+    return s.total_rows, os.environ["CUDA_VISIBLE_DEVICES"], os.environ["OMP_NUM_THREADS"]
+
+
+def test_fed_dataframe_goes_through_the_profiled_stage(cluster):
+    df = cluster.range(0, 30).toDF("x")
+    total, visible, threads = sparktrain.run(count_rows, num_proc=2, data=df, resources={"gpus": 1}, verbose=0)
+    assert (total, threads) == (30, "1")
+    assert visible in ("5", "6", "7")
+
+
+def fail_first_attempt():
+    import os
+
+    import sparktrain
+
+    if sparktrain.attempt() == 1 and sparktrain.rank() == 1:
+        raise RuntimeError("rank 1 fails its first attempt on purpose")
+    return sparktrain.attempt(), os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def test_a_retried_attempt_asks_for_the_same_resources(cluster):
+    attempt, visible = sparktrain.run(fail_first_attempt, num_proc=2, use_gpu=True, max_attempts=2, verbose=0)
+    assert attempt == 2 and visible in ("5", "6", "7")
