@@ -1,5 +1,6 @@
 """Resources per run, on the driver: ``resources=`` checks, the stage's task resources, slot
-arithmetic for a run's own profile, and the threads each rank gets. Pure: no Spark session."""
+arithmetic for a run's own profile, and the threads each rank gets. No Spark session: the one run
+here is in local mode."""
 from __future__ import annotations
 
 import pytest
@@ -136,3 +137,14 @@ def test_threads_follow_the_cpus_unless_the_user_sets_them():
         "OMP_NUM_THREADS": "4", "TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "2"}
     assert worker_env.compute_threads_env(1, {"TF_NUM_INTEROP_THREADS": "8"}) == {
         "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1"}
+
+
+def report_threads():
+    import os
+
+    return {k: os.environ.get(k) for k in worker_env.THREAD_VARS}
+
+
+def test_local_mode_threads_follow_resources_cpus():
+    assert sparktrain.run(report_threads, num_proc=-1, resources={"cpus": 3}, verbose=0) == {
+        "OMP_NUM_THREADS": "3", "TF_NUM_INTRAOP_THREADS": "3", "TF_NUM_INTEROP_THREADS": "2"}

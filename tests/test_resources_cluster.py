@@ -155,3 +155,13 @@ def fail_first_attempt():
 def test_a_retried_attempt_asks_for_the_same_resources(cluster):
     attempt, visible = sparktrain.run(fail_first_attempt, num_proc=2, use_gpu=True, max_attempts=2, verbose=0)
     assert attempt == 2 and visible in ("5", "6", "7")
+
+
+def test_pyspark_35_is_refused_before_any_job(cluster, monkeypatch):
+    import pyspark
+
+    monkeypatch.setattr(pyspark, "__version__", "3.5.3")
+    before = _jobs_started(cluster)
+    with pytest.raises(sparktrain.ClusterConfigError, match=r"new in pyspark 4.0; this is pyspark 3.5.3"):
+        sparktrain.run(see_resources, args=("/nonexistent",), num_proc=1, use_gpu=True, verbose=0)
+    assert _jobs_started(cluster) == before
