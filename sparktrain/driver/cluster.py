@@ -109,8 +109,10 @@ def task_profile(sc, task: preflight.TaskResources):
     """The pyspark ResourceProfile asking ``task.cpus`` cores and ``task.gpus`` GPUs for each task
     of the run's barrier stage (a task-only profile: the executors stay as they are).
 
-    Built once per run and registered with Spark, so that the capacity check can ask Spark how many
-    tasks of it fit at once; needs pyspark 4.0 or later (``preflight.check_profile_support``).
+    Built once per run and, with a SparkContext ``sc``, registered with Spark, so that the capacity
+    check can ask Spark how many tasks of it fit at once; over Spark Connect (``sc=None``) it is built
+    on the client and the server registers it with the stage. Needs pyspark 4.0 or later
+    (``preflight.check_profile_support``).
     """
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
@@ -119,7 +121,7 @@ def task_profile(sc, task: preflight.TaskResources):
         requests = requests.resource("gpu", task.gpus)
     profile = ResourceProfileBuilder().require(requests).build
     jprofile = getattr(profile, "_java_resource_profile", None)
-    if jprofile is not None:
+    if sc is not None and jprofile is not None:  # a Connect client (sc None) leaves it to the server
         try:
             sc._jsc.sc().resourceProfileManager().addResourceProfile(jprofile)
         except Exception as e:  # noqa: BLE001 - Spark says why it refuses the profile; say it with the fix
