@@ -46,6 +46,9 @@ class TaskSpec:
     #: cloudpickled ``(log_url, storage_options)`` when ranks write their output to storage too
     #: (``sparktrain.storage.outputlog``).
     log_target: bytes | None = dataclasses.field(default=None, repr=False)
+    #: The CPU cores each rank's task holds (its resource profile's, or ``spark.task.cpus``); the rank's
+    #: compute threads follow it (``worker_env.compute_threads_env``). None: leave the threads alone.
+    task_cpus: int | None = None
     #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
 

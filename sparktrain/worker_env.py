@@ -154,3 +154,26 @@ def build_worker_env(
         "CUDA_VISIBLE_DEVICES": gpu_ids,
     })
     return env
+
+
+#: The thread-pool sizes a rank's process gets from its task's CPUs (``compute_threads_env``).
+THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+
+
+def compute_threads_env(cpus: int | None, user_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Thread-pool sizes for a rank whose task holds ``cpus`` cores, leaving out what ``user_env`` sets.
+
+    OpenMP (and the BLAS libraries that follow it) and TensorFlow's intra-op pool get one thread per
+    core, where the math runs. TensorFlow's inter-op pool only schedules ops, each of which uses the
+    intra-op pool; it gets 2 threads whatever the cores, because an op that blocks (a collective
+    waiting for its peers, a ``numpy_function``) must not stall every other op of the rank.
+    ``cpus=None`` sets nothing.
+
+    >>> compute_threads_env(4, {"OMP_NUM_THREADS": "8"})
+    {'TF_NUM_INTRAOP_THREADS': '4', 'TF_NUM_INTEROP_THREADS': '2'}
+    """
+    if cpus is None:
+        return {}
+    cpus = max(1, int(cpus))
+    values = {"OMP_NUM_THREADS": cpus, "TF_NUM_INTRAOP_THREADS": cpus, "TF_NUM_INTEROP_THREADS": 2}
+    return {k: str(v) for k, v in values.items() if k not in (user_env or {})}

@@ -105,8 +105,39 @@ def quiet_task_failures(spark) -> None:
 
 # -- capacity ----------------------------------------------------------------------------------------
 
-def capacity(sc, conf: Mapping[str, str]) -> Capacity:
-    """Ask Spark what the cluster offers one barrier stage right now."""
+def task_profile(sc, task: preflight.TaskResources):
+    """The pyspark ResourceProfile asking ``task.cpus`` cores and ``task.gpus`` GPUs for each task
+    of the run's barrier stage (a task-only profile: the executors stay as they are).
+
+    Built once per run and, with a SparkContext ``sc``, registered with Spark, so that the capacity
+    check can ask Spark how many tasks of it fit at once; over Spark Connect (``sc=None``) it is built
+    on the client and the server registers it with the stage. Needs pyspark 4.0 or later
+    (``preflight.check_profile_support``).
+    """
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+    requests = TaskResourceRequests().cpus(task.cpus)
+    if task.gpus:
+        requests = requests.resource("gpu", task.gpus)
+    profile = ResourceProfileBuilder().require(requests).build
+    jprofile = getattr(profile, "_java_resource_profile", None)
+    if sc is not None and jprofile is not None:  # a Connect client (sc None) leaves it to the server
+        try:
+            sc._jsc.sc().resourceProfileManager().addResourceProfile(jprofile)
+        except Exception as e:  # noqa: BLE001 - Spark says why it refuses the profile; say it with the fix
+            raise ClusterConfigError(
+                f"Spark refuses the run's resource profile (cpus={task.cpus}, gpus={task.gpus:g} per rank): "
+                f"{spark_error_reason(e)}. Stage-level task resources need a standalone, YARN or Kubernetes "
+                "cluster with spark.dynamicAllocation.enabled=false") from None
+    return profile
+
+
+def capacity(sc, conf: Mapping[str, str], task: preflight.TaskResources | None = None, profile=None) -> Capacity:
+    """Ask Spark what the cluster offers one barrier stage right now.
+
+    With ``task`` (and its ``profile``, see :func:`task_profile`) the slots are counted for the
+    run's own task resources instead of the application's default task profile.
+    """
     jsc = sc._jsc.sc()
     master = sc.master
     task_cpus = int(conf.get("spark.task.cpus", "1"))
@@ -116,6 +147,24 @@ def capacity(sc, conf: Mapping[str, str]) -> Capacity:
         spark_slots = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
     except Exception:  # noqa: BLE001 - an internal API; fall back to arithmetic from the conf
         pass
+    if task is not None:
+        cap = _default_capacity(sc, conf, task_cpus, task_gpus, spark_slots)
+        slots = None
+        jprofile = getattr(profile, "_java_resource_profile", None)
+        if jprofile is not None:
+            try:
+                slots = int(jsc.maxNumConcurrentTasks(jprofile))
+            except Exception:  # noqa: BLE001 - as above
+                pass
+        return dataclasses.replace(cap, task_cpus=task.cpus, task_gpus=task.gpus or 0.0, spark_slots=slots,
+                                   profile=True)
+    return _default_capacity(sc, conf, task_cpus, task_gpus, spark_slots)
+
+
+def _default_capacity(sc, conf: Mapping[str, str], task_cpus: int, task_gpus: float,
+                      spark_slots: int | None) -> Capacity:
+    jsc = sc._jsc.sc()
+    master = sc.master
     m = _LOCAL.fullmatch(master)
     if m:
         slots = m.group(1)
@@ -129,17 +178,19 @@ def capacity(sc, conf: Mapping[str, str]) -> Capacity:
     return Capacity(executors, cores, task_cpus, preflight.gpu_amount(conf, "executor"), task_gpus, spark_slots)
 
 
-def wait_for_executors(sc, conf: Mapping[str, str], enough: Callable[[Capacity], bool], wait: float) -> Capacity:
+def wait_for_executors(sc, conf: Mapping[str, str], enough: Callable[[Capacity], bool], wait: float,
+                       task: preflight.TaskResources | None = None, profile=None) -> Capacity:
     """Poll the cluster's capacity until ``enough(capacity)`` or ``wait`` seconds pass; return the last."""
     deadline = time.monotonic() + wait
-    cap = capacity(sc, conf)
+    cap = capacity(sc, conf, task, profile)
     while not enough(cap) and time.monotonic() < deadline:
         time.sleep(0.2)  # executors register with no event the driver's Python side can await
-        cap = capacity(sc, conf)
+        cap = capacity(sc, conf, task, profile)
     return cap
 
 
-def wait_for_capacity(sc, conf: Mapping[str, str], size: int, use_gpu: bool, wait: float) -> None:
+def wait_for_capacity(sc, conf: Mapping[str, str], size: int, use_gpu: bool, wait: float,
+                      task: preflight.TaskResources | None = None, profile=None) -> None:
     """Fail within seconds when the cluster cannot run every rank at once.
 
     Spark's own barrier check retries for about 10 minutes. sparktrain decides at once when it
@@ -147,7 +198,7 @@ def wait_for_capacity(sc, conf: Mapping[str, str], size: int, use_gpu: bool, wai
     and they are all registered, or when even all of them would be too few. Only executors that
     are still registering get up to ``wait`` seconds.
     """
-    cap = capacity(sc, conf)
+    cap = capacity(sc, conf, task, profile)
     expected = expected_executors(sc.master, conf)
     if expected is not None and cap.executors < expected and cap.cores_per_executor:
         preflight.check_capacity(size, dataclasses.replace(cap, executors=expected, spark_slots=None), use_gpu)
@@ -157,7 +208,7 @@ def wait_for_capacity(sc, conf: Mapping[str, str], size: int, use_gpu: bool, wai
     except InsufficientResourcesError:
         if expected is not None and cap.executors >= expected:
             raise
-    cap = wait_for_executors(sc, conf, lambda c: c.slots(use_gpu) >= size, wait)
+    cap = wait_for_executors(sc, conf, lambda c: c.slots(use_gpu) >= size, wait, task, profile)
     preflight.check_capacity(size, cap, use_gpu)
 
 

@@ -113,18 +113,23 @@ class SparkJob(BarrierJob):
     ``driver.feed``), or one row per task when no data is fed.
     """
 
-    def __init__(self, spark, spec: TaskSpec, fn_name: str, on_done: Callable[[], None], source=None):
+    def __init__(self, spark, spec: TaskSpec, fn_name: str, on_done: Callable[[], None], source=None,
+                 profile=None):
         super().__init__(spark, f"sparktrain-{spec.run_id}",
                          f"sparktrain.run({fn_name}) num_proc={spec.size} run {spec.run_id}",
                          self._launch, on_done)
         self.spec = spec
         self.source = source
+        #: The run's own pyspark ResourceProfile (``run(..., resources=...)``); None: the default one.
+        self.profile = profile
 
     def _launch(self) -> list:
         from ..executor.task import barrier_task  # the one entry into the executor side
 
         df = self.source if self.source is not None else self.spark.range(0, self.spec.size, 1, self.spec.size)
-        return df.mapInArrow(barrier_task(self.spec), RESULT_SCHEMA, barrier=True).collect()
+        # profile= exists from pyspark 4.0 only; without a profile, the call stays 3.5-compatible.
+        extra = {"profile": self.profile} if self.profile is not None else {}
+        return df.mapInArrow(barrier_task(self.spec), RESULT_SCHEMA, barrier=True, **extra).collect()
 
     def result_bytes(self) -> bytes | None:
         chunks = sorted((r["seq"], r["data"]) for r in self.rows or () if r["rank"] == 0 and r["seq"] >= 0)

@@ -6,6 +6,7 @@ is drawn in README.md ("Architecture").
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -58,6 +59,7 @@ def run(
     max_attempts: int | None = None,
     data: Any = None,
     log_url: str | None = None,
+    resources: Mapping[str, float] | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -81,7 +83,10 @@ def run(
     verbose : 0 warnings only, 1 progress (default), 2 debug.
     prefix_output_with_timestamp : put the time before each rank's output line.
     use_gpu : give each rank one GPU (pinned through ``CUDA_VISIBLE_DEVICES``). None (default)
-        uses GPUs when ``spark.task.resource.gpu.amount`` is set.
+        uses GPUs when ``spark.task.resource.gpu.amount`` is set (or ``resources`` asks for GPUs).
+        On an application whose tasks ask for no GPU but whose executors have GPUs
+        (``spark.executor.resource.gpu.amount``), ``use_gpu=True`` asks for one GPU per rank
+        for this run's stage alone, as ``resources={"gpus": 1}`` does.
     local_mode : run on the driver without Spark, like a negative ``num_proc``.
     timeout : seconds the whole run may take; None (default) is no limit.
     output_ranks : which ranks' output to show: None or "all" (default), a rank, or a list.
@@ -106,6 +111,15 @@ def run(
         ``sparktrain-<run id>/`` (also ``SPARKTRAIN_LOG_URL`` or ``spark.sparktrain.logUrl``);
         ``storage_options`` apply. When the ranks cannot reach this process (Spark Connect) the
         output is printed from there, about 2 s behind. See README.md, "Spark Connect".
+    resources : what each rank's Spark task holds, for this run only: ``{"cpus": 4, "gpus": 1}``.
+        ``cpus`` is a whole number of cores per rank, ``gpus`` GPUs per rank (a whole number, a
+        fraction of at most 0.5 to share one, or 0). A key left out keeps the application's
+        default (``spark.task.cpus``, ``spark.task.resource.gpu.amount``). The barrier stage asks
+        for them through a Spark ResourceProfile (pyspark 4.0 or later; a standalone, YARN or
+        Kubernetes cluster with dynamic allocation off), so the application's other stages keep
+        their own resources. Each rank's compute threads (``OMP_NUM_THREADS``,
+        ``TF_NUM_INTRAOP_THREADS``) follow its cpus unless ``env`` sets them. See README.md,
+        "Resources per run".
 
     Returns
     -------
@@ -131,6 +145,7 @@ def run(
     size, local = preflight.check_num_proc(num_proc, local_mode)
     args, kwargs, env = preflight.check_arguments(
         train_fn, args, kwargs, env, stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks)
+    asked = preflight.check_resources(resources, use_gpu)
     start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
     timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
     if max_attempts is not None:
@@ -159,10 +174,17 @@ def run(
                 "data= feeds a DataFrame through the run's Spark stage, and local mode runs without Spark. Use "
                 "num_proc > 0 (on a local[N] master for one machine), or read the data inside train_fn")
         conf: dict[str, str] = {}
+        if asked is not None and asked.gpus not in (None, 0.0, 1.0):
+            raise InvalidArgumentError(
+                f"local mode gives each rank one GPU of this machine, or none; resources['gpus']={resources['gpus']!r} "
+                "cannot be met. Ask for 'gpus': 1 or 0, or run on Spark (num_proc > 0)")
+        if asked is not None and asked.gpus:
+            use_gpu = True
         output = preflight.normalize_output_ranks(output_ranks, size)
         spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, cloudpickle.dumps),
                           driver_address=("127.0.0.1", 0), use_gpu=bool(use_gpu), output_ranks=output, max_result_bytes=0,
-                          env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout)
+                          env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
+                          task_cpus=asked.cpus if asked is not None else None)
         gpus = cluster.local_gpus(size) if use_gpu else None
         return run_attempts(info, spec, lambda s, on_done: LocalJob(s, gpus, on_done), "127.0.0.1",
                             settings.resolve("max_attempts", max_attempts, conf=conf))
@@ -185,15 +207,29 @@ def run(
     if sc is not None:
         cluster.check_executors_python(sc)
     if use_gpu is None:
-        use_gpu = preflight.gpu_amount(conf) > 0
-    preflight.check_gpu_conf(conf, use_gpu)
+        use_gpu = bool(asked.gpus) if asked is not None and asked.gpus is not None else preflight.gpu_amount(conf) > 0
+    local_master = cluster.is_local(master)
+    stage = preflight.stage_resources(conf, asked, use_gpu, local_master)
+    profile = None
+    if stage is not None:
+        import pyspark
+
+        preflight.check_profile_support(pyspark.__version__)
+        profile = cluster.task_profile(sc, stage)  # sc is None over Connect: the server registers it
+        log.info("sparktrain: each rank's task asks for %d CPU(s) and %g GPU(s) through its own resource profile",
+                 stage.cpus, stage.gpus)
+    else:
+        preflight.check_gpu_conf(conf, use_gpu)
+    # A local master's task cpus are a count of slots, not of cores: threads follow only a cluster's.
+    task_cpus = stage.cpus if stage is not None else \
+        None if local_master else preflight.default_task_resources(conf).cpus
     capacity_wait = settings.resolve("capacity_wait", conf=conf)
     if connected:
-        size = _check_connect_capacity(conf, size, use_gpu)
+        size = _check_connect_capacity(conf, size, use_gpu, stage)
     else:
         if size is None:
-            size = max(1, cluster.capacity(sc, conf).slots(use_gpu))
-        cluster.wait_for_capacity(sc, conf, size, use_gpu, capacity_wait)
+            size = max(1, cluster.capacity(sc, conf, stage, profile).slots(use_gpu))
+        cluster.wait_for_capacity(sc, conf, size, use_gpu, capacity_wait, stage, profile)
     rendezvous = settings.resolve("rendezvous", conf=conf)
     if connected:
         driver_host = connect.client_host(spark)
@@ -216,7 +252,7 @@ def run(
                       env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
                       spill_url=_spill_url(master, conf), feed=tuple(frames or ()),
                       return_output=connected and rendezvous == "barrier" and log_target is None,
-                      log_target=log_target)
+                      log_target=log_target, task_cpus=task_cpus)
     source = None
     if frames:
         from . import feed
@@ -224,18 +260,21 @@ def run(
         source = feed.stage_input(frames, size)
     max_attempts = settings.resolve("max_attempts", max_attempts, conf=conf)
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
-              "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s",
+              "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s "
+              "task_resources=%s task_cpus=%s",
               info.run_id, size, use_gpu, spec.start_timeout, timeout, rendezvous, spec.grace_period, max_result,
-              max_attempts, capacity_wait, spec.spill_url)
+              max_attempts, capacity_wait, spec.spill_url, stage or "default profile", task_cpus)
 
     def before_retry() -> None:
         # A lost executor is usually replaced within seconds; the gang needs all its slots back.
         if connected:
-            _check_connect_capacity(conf, size, use_gpu)
+            _check_connect_capacity(conf, size, use_gpu, stage)
         else:
-            cluster.wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait))
+            cluster.wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait), stage,
+                                      profile)
 
-    return run_attempts(info, spec, lambda s, on_done: SparkJob(spark, s, fn_name, on_done, source), driver_host,
+
+    return run_attempts(info, spec, lambda s, on_done: SparkJob(spark, s, fn_name, on_done, source, profile), driver_host,
                         max_attempts, before_retry)
 
 
@@ -253,10 +292,14 @@ def _log_target(log_url: str | None, storage_options: Mapping[str, Any] | None,
     return cloudpickle.dumps((url, dict(storage_options or {})))
 
 
-def _check_connect_capacity(conf: Mapping[str, str], size: int | None, use_gpu: bool) -> int:
+def _check_connect_capacity(conf: Mapping[str, str], size: int | None, use_gpu: bool,
+                            stage: preflight.TaskResources | None = None) -> int:
     """Over Connect the client cannot list executors: count slots from the conf, and fail now
-    rather than wait out Spark's barrier slot check (about 10 minutes). Returns the size."""
+    rather than wait out Spark's barrier slot check (about 10 minutes). Returns the size.
+    ``stage``: the run's own task resources, counted instead of the conf's."""
     cap = connect.capacity(conf)
+    if cap is not None and stage is not None:
+        cap = dataclasses.replace(cap, task_cpus=stage.cpus, task_gpus=stage.gpus or 0.0, profile=True)
     checked = (f"counted from the session's conf (spark.master={conf.get('spark.master', '?')}, "
                f"spark.executor.instances={conf.get('spark.executor.instances', 'unset')}, "
                f"spark.executor.cores={conf.get('spark.executor.cores', 'unset')}, "
@@ -281,7 +324,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
                output_ranks: frozenset[int] | None, max_result_bytes: int, env: Mapping[str, str],
                conf: Mapping[str, str], checkpoint: bytes | None, start_timeout: float | None,
                spill_url: str | None = None, feed: tuple[str, ...] = (), return_output: bool = False,
-               log_target: bytes | None = None) -> TaskSpec:
+               log_target: bytes | None = None, task_cpus: int | None = None) -> TaskSpec:
     """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
     return TaskSpec(
         run_id=info.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
@@ -290,7 +333,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         grace_period=settings.resolve("grace_period", conf=conf), user_env=dict(env), checkpoint=checkpoint,
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
         return_output=return_output, log_target=log_target,
-        mlflow=_mlflow_handoff(info.run_id, env),
+        mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus,
     )
 
 

@@ -344,6 +344,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
                 attempt=spec.attempt,
             ))
+            env.update(worker_env.compute_threads_env(spec.task_cpus, spec.user_env))
             env.update(tracking.rank_env(rank, spec.mlflow, workdir))
             env["PYTHONPATH"] = _child_pythonpath()
             if spool is not None:
