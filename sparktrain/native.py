@@ -27,13 +27,13 @@ import threading
 import time
 from typing import Sequence
 
-from . import settings
+from . import settings, worker_env
 from .errors import SparkTrainError
 
 #: ``SPARKTRAIN_NATIVE_LIBRARY``: load the engine from this path instead (a sanitizer build, say).
 LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"
 #: The file holding the run's collective key; ``run`` writes it into the rank's work directory.
-KEY_FILE_ENV = "SPARKTRAIN_COLLECTIVE_KEY_FILE"
+KEY_FILE_ENV = worker_env.COLLECTIVE_KEY_FILE
 
 _ABI_VERSION = 1
 _ERRLEN = 1024
@@ -140,6 +140,11 @@ def layout(hosts: Sequence[str], force_tcp: bool = False) -> tuple[list[int], li
         locals_.append(counts.get(h, 0))
         counts[h] = counts.get(h, 0) + 1
     return nodes, locals_
+
+
+def segment_name(name: str, node: int) -> str:
+    """The shared-memory segment of run ``name`` on host ``node`` (``/dev/shm`` + this, on Linux)."""
+    return f"/sparktrain-{hashlib.sha256(name.encode()).hexdigest()[:16]}-h{node}"
 
 
 # -- the ring's connections --------------------------------------------------------------------
@@ -299,7 +304,7 @@ class Communicator:
                 own.close()  # no listening socket outlives the set-up
             for s in (next_sock, prev_sock):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        shm = f"/sparktrain-{hashlib.sha256(name.encode()).hexdigest()[:16]}-h{self.node}"
+        shm = segment_name(name, self.node)
         node_arr = (ctypes.c_int32 * size)(*nodes)
         local_arr = (ctypes.c_int32 * size)(*locals_)
         cfg = _Config(rank=rank, size=size, local_rank=self.local_rank, local_size=self.local_size, node=self.node,

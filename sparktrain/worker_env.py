@@ -18,13 +18,16 @@ RUN_ID = "SPARKTRAIN_RUN_ID"
 #: Which attempt of the run this is, 1-based (see ``run(..., max_attempts=N)``).
 ATTEMPT = "SPARKTRAIN_ATTEMPT"
 
+#: A file holding the key every collective connection of the run proves it holds (sparktrain.native).
+COLLECTIVE_KEY_FILE = "SPARKTRAIN_COLLECTIVE_KEY_FILE"
+
 #: The variables that together define a rank; the worker API needs all of them or none.
 TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
 
 #: Every variable the contract sets; user ``env`` may not override these.
 RESERVED_VARS = frozenset(
     TOPOLOGY_VARS
-    + (RUN_ID, ATTEMPT, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    + (RUN_ID, ATTEMPT, COLLECTIVE_KEY_FILE, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
        "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
 )
 

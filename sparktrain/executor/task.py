@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import collections
 import errno
+import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 import selectors
 import shutil
 import socket
@@ -102,6 +105,8 @@ class _Rank:
         self.show = spec.output_ranks is None or rank in spec.output_ranks
         #: The rank's TF_CPP_MIN_LOG_LEVEL: C++ log lines below it are dropped (see below_log_level).
         self.log_level = 0
+        #: The key the ranks' collective connections prove they hold (see collective_key).
+        self.collective_key = b""
 
     # -- channel -----------------------------------------------------------------------------
     def send(self, msg: dict) -> bool:
@@ -142,11 +147,16 @@ class _Rank:
         spec = self.spec
         if spec.driver_address is None:
             # One Spark barrier sync (about a second): the path for executors that cannot reach
-            # the driver, such as under Spark Connect.
+            # the driver, such as under Spark Connect. With no driver secret, rank 0 makes the
+            # collective key and shares it through the sync.
             self.check_versions()
+            if self.rank == 0:
+                me["collective_key"] = secrets.token_hex(32)
             infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
             infos.sort(key=lambda i: i["rank"])
+            self.collective_key = bytes.fromhex(infos[0]["collective_key"])
             return [i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"])
+        self.collective_key = collective_key(spec.secret, spec.run_id, spec.attempt)
         try:
             self.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout))
         except OSError as e:
@@ -254,6 +264,22 @@ class _Rank:
             child.stop(self.spec.grace_period)
 
 
+def collective_key(secret: bytes, run_id: str, attempt: int) -> bytes:
+    """The key of the ranks' collective connections, derived from the attempt's channel secret.
+
+    The rank's process gets this derived key, never the channel's secret itself.
+    """
+    return hmac.new(secret, f"sparktrain-collective|{run_id}|{attempt}".encode(), hashlib.sha256).digest()
+
+
+def _write_key(workdir: str, key: bytes) -> str:
+    path = os.path.join(workdir, "collective.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return path
+
+
 def _gpu_ids(spec: TaskSpec, rank: int, gpu_addresses: Sequence[str] | None) -> str:
     if not spec.use_gpu:
         return worker_env.NO_GPU
@@ -289,6 +315,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 attempt=spec.attempt,
             ))
             env["PYTHONPATH"] = _child_pythonpath()
+            env[worker_env.COLLECTIVE_KEY_FILE] = _write_key(workdir, state.collective_key)
             # The user's env or the executor's own wins; otherwise the run's default (quiet unless verbose=2).
             env.setdefault("TF_CPP_MIN_LOG_LEVEL", str(spec.tf_log_level))
             try:
