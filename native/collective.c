@@ -170,6 +170,21 @@ static void backoff(unsigned *spins) {
     }
 }
 
+static int nms_stale(stc_comm *c, rank_state *st) {
+    uint64_t hb = atomic_load(&st->heartbeat_ms), nms = now_ms();
+    return nms > hb && (double)(nms - hb) / 1000.0 > c->cfg.heartbeat_s;
+}
+
+static const char *kind_name(uint64_t k) {
+    static const char *names[] = {"?", "allreduce", "broadcast", "allgather", "barrier", "allreduce"};
+    return k < sizeof names / sizeof *names ? names[k] : "?";
+}
+
+static const char *dtype_name(uint64_t d) {
+    static const char *names[] = {"float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"};
+    return d < sizeof names / sizeof *names ? names[d] : "?";
+}
+
 /* Publish step seq+1 and wait until every local rank has published it. */
 static int shm_step(stc_comm *c, char *err, size_t errlen) {
     uint64_t target = ++c->seq;
@@ -184,10 +199,15 @@ static int shm_step(stc_comm *c, char *err, size_t errlen) {
             double t = now_s();
             int32_t failed = atomic_load(&c->hdr->failed);
             if (failed)
-                return fail(err, errlen, STC_E_PEER, "%s: rank %d failed in a collective, so rank %d stops too",
-                            c->what, failed - 1, c->cfg.rank);
+                return fail(err, errlen, STC_E_PEER,
+                            "%s: rank %d died or failed in this collective (another rank on this host saw it first)",
+                            c->what, failed - 1);
             int32_t pid = atomic_load(&st->pid);
-            if (!pid_alive(pid))
+            int32_t culprit = st->rank + 1, none = 0;
+            int alive = pid_alive(pid);
+            if (!alive || nms_stale(c, st) || t > c->deadline)
+                atomic_compare_exchange_strong(&c->hdr->failed, &none, culprit); /* the others name it too */
+            if (!alive)
                 return fail(err, errlen, STC_E_PEER, "%s: rank %d (pid %d, on this host) died during the collective",
                             c->what, st->rank, pid);
             uint64_t hb = atomic_load(&st->heartbeat_ms), nms = now_ms();
@@ -217,13 +237,12 @@ static int shm_step_checked(stc_comm *c, char *err, size_t errlen) {
         rank_state *st = state_of(c, r);
         if (memcmp(st->desc[s % 2], c->desc, sizeof c->desc) != 0)
             return fail(err, errlen, STC_E_MISMATCH,
-                        "%s: ranks disagree: rank %d called collective %llu (dtype %llu, %llu elements, arg %llu) "
-                        "but rank %d called collective %llu (dtype %llu, %llu elements, arg %llu); every rank must "
-                        "make the same calls with the same shapes and dtypes",
-                        c->what, c->cfg.rank, (unsigned long long)c->desc[0], (unsigned long long)c->desc[1],
-                        (unsigned long long)c->desc[2], (unsigned long long)c->desc[3], st->rank,
-                        (unsigned long long)st->desc[s % 2][0], (unsigned long long)st->desc[s % 2][1],
-                        (unsigned long long)st->desc[s % 2][2], (unsigned long long)st->desc[s % 2][3]);
+                        "%s: ranks disagree: rank %d called %s of %llu %s (op/root %llu) but rank %d called %s of "
+                        "%llu %s (op/root %llu); every rank must make the same calls with the same shapes and dtypes",
+                        c->what, c->cfg.rank, kind_name(c->desc[0]), (unsigned long long)c->desc[2],
+                        dtype_name(c->desc[1]), (unsigned long long)c->desc[3], st->rank,
+                        kind_name(st->desc[s % 2][0]), (unsigned long long)st->desc[s % 2][2],
+                        dtype_name(st->desc[s % 2][1]), (unsigned long long)st->desc[s % 2][3]);
     }
     return STC_OK;
 }
@@ -346,13 +365,11 @@ static int ring_check(stc_comm *c, char *err, size_t errlen) {
     if (rc) return rc;
     if (memcmp(theirs, c->desc, sizeof theirs) != 0)
         return fail(err, errlen, STC_E_MISMATCH,
-                    "%s: ranks disagree: rank %d called collective %llu (dtype %llu, %llu elements, arg %llu) but "
-                    "rank %d called collective %llu (dtype %llu, %llu elements, arg %llu); every rank must make the "
-                    "same calls with the same shapes and dtypes",
-                    c->what, c->cfg.rank, (unsigned long long)c->desc[0], (unsigned long long)c->desc[1],
-                    (unsigned long long)c->desc[2], (unsigned long long)c->desc[3], prev_node_rank(c),
-                    (unsigned long long)theirs[0], (unsigned long long)theirs[1], (unsigned long long)theirs[2],
-                    (unsigned long long)theirs[3]);
+                    "%s: ranks disagree: rank %d called %s of %llu %s (op/root %llu) but rank %d called %s of %llu "
+                    "%s (op/root %llu); every rank must make the same calls with the same shapes and dtypes",
+                    c->what, c->cfg.rank, kind_name(c->desc[0]), (unsigned long long)c->desc[2], dtype_name(c->desc[1]),
+                    (unsigned long long)c->desc[3], prev_node_rank(c), kind_name(theirs[0]),
+                    (unsigned long long)theirs[2], dtype_name(theirs[1]), (unsigned long long)theirs[3]);
     return STC_OK;
 }
 

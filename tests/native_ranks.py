@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
+import time
 import traceback
 import uuid
 
@@ -55,9 +57,13 @@ def digest(a) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()[:16]
 
 
-def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue):
+SECRET = b"test-secret"
+
+
+def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners):
     try:
-        comm = native.Communicator(rank, n, hosts, ports, b"test-secret", name, timeout=timeout, force_tcp=tcp)
+        comm = native.Communicator(rank, n, hosts, ports, SECRET, name, timeout=timeout, force_tcp=tcp,
+                                   listener=listeners.get(rank))
         try:
             result = fn(comm, *args)
         finally:
@@ -68,7 +74,7 @@ def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue):
 
 
 def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float = 60.0, name: str | None = None,
-              on_start=None, wait: float = 120.0):
+              on_start=None, wait: float = 120.0, listeners=None, heartbeat=None):
     """Run ``fn(comm, *args)`` on ``n`` forked ranks; {rank: ("ok", value) or ("error", text)}.
 
     ``on_start(processes)`` runs once they are started (to kill one, say). Ranks that never
@@ -78,8 +84,11 @@ def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float =
     queue = ctx.Queue()
     hosts = hosts or [LOOPBACK] * n
     ports = free_ports(n)
+    listeners = listeners or {}
+    for r, sock in listeners.items():
+        ports[r] = sock.getsockname()[1]
     name = name or f"test-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=_rank_main, args=(r, n, hosts, ports, name, tcp, timeout, fn, args, queue))
+    procs = [ctx.Process(target=_rank_main, args=(r, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners))
              for r in range(n)]
     for p in procs:
         p.start()
@@ -87,13 +96,17 @@ def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float =
         if on_start is not None:
             on_start(procs)
         results = {}
-        alive = lambda: sum(1 for p in procs if p.exitcode in (None, 0))  # noqa: E731
-        while len(results) < alive() or (len(results) < n and any(p.exitcode is None for p in procs)):
-            try:
-                rank, status, value = queue.get(timeout=wait)
-            except Exception:  # noqa: BLE001 - queue.Empty: a rank hangs
+        deadline = time.monotonic() + wait
+        while True:
+            # Wait for a report, or for a rank that has not reported to die: whichever comes first.
+            pending = [p for r, p in enumerate(procs) if r not in results and p.exitcode in (None, 0)]
+            if not pending or time.monotonic() > deadline:
                 break
-            results[rank] = (status, value)
+            ready = multiprocessing.connection.wait([queue._reader] + [p.sentinel for p in pending],
+                                                    timeout=deadline - time.monotonic())
+            if queue._reader in ready:
+                rank, status, value = queue.get()
+                results[rank] = (status, value)
         return results
     finally:
         for p in procs:
