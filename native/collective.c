@@ -254,7 +254,7 @@ static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *
     do {
         size_t m = count - off < chunk_elems ? count - off : chunk_elems;
         uint64_t s = c->seq + 1;
-        memcpy(slot(c, s, lr), buf + off * esz, m * esz);
+        if (m) memcpy(slot(c, s, lr), buf + off * esz, m * esz); /* buf may be NULL when m is 0 */
         int rc = first ? shm_step_checked(c, err, errlen) : shm_step(c, err, errlen);
         if (rc) return rc;
         first = 0;
@@ -268,7 +268,7 @@ static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *
             stc_reduce(result_area(c, s) + lo * esz, srcs, L, hi - lo, dtype);
             rc = shm_step(c, err, errlen);
             if (rc) return rc;
-            memcpy(buf + off * esz, result_area(c, s), m * esz);
+            if (m) memcpy(buf + off * esz, result_area(c, s), m * esz);
         }
         off += m;
     } while (off < count);
@@ -281,11 +281,11 @@ static int shm_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_lr, cha
     do {
         size_t m = nbytes - off < c->cfg.chunk_bytes ? nbytes - off : c->cfg.chunk_bytes;
         uint64_t s = c->seq + 1;
-        if (c->cfg.local_rank == root_lr) memcpy(slot(c, s, root_lr), buf + off, m);
+        if (m && c->cfg.local_rank == root_lr) memcpy(slot(c, s, root_lr), buf + off, m);
         int rc = first ? shm_step_checked(c, err, errlen) : shm_step(c, err, errlen);
         if (rc) return rc;
         first = 0;
-        if (c->cfg.local_rank != root_lr) memcpy(buf + off, slot(c, s, root_lr), m);
+        if (m && c->cfg.local_rank != root_lr) memcpy(buf + off, slot(c, s, root_lr), m);
         off += m;
     } while (off < nbytes);
     return STC_OK;
