@@ -21,13 +21,18 @@ ATTEMPT = "SPARKTRAIN_ATTEMPT"
 #: A file holding the key every collective connection of the run proves it holds (sparktrain.native).
 COLLECTIVE_KEY_FILE = "SPARKTRAIN_COLLECTIVE_KEY_FILE"
 
+#: How many compute threads the rank should use: its task's CPUs (see :func:`thread_defaults`).
+THREADS = "SPARKTRAIN_THREADS"
+#: The variables :func:`thread_defaults` sets, unless the user or the executor already does.
+THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+
 #: The variables that together define a rank; the worker API needs all of them or none.
 TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
 
 #: Every variable the contract sets; user ``env`` may not override these.
 RESERVED_VARS = frozenset(
     TOPOLOGY_VARS
-    + (RUN_ID, ATTEMPT, COLLECTIVE_KEY_FILE, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    + (RUN_ID, ATTEMPT, COLLECTIVE_KEY_FILE, THREADS, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
        "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
 )
 
@@ -65,6 +70,30 @@ def topology(hosts: Sequence[str], rank: int) -> dict[str, int]:
         "cross_rank": peers.index(host),
         "cross_size": len(peers),
     }
+
+
+def rank_threads(task_cpus: int | None, cpu_count: int | None, local_size: int) -> int:
+    """Compute threads for one rank: its task's CPUs (``spark.task.cpus``) where Spark says, else
+    (local mode, no Spark) this host's cores divided among its ranks; at least 1.
+
+    >>> rank_threads(4, 16, 2), rank_threads(None, 2, 3), rank_threads(None, 8, 2)
+    (4, 1, 4)
+    """
+    if task_cpus:
+        return max(1, int(task_cpus))
+    return max(1, (cpu_count or 1) // max(1, local_size))
+
+
+def thread_defaults(threads: int, env: Mapping[str, str]) -> dict[str, str]:
+    """OpenMP's and TensorFlow's thread counts for a rank, for each one ``env`` does not set.
+
+    Ranks that each start one thread per core fight over the cores: three ranks with two
+    intra-op threads each on two cores run slower than with one.
+
+    >>> thread_defaults(2, {"OMP_NUM_THREADS": "4"})
+    {'TF_NUM_INTRAOP_THREADS': '2', 'TF_NUM_INTEROP_THREADS': '2'}
+    """
+    return {k: str(threads) for k in THREAD_VARS if k not in env}
 
 
 def translate_gpu_ids(addresses: Sequence[str], visible: str | None) -> str:
@@ -106,6 +135,7 @@ def build_worker_env(
     run_id: str,
     user_env: Mapping[str, str] | None = None,
     attempt: int = 1,
+    threads: int | None = None,
 ) -> dict[str, str]:
     """The environment one rank's process gets, on top of the executor's own.
 
@@ -119,6 +149,7 @@ def build_worker_env(
     run_id : the run's id.
     user_env : the ``env`` passed to ``run``; reserved names are refused earlier, on the driver.
     attempt : which attempt of the run this is, 1-based.
+    threads : the rank's compute threads (:func:`rank_threads`), as ``SPARKTRAIN_THREADS``.
 
     Examples
     --------
@@ -154,4 +185,6 @@ def build_worker_env(
         "MASTER_PORT": str(master_port),
         "CUDA_VISIBLE_DEVICES": gpu_ids,
     })
+    if threads is not None:
+        env[THREADS] = str(threads)
     return env

@@ -264,6 +264,14 @@ class _Rank:
             child.stop(self.spec.grace_period)
 
 
+def _task_cpus(barrier_ctx) -> int | None:
+    """``spark.task.cpus`` as Spark gave it to this task; None outside Spark (local mode)."""
+    try:
+        return int(barrier_ctx.cpus()) if barrier_ctx is not None else None
+    except Exception:  # noqa: BLE001 - a Spark without TaskContext.cpus()
+        return None
+
+
 def collective_key(secret: bytes, run_id: str, attempt: int) -> bytes:
     """The key of the ranks' collective connections, derived from the attempt's channel secret.
 
@@ -307,13 +315,16 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             finally:
                 for s in reserved:  # hand the ports over: the child binds them next
                     s.close()
-            state.local_rank = worker_env.topology(hosts, rank)["local_rank"]
+            topo = worker_env.topology(hosts, rank)
+            state.local_rank = topo["local_rank"]
+            threads = worker_env.rank_threads(_task_cpus(barrier_ctx), os.cpu_count(), topo["local_size"])
             env = dict(os.environ)
             env.update(worker_env.build_worker_env(
                 rank=rank, hosts=hosts, ports=ports, master_port=master_port,
                 gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
-                attempt=spec.attempt,
+                attempt=spec.attempt, threads=threads,
             ))
+            env.update(worker_env.thread_defaults(threads, {**os.environ, **spec.user_env}))
             env["PYTHONPATH"] = _child_pythonpath()
             env[worker_env.COLLECTIVE_KEY_FILE] = _write_key(workdir, state.collective_key)
             # The user's env or the executor's own wins; otherwise the run's default (quiet unless verbose=2).
