@@ -32,7 +32,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -48,7 +50,8 @@
 enum kind { K_ALLREDUCE = 1, K_BROADCAST = 2, K_ALLGATHER = 3, K_BARRIER = 4, K_REDUCE_STEP = 5 };
 
 typedef struct rank_state {
-    _Atomic uint64_t seq;
+    _Atomic uint32_t seq;     /* the last step this rank published (wraps; compared as a difference) */
+    _Atomic uint32_t waiters; /* ranks asleep on seq (futex), so a publisher knows to wake them */
     _Atomic uint64_t heartbeat_ms;
     _Atomic int32_t pid;
     int32_t rank;
@@ -154,18 +157,25 @@ static void mark_failed(stc_comm *c) {
     }
 }
 
-/* Spin briefly, then yield, then sleep with a growing pause: ranks may outnumber cores. */
+static void futex_wait(_Atomic uint32_t *addr, uint32_t expected, long ns) {
+    struct timespec ts = {0, ns};
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, expected, &ts, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *addr) { syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
+
+/* Spin briefly, then yield, then sleep with a growing pause: ranks may outnumber cores. Used
+ * where there is no futex to sleep on (set-up). */
 static void backoff(unsigned *spins) {
     unsigned s = (*spins)++;
     if (s < 64) {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
-    } else if (s < 2048) {
+    } else if (s < 256) {
         sched_yield();
     } else {
-        unsigned us = s < 4096 ? 20 : s < 8192 ? 100 : 500;
-        struct timespec ts = {0, (long)us * 1000};
+        struct timespec ts = {0, s < 1024 ? 20000 : 200000};
         nanosleep(&ts, NULL);
     }
 }
@@ -185,18 +195,41 @@ static const char *dtype_name(uint64_t d) {
     return d < sizeof names / sizeof *names ? names[d] : "?";
 }
 
-/* Publish step seq+1 and wait until every local rank has published it. */
+static int reached(uint32_t seq, uint32_t target) { return (int32_t)(seq - target) >= 0; }
+
+/* Publish step seq+1 and wait until every local rank has published it: spin briefly, yield a
+ * little, then sleep on the laggard's counter (a futex), waking every few milliseconds to check
+ * the deadline and that the laggard lives. Sleeping, not spinning, leaves the cores to the ranks
+ * that still compute when ranks outnumber cores. */
 static int shm_step(stc_comm *c, char *err, size_t errlen) {
-    uint64_t target = ++c->seq;
-    atomic_store_explicit(&state_of(c, c->cfg.local_rank)->seq, target, memory_order_release);
-    unsigned spins = 0;
+    uint32_t target = (uint32_t)++c->seq;
+    rank_state *me = state_of(c, c->cfg.local_rank);
+    atomic_store(&me->seq, target);
+    if (atomic_load(&me->waiters)) futex_wake(&me->seq);
+    double last_check = now_s();
     int L = c->cfg.local_size;
     for (int r = 0; r < L; r++) {
         rank_state *st = state_of(c, r);
-        while (atomic_load_explicit(&st->seq, memory_order_acquire) < target) {
-            backoff(&spins);
-            if ((spins & (spins < 2048 ? 255u : 7u)) != 0) continue;
+        unsigned spins = 0;
+        uint32_t v;
+        while (!reached(v = atomic_load(&st->seq), target)) {
+            spins++;
+            if (spins < 128) {
+#if defined(__x86_64__) || defined(__i386__)
+                __builtin_ia32_pause();
+#endif
+                continue;
+            }
+            if (spins < 160) {
+                sched_yield();
+                continue;
+            }
+            atomic_fetch_add(&st->waiters, 1);
+            if (!reached(v = atomic_load(&st->seq), target)) futex_wait(&st->seq, v, 5 * 1000 * 1000);
+            atomic_fetch_sub(&st->waiters, 1);
             double t = now_s();
+            if (t - last_check < 0.005) continue;
+            last_check = t;
             int32_t failed = atomic_load(&c->hdr->failed);
             if (failed)
                 return fail(err, errlen, STC_E_PEER,
@@ -564,6 +597,7 @@ static int attach_segment(stc_comm *c, char *err, size_t errlen) {
     atomic_store(&me->heartbeat_ms, now_ms());
     atomic_store(&me->pid, (int32_t)getpid());
     atomic_store(&me->seq, 0);
+    atomic_store(&me->waiters, 0);
     if (atomic_fetch_add(&c->hdr->attached, 1) + 1 == (uint32_t)L) {
         shm_unlink(c->shm_name); /* every rank has it mapped: nothing outlives the ranks now */
         c->unlinked = 1;
