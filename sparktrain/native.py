@@ -325,11 +325,17 @@ class Communicator:
             if s is not None:
                 s.detach()  # the engine owns the descriptors now
         self._handle = handle
+        # One collective at a time: the handle and its message buffer are not for concurrent calls.
+        self._lock = threading.Lock()
         self._cfg = cfg  # keeps the arrays alive for as long as the handle
         self._cfg.timeout_s = self.timeout
         self._err = err
 
     # -- calls -------------------------------------------------------------------------------
+    def _call(self, fn, *args) -> None:
+        with self._lock:
+            self._check(fn(self._live(), *args, self._err, _ERRLEN))
+
     def _check(self, rc: int) -> None:
         if rc != 0:
             msg = self._err.value.decode(errors="replace")
@@ -351,22 +357,23 @@ class Communicator:
             raise CollectiveError(f"op must be 'sum' or 'average', got {op!r}")
         out = np.array(array, order="C", copy=True)
         code = _dtype_code(out.dtype)
-        self._check(self._lib.stc_allreduce(self._live(), out.ctypes.data, out.size, code, _OPS[op], self._err,
-                                            _ERRLEN))
+        self._call(self._lib.stc_allreduce, out.ctypes.data, out.size, code, _OPS[op])
         return out
 
     def allreduce_(self, out, op: str = "average") -> None:
         """Reduce the C-contiguous, writable ``out`` in place."""
-        code = _dtype_code(out.dtype)
-        self._check(self._lib.stc_allreduce(self._live(), out.ctypes.data, out.size, code, _OPS[op], self._err,
-                                            _ERRLEN))
+        if op not in _OPS:
+            raise CollectiveError(f"op must be 'sum' or 'average', got {op!r}")
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise CollectiveError("allreduce_ needs a C-contiguous, writable array")
+        self._call(self._lib.stc_allreduce, out.ctypes.data, out.size, _dtype_code(out.dtype), _OPS[op])
 
     def broadcast(self, array, root: int = 0):
         """A new array holding ``array`` as it is on ``root`` (same shape and dtype on every rank)."""
         import numpy as np
 
         out = np.array(array, order="C", copy=True)
-        self._check(self._lib.stc_broadcast(self._live(), out.ctypes.data, out.nbytes, int(root), self._err, _ERRLEN))
+        self._call(self._lib.stc_broadcast, out.ctypes.data, out.nbytes, int(root))
         return out
 
     def allgather(self, array):
@@ -402,17 +409,17 @@ class Communicator:
 
         out = np.empty(sum(counts), np.uint8)
         arr = (ctypes.c_uint64 * self.size)(*counts)
-        self._check(self._lib.stc_allgatherv(self._live(), data.ctypes.data, out.ctypes.data, arr, self._err,
-                                             _ERRLEN))
+        self._call(self._lib.stc_allgatherv, data.ctypes.data, out.ctypes.data, arr)
         return out
 
     def barrier(self) -> None:
-        self._check(self._lib.stc_barrier(self._live(), self._err, _ERRLEN))
+        self._call(self._lib.stc_barrier)
 
     def close(self) -> None:
         if getattr(self, "_handle", None) is not None:
-            self._lib.stc_destroy(self._handle)
-            self._handle = None
+            with self._lock:
+                self._lib.stc_destroy(self._handle)
+                self._handle = None
 
     def __del__(self):
         self.close()
