@@ -43,7 +43,7 @@
 #include "reduce.h"
 
 #define MAGIC 0x5350524b434f4c31ull /* "SPRKCOL1" */
-#define DEFAULT_CHUNK (1u << 20)
+#define DEFAULT_CHUNK (256u << 10) /* measured: slots that stay in cache beat larger ones */
 #define SMALL_BYTES (32u << 10)
 #define CACHELINE 128
 
