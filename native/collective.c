@@ -233,7 +233,7 @@ static int shm_step(stc_comm *c, char *err, size_t errlen) {
             int32_t failed = atomic_load(&c->hdr->failed);
             if (failed)
                 return fail(err, errlen, STC_E_PEER,
-                            "%s: rank %d died or failed in this collective (another rank on this host saw it first)",
+                            "%s: rank %d died, failed or timed out in this collective (another rank on this host saw it first)",
                             c->what, failed - 1);
             int32_t pid = atomic_load(&st->pid);
             int32_t culprit = st->rank + 1, none = 0;

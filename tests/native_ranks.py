@@ -183,3 +183,18 @@ def allreduce_forever(comm, victim, started):
 
 def mismatched(comm):
     return comm.allreduce(np.ones(10 + comm.rank, np.float32), "sum")
+
+
+def one_rank_never_comes(comm, late, arrived):
+    """Every rank but ``late`` allreduces; ``late`` waits until they have all failed, then returns."""
+    if comm.rank == late:
+        arrived.wait()
+        return "never called"
+    try:
+        comm.allreduce(np.ones(5, np.float32), "sum")
+    finally:
+        arrived.wait()
+
+
+def gather_mismatched_shapes(comm):
+    return comm.allgather(np.zeros((2, 3 + comm.rank), np.float32))

@@ -101,3 +101,22 @@ def test_a_stranger_without_the_secret_is_refused_and_the_run_goes_on():
         # The stranger saw the challenge, then the door closed: no acceptance, no data.
         assert got.startswith(b"STC1") and len(got) == 36, got
         s.close()
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["shm", "tcp"])
+def test_a_rank_that_never_calls_makes_the_others_time_out(tcp):
+    arrived = multiprocessing.get_context("fork").Barrier(3)
+    results = nr.run_ranks(3, nr.one_rank_never_comes, 2, arrived, tcp=tcp, timeout=2)
+    assert results[2] == ("ok", "never called"), results
+    for r in (0, 1):
+        status, text = results[r]
+        assert status == "error" and "CollectiveError" in text, (r, text)
+    if not tcp:  # over shared memory both name the rank they waited for
+        assert all("rank 2" in results[r][1] for r in (0, 1)), results
+    assert any("timed out" in results[r][1] for r in (0, 1)), results
+
+
+def test_allgather_of_different_trailing_shapes_is_an_error():
+    results = nr.run_ranks(2, nr.gather_mismatched_shapes)
+    for r, (status, text) in results.items():
+        assert status == "error" and "only the first dimension may differ" in text, (r, text)
