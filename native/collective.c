@@ -59,11 +59,15 @@ typedef struct rank_state {
 } rank_state;
 
 typedef struct header {
-    _Atomic uint64_t magic;
+    _Alignas(CACHELINE) _Atomic uint64_t magic;
     uint64_t local_size, chunk, seg_bytes;
     _Atomic uint32_t attached;
     _Atomic int32_t failed; /* 1 + the global rank of a rank whose collective failed */
-    char pad[CACHELINE - 40];
+    /* Shares of large chunks, per buffer set: ranks claim them in turn, so ranks that have a core
+     * do the work of one that does not; each share is still reduced in rank order. */
+    _Alignas(CACHELINE) _Atomic uint32_t claimed[2];
+    _Alignas(CACHELINE) _Atomic uint32_t done[2];
+    _Atomic uint32_t done_waiters[2];
 } header;
 
 #define STATE_BYTES ((sizeof(rank_state) + CACHELINE - 1) / CACHELINE * CACHELINE)
@@ -78,6 +82,7 @@ struct stc_comm {
     header *hdr;
     char *data;
     uint64_t seq;
+    uint32_t claimed_base[2], done_base[2]; /* where this set's counters stood before the current chunk */
     int broken;
     double deadline;      /* of the collective in progress */
     const char *what;     /* its name, for messages */
@@ -195,6 +200,36 @@ static const char *dtype_name(uint64_t d) {
     return d < sizeof names / sizeof *names ? names[d] : "?";
 }
 
+/* Fails when waiting for st can no longer succeed: a rank failed, st is dead or frozen, or the
+ * deadline passed. */
+static int check_peer(stc_comm *c, rank_state *st, double t, char *err, size_t errlen) {
+    int32_t failed = atomic_load(&c->hdr->failed);
+    if (failed)
+        return fail(err, errlen, STC_E_PEER,
+                    "%s: rank %d died, failed or timed out in this collective (another rank on this host saw it first)",
+                    c->what, failed - 1);
+    int32_t pid = atomic_load(&st->pid);
+    int32_t culprit = st->rank + 1, none = 0;
+    int alive = pid_alive(pid);
+    if (!alive || nms_stale(c, st) || t > c->deadline)
+        atomic_compare_exchange_strong(&c->hdr->failed, &none, culprit); /* the others name it too */
+    if (!alive)
+        return fail(err, errlen, STC_E_PEER, "%s: rank %d (pid %d, on this host) died during the collective",
+                    c->what, st->rank, pid);
+    uint64_t hb = atomic_load(&st->heartbeat_ms), nms = now_ms();
+    if (nms > hb && (double)(nms - hb) / 1000.0 > c->cfg.heartbeat_s)
+        return fail(err, errlen, STC_E_PEER,
+                    "%s: rank %d (pid %d, on this host) stopped its heartbeat %.1f s ago: it is frozen or dead",
+                    c->what, st->rank, pid, (double)(nms - hb) / 1000.0);
+    if (t > c->deadline)
+        return fail(err, errlen, STC_E_TIMEOUT,
+                    "%s: timed out after %.0f s waiting for rank %d (pid %d, on this host); "
+                    "every rank must make the same collective calls in the same order "
+                    "(raise the collective timeout if a rank is just slow)",
+                    c->what, c->cfg.timeout_s, st->rank, pid);
+    return STC_OK;
+}
+
 static int reached(uint32_t seq, uint32_t target) { return (int32_t)(seq - target) >= 0; }
 
 /* Publish step seq+1 and wait until every local rank has published it: spin briefly, yield a
@@ -230,30 +265,8 @@ static int shm_step(stc_comm *c, char *err, size_t errlen) {
             double t = now_s();
             if (t - last_check < 0.005) continue;
             last_check = t;
-            int32_t failed = atomic_load(&c->hdr->failed);
-            if (failed)
-                return fail(err, errlen, STC_E_PEER,
-                            "%s: rank %d died, failed or timed out in this collective (another rank on this host saw it first)",
-                            c->what, failed - 1);
-            int32_t pid = atomic_load(&st->pid);
-            int32_t culprit = st->rank + 1, none = 0;
-            int alive = pid_alive(pid);
-            if (!alive || nms_stale(c, st) || t > c->deadline)
-                atomic_compare_exchange_strong(&c->hdr->failed, &none, culprit); /* the others name it too */
-            if (!alive)
-                return fail(err, errlen, STC_E_PEER, "%s: rank %d (pid %d, on this host) died during the collective",
-                            c->what, st->rank, pid);
-            uint64_t hb = atomic_load(&st->heartbeat_ms), nms = now_ms();
-            if (nms > hb && (double)(nms - hb) / 1000.0 > c->cfg.heartbeat_s)
-                return fail(err, errlen, STC_E_PEER,
-                            "%s: rank %d (pid %d, on this host) stopped its heartbeat %.1f s ago: it is frozen or dead",
-                            c->what, st->rank, pid, (double)(nms - hb) / 1000.0);
-            if (t > c->deadline)
-                return fail(err, errlen, STC_E_TIMEOUT,
-                            "%s: timed out after %.0f s waiting for rank %d (pid %d, on this host); "
-                            "every rank must make the same collective calls in the same order "
-                            "(raise the collective timeout if a rank is just slow)",
-                            c->what, c->cfg.timeout_s, st->rank, pid);
+            int rc = check_peer(c, st, t, err, errlen);
+            if (rc) return rc;
         }
     }
     return STC_OK;
@@ -280,6 +293,47 @@ static int shm_step_checked(stc_comm *c, char *err, size_t errlen) {
     return STC_OK;
 }
 
+/* Reduce-scatter of one large chunk into the result area: every rank claims shares until none is
+ * left, then waits until all are done. Every rank runs this for every large chunk and leaves the
+ * claim loop with exactly one claim past the end, so the counters' next bases are known to all. */
+static int reduce_shares(stc_comm *c, uint64_t s, size_t m, int dtype, char *err, size_t errlen) {
+    int L = c->cfg.local_size, p = (int)(s % 2);
+    size_t esz = stc_dtype_size(dtype);
+    uint32_t ns = (uint32_t)(m * esz / SMALL_BYTES);
+    if (ns < (uint32_t)L) ns = (uint32_t)L;
+    if (ns > 64) ns = 64;
+    const void *srcs[64];
+    for (;;) {
+        uint32_t i = atomic_fetch_add(&c->hdr->claimed[p], 1) - c->claimed_base[p];
+        if (i >= ns) break;
+        size_t lo = m * i / ns, hi = m * (i + 1) / ns;
+        for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r) + lo * esz;
+        stc_reduce(result_area(c, s) + lo * esz, srcs, L, hi - lo, dtype);
+        atomic_fetch_add(&c->hdr->done[p], 1);
+        if (atomic_load(&c->hdr->done_waiters[p])) futex_wake(&c->hdr->done[p]);
+    }
+    c->claimed_base[p] += ns + (uint32_t)L;
+    uint32_t target = c->done_base[p] += ns;
+    unsigned spins = 0;
+    double last_check = now_s();
+    uint32_t v;
+    while (!reached(v = atomic_load(&c->hdr->done[p]), target)) {
+        if (++spins < 128) continue;
+        if (spins < 160) { sched_yield(); continue; }
+        atomic_fetch_add(&c->hdr->done_waiters[p], 1);
+        if (!reached(v = atomic_load(&c->hdr->done[p]), target)) futex_wait(&c->hdr->done[p], v, 5 * 1000 * 1000);
+        atomic_fetch_sub(&c->hdr->done_waiters[p], 1);
+        double t = now_s();
+        if (t - last_check < 0.005) continue;
+        last_check = t;
+        for (int r = 0; r < L; r++) { /* whoever holds the missing share: check everyone */
+            int rc = check_peer(c, state_of(c, r), t, err, errlen);
+            if (rc) return rc;
+        }
+    }
+    return STC_OK;
+}
+
 static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *err, size_t errlen) {
     size_t esz = stc_dtype_size(dtype), chunk_elems = c->cfg.chunk_bytes / esz;
     int L = c->cfg.local_size, lr = c->cfg.local_rank, first = 1;
@@ -296,12 +350,9 @@ static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *
             for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r);
             stc_reduce(buf + off * esz, srcs, L, m, dtype);
         } else {
-            size_t lo = m * (size_t)lr / (size_t)L, hi = m * (size_t)(lr + 1) / (size_t)L;
-            for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r) + lo * esz;
-            stc_reduce(result_area(c, s) + lo * esz, srcs, L, hi - lo, dtype);
-            rc = shm_step(c, err, errlen);
+            rc = reduce_shares(c, s, m, dtype, err, errlen);
             if (rc) return rc;
-            if (m) memcpy(buf + off * esz, result_area(c, s), m * esz);
+            memcpy(buf + off * esz, result_area(c, s), m * esz);
         }
         off += m;
     } while (off < count);
