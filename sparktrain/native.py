@@ -40,11 +40,25 @@ _ERRLEN = 1024
 _HELLO = b"STC1"
 _OPS = {"sum": 0, "average": 1}
 _DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4, "int64": 5, "uint8": 6}
-_TIMEOUT_CODE = -2
+
+
+#: The library's return codes (``native/collective.h``), by name.
+TIMEOUT, PEER, MISMATCH, BROKEN = -2, -3, -4, -6
 
 
 class CollectiveError(SparkTrainError):
-    """A native collective failed: a peer died, ranks disagreed, or a wait passed its deadline."""
+    """A native collective failed: a peer died, ranks disagreed, or a wait passed its deadline.
+
+    ``code`` is the library's return code (:data:`TIMEOUT`, :data:`PEER`, :data:`MISMATCH`,
+    :data:`BROKEN`, ...), or :data:`MISMATCH` for disagreements found in Python.
+    """
+
+    def __init__(self, message: str, code: int = MISMATCH):
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self):
+        return type(self), (str(self), self.code)
 
 
 class _Config(ctypes.Structure):
@@ -339,7 +353,7 @@ class Communicator:
     def _check(self, rc: int) -> None:
         if rc != 0:
             msg = self._err.value.decode(errors="replace")
-            raise CollectiveError(f"rank {self.rank}: {msg}")
+            raise CollectiveError(f"rank {self.rank}: {msg}", rc)
 
     def _live(self):
         if self._handle is None:

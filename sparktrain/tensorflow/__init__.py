@@ -137,9 +137,27 @@ def collective_engine() -> str:
 
 
 def _native_call(fn, inputs: list, tout: list):
-    """Run ``fn`` (numpy in, numpy out) on the native engine as one op, eager or in a graph."""
+    """Run ``fn`` (numpy in, numpy out) on the native engine as one op, eager or in a graph.
+
+    Its failures surface as TensorFlow's own errors, as with TensorFlow's runtime: a wait past
+    the collective timeout as ``DeadlineExceededError``, a dead peer as ``UnavailableError``,
+    ranks that disagree as ``InvalidArgumentError`` (inside a graph TensorFlow wraps them in an
+    ``UnknownError`` that names them), each with the engine's message naming the rank.
+    """
     tf = _tf()
-    return tf.numpy_function(fn, inputs, tout, stateful=True)
+
+    def call(*arrays):
+        from .. import native
+
+        try:
+            return fn(*arrays)
+        except native.CollectiveError as e:
+            kind = {native.TIMEOUT: tf.errors.DeadlineExceededError, native.PEER: tf.errors.UnavailableError,
+                    native.MISMATCH: tf.errors.InvalidArgumentError,
+                    native.BROKEN: tf.errors.FailedPreconditionError}.get(e.code, tf.errors.InternalError)
+            raise kind(None, None, str(e)) from None
+
+    return tf.numpy_function(call, inputs, tout, stateful=True)
 
 
 def _check_native_dtype(dtype) -> None:
