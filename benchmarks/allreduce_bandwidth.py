@@ -25,7 +25,8 @@ native engine called directly (shared memory, and the TCP ring forced with
 ``SPARKTRAIN_CPU_TRANSPORT=tcp``), the native engine through ``sparktrain.tensorflow.allreduce``
 inside a ``tf.function`` (as in a ``model.fit`` step), TensorFlow's own ring
 (``SPARKTRAIN_CPU_COLLECTIVES=tensorflow``) in a ``tf.function``, and Gloo
-(``torch.distributed``, where torch is installed). Each size is timed call by call; the table
+(``torch.distributed``, where torch is installed) and, with ``--mpi-python``, MPI (mpi4py with the
+``mpich`` wheel, started by its ``mpiexec``) as the reference. Each size is timed call by call; the table
 gives rank 0's median per call and busbw, and each contender's ratio to Gloo at that size::
 
     python benchmarks/allreduce_bandwidth.py --compare --write benchmarks/RESULTS.md
@@ -133,6 +134,21 @@ def worker(kind: str, rank: int, n: int, port: int, sizes: list[int], iters: int
             return int(comm.broadcast(np.array([count], np.int64), root=0)[0])
 
         check = comm.allreduce(np.ones(7, np.float32), "sum")
+    elif kind == "mpi":
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        rank, n = world.Get_rank(), world.Get_size()
+
+        def make(nbytes):
+            x = np.zeros(nbytes // 4, np.float32)
+            return lambda: world.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+
+        def agree(count):
+            return int(world.bcast(count, root=0))
+
+        check = np.ones(7, np.float32)
+        world.Allreduce(MPI.IN_PLACE, check, op=MPI.SUM)
     else:
         import torch
         import torch.distributed as dist
@@ -167,8 +183,23 @@ def worker(kind: str, rank: int, n: int, port: int, sizes: list[int], iters: int
         print("RESULTS " + json.dumps(results), flush=True)
     if kind.startswith("native"):
         comm.close()
-    else:
+    elif kind == "gloo":
         dist.destroy_process_group()
+
+
+def run_mpi(python: str, n: int, sizes: list[int], iters: int, budget: float, timeout: float) -> list[dict]:
+    """The reference: mpi4py's Allreduce, started by the ``mpiexec`` beside ``python`` (the mpich wheel's)."""
+    import json
+    import subprocess
+
+    mpiexec = os.path.join(os.path.dirname(python), "mpiexec")
+    out = subprocess.run([mpiexec, "-n", str(n), python, os.path.abspath(__file__), "--worker", "mpi", "0", str(n), "0",
+                          ",".join(map(str, sizes)), str(iters), str(budget)], capture_output=True, text=True,
+                         timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULTS ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"mpiexec exited with {out.returncode}: {out.stderr.strip()[-200:]}")
+    return json.loads(lines[-1][len("RESULTS "):])
 
 
 def run_workers(kind: str, n: int, sizes: list[int], iters: int, budget: float, timeout: float) -> list[dict]:
@@ -215,13 +246,17 @@ def compare(args, command: str) -> int:
                   ("TensorFlow ring in tf.function", "tf-ring")]
     if util.find_spec("torch") is not None:
         contenders.append(("Gloo (torch.distributed)", "gloo"))
+    if args.mpi_python:
+        contenders.append(("MPI (mpi4py, mpich, mpiexec)", "mpi"))
     table: dict = {}
     for n in args.ranks:
         for label, kind in contenders:
             settle()
             started = time.perf_counter()
             try:
-                if kind.startswith("tf-"):
+                if kind == "mpi":
+                    res = run_mpi(args.mpi_python, n, sizes, args.iters, args.budget, args.timeout)
+                elif kind.startswith("tf-"):
                     env = {"TF_CPP_MIN_LOG_LEVEL": "3",
                            "SPARKTRAIN_CPU_COLLECTIVES": "native" if kind == "tf-native" else "tensorflow"}
                     res = sparktrain.run(measure, args=(sizes, ["tf.function"], "sum", args.warmup, args.iters,
@@ -256,6 +291,13 @@ def compare(args, command: str) -> int:
     method = (f"float32 sum, {args.warmup} warm-up call(s), then up to {args.iters} timed calls per size (at least "
               f"{args.min_iters}, fewer where they would exceed {args.budget:g} s); rank 0's median per call. "
               "x Gloo = Gloo's time / this contender's time at that size and rank count.")
+    if args.mpi_python:
+        import subprocess
+
+        probe = "from importlib.metadata import version as v; print(v('mpi4py'), v('mpich'))"
+        found = subprocess.run([args.mpi_python, "-c", probe], capture_output=True, text=True).stdout.split()
+        if len(found) == 2:
+            method += f" MPI: mpi4py {found[0]}, mpich {found[1]}, over shared memory (its default on one host)."
     print()
     print("CPU collective engines")
     print(f"machine: {machine}")
@@ -352,6 +394,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=900.0, help="seconds the whole run may take (default 900)")
     p.add_argument("--compare", action="store_true",
                    help="measure the CPU engines side by side (native, TensorFlow's ring, Gloo) on --ranks")
+    p.add_argument("--mpi-python", metavar="PYTHON",
+                   help="with --compare, also measure MPI: a Python with mpi4py whose bin/ holds mpiexec "
+                        "(pip install mpi4py mpich in a separate venv)")
     p.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3],
                    help="rank counts for --compare (default 2,3)")
     p.add_argument("--write", metavar="PATH",
