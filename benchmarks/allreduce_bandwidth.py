@@ -19,6 +19,17 @@ carries in a ring allreduce), in MB/s (10^6 bytes per second). tf.function is th
 column: it is how gradients are reduced inside ``model.fit`` and a custom training step.
 
     python benchmarks/allreduce_bandwidth.py [--max-size 64M] [--write benchmarks/RESULTS.md]
+
+``--compare`` measures the CPU engines side by side in one run instead, on 2 and 3 ranks: the
+native engine called directly (shared memory, and the TCP ring forced with
+``SPARKTRAIN_CPU_TRANSPORT=tcp``), the native engine through ``sparktrain.tensorflow.allreduce``
+inside a ``tf.function`` (as in a ``model.fit`` step), TensorFlow's own ring
+(``SPARKTRAIN_CPU_COLLECTIVES=tensorflow``) in a ``tf.function``, and Gloo
+(``torch.distributed``, where torch is installed) and, with ``--mpi-python``, MPI (mpi4py with the
+``mpich`` wheel, started by its ``mpiexec``) as the reference. Each size is timed call by call; the table
+gives rank 0's median per call and busbw, and each contender's ratio to Gloo at that size::
+
+    python benchmarks/allreduce_bandwidth.py --compare --write benchmarks/RESULTS.md
 """
 from __future__ import annotations
 
@@ -31,6 +42,8 @@ import time
 
 from common import machine_line, markdown_section, text_table, write_section
 
+COMPARE_BEGIN = "<!-- cpu_engines:begin -->"
+COMPARE_END = "<!-- cpu_engines:end -->"
 SECTION_BEGIN = "<!-- allreduce_bandwidth:begin -->"
 SECTION_END = "<!-- allreduce_bandwidth:end -->"
 
@@ -85,6 +98,222 @@ def measure(sizes: list[int], modes: list[str], op_name: str, warmup: int, iters
             row[mode] = {"median": statistics.median(times), "min": min(times), "iters": count}
         results.append(row)
     return results
+
+
+def _timed(call, count: int) -> dict:
+    import statistics
+
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return {"median": statistics.median(times), "min": min(times), "iters": count}
+
+
+def worker(kind: str, rank: int, n: int, port: int, sizes: list[int], iters: int, budget: float) -> None:
+    """One rank of a directly called engine (``native``, ``native-tcp`` or ``gloo``); rank 0 prints JSON.
+
+    Zeros summed stay zeros, so the same buffer is reduced again and again in place.
+    """
+    import json
+
+    import numpy as np
+
+    if kind.startswith("native"):
+        from sparktrain import native
+
+        comm = native.Communicator(rank, n, ["127.0.0.1"] * n, [port + r for r in range(n)], b"bench", f"bench-{port}",
+                                   timeout=300, force_tcp=kind == "native-tcp")
+
+        def make(nbytes):
+            x = np.zeros(nbytes // 4, np.float32)
+            return lambda: comm.allreduce_(x, "sum")
+
+        def agree(count):
+            return int(comm.broadcast(np.array([count], np.int64), root=0)[0])
+
+        check = comm.allreduce(np.ones(7, np.float32), "sum")
+    elif kind == "mpi":
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        rank, n = world.Get_rank(), world.Get_size()
+
+        def make(nbytes):
+            x = np.zeros(nbytes // 4, np.float32)
+            return lambda: world.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+
+        def agree(count):
+            return int(world.bcast(count, root=0))
+
+        check = np.ones(7, np.float32)
+        world.Allreduce(MPI.IN_PLACE, check, op=MPI.SUM)
+    else:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+
+        def make(nbytes):
+            t = torch.zeros(nbytes // 4, dtype=torch.float32)
+            return lambda: dist.all_reduce(t)
+
+        def agree(count):
+            t = torch.tensor([count], dtype=torch.int64)
+            dist.broadcast(t, 0)
+            return int(t.item())
+
+        ones = torch.ones(7)
+        dist.all_reduce(ones)
+        check = ones.numpy()
+    if not (check == n).all():
+        raise RuntimeError(f"{kind}: 7 ones summed over {n} ranks gave {check}")
+    results = []
+    for nbytes in sizes:
+        call = make(nbytes)
+        for _ in range(2):
+            call()
+        start = time.perf_counter()
+        call()
+        count = agree(max(3, min(iters, int(budget / max(time.perf_counter() - start, 1e-9)))))
+        results.append({"bytes": nbytes, "tf.function": _timed(call, count)})
+    if rank == 0:
+        print("RESULTS " + json.dumps(results), flush=True)
+    if kind.startswith("native"):
+        comm.close()
+    elif kind == "gloo":
+        dist.destroy_process_group()
+
+
+def run_mpi(python: str, n: int, sizes: list[int], iters: int, budget: float, timeout: float) -> list[dict]:
+    """The reference: mpi4py's Allreduce, started by the ``mpiexec`` beside ``python`` (the mpich wheel's)."""
+    import json
+    import subprocess
+
+    mpiexec = os.path.join(os.path.dirname(python), "mpiexec")
+    out = subprocess.run([mpiexec, "-n", str(n), python, os.path.abspath(__file__), "--worker", "mpi", "0", str(n), "0",
+                          ",".join(map(str, sizes)), str(iters), str(budget)], capture_output=True, text=True,
+                         timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULTS ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"mpiexec exited with {out.returncode}: {out.stderr.strip()[-200:]}")
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def run_workers(kind: str, n: int, sizes: list[int], iters: int, budget: float, timeout: float) -> list[dict]:
+    import json
+    import socket
+    import subprocess
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]  # gloo's store; the native ranks take port + rank (none listens on one host)
+    s.close()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if kind == "native-tcp":  # the leaders listen on port + rank
+        env["SPARKTRAIN_CPU_TRANSPORT"] = "tcp"
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", kind, str(r), str(n), str(port),
+                               ",".join(map(str, sizes)), str(iters), str(budget)], stdout=subprocess.PIPE,
+                              env=env, text=True) for r in range(n)]
+    out = ""
+    try:
+        out, _ = procs[0].communicate(timeout=timeout)
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p in procs:
+        if p.returncode != 0:
+            raise RuntimeError(f"{kind} on {n} ranks: a rank exited with {p.returncode}")
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULTS ")][-1]
+    return json.loads(line[len("RESULTS "):])
+
+
+def compare(args, command: str) -> int:
+    """Every CPU engine beside the others, on 2 and 3 ranks, in this one run."""
+    from importlib import util
+
+    import sparktrain
+    from common import settle
+
+    sizes = sizes_between(args.min_size, args.max_size, args.factor)
+    contenders = [("native, shared memory", "native"), ("native, forced TCP", "native-tcp"),
+                  ("native in tf.function (sparktrain.tensorflow)", "tf-native"),
+                  ("TensorFlow ring in tf.function", "tf-ring")]
+    if util.find_spec("torch") is not None:
+        contenders.append(("Gloo (torch.distributed)", "gloo"))
+    if args.mpi_python:
+        contenders.append(("MPI (mpi4py, mpich, mpiexec)", "mpi"))
+    table: dict = {}
+    for n in args.ranks:
+        for label, kind in contenders:
+            settle()
+            started = time.perf_counter()
+            try:
+                if kind == "mpi":
+                    res = run_mpi(args.mpi_python, n, sizes, args.iters, args.budget, args.timeout)
+                elif kind.startswith("tf-"):
+                    env = {"TF_CPP_MIN_LOG_LEVEL": "3",
+                           "SPARKTRAIN_CPU_COLLECTIVES": "native" if kind == "tf-native" else "tensorflow"}
+                    res = sparktrain.run(measure, args=(sizes, ["tf.function"], "sum", args.warmup, args.iters,
+                                                        args.min_iters, args.budget),
+                                         num_proc=-n, env=env, verbose=0, output_ranks=[0], stdout=sys.stderr,
+                                         timeout=args.timeout)
+                else:
+                    try:
+                        res = run_workers(kind, n, sizes, args.iters, args.budget, args.timeout)
+                    except RuntimeError:  # the free port we picked was taken before a rank bound it
+                        res = run_workers(kind, n, sizes, args.iters, args.budget, args.timeout)
+                table[(n, kind)] = {r["bytes"]: r["tf.function"] for r in res}
+            except Exception as e:  # noqa: BLE001 - a contender that fails is reported, not fatal
+                table[(n, kind)] = str(e).splitlines()[0][:150]
+            print(f"{label}, {n} ranks: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    cols = ["ranks", "size", "contender", "iters", "median us", "busbw MB/s", "x Gloo"]
+    rows = []
+    for n in args.ranks:
+        for nbytes in sizes:
+            gloo = table.get((n, "gloo"))
+            for label, kind in contenders:
+                m = table[(n, kind)]
+                if isinstance(m, str):
+                    rows.append([str(n), size_label(nbytes), label, f"failed: {m}"])
+                    continue
+                t = m[nbytes]["median"]
+                busbw = nbytes / t * 2 * (n - 1) / n / 1e6
+                ratio = f"{gloo[nbytes]['median'] / t:.2f}" if isinstance(gloo, dict) else "-"
+                rows.append([str(n), size_label(nbytes), label, str(m[nbytes]["iters"]), f"{t * 1e6:,.1f}",
+                             f"{busbw:,.1f}", ratio])
+    machine = machine_line(("sparktrain", "tensorflow", "torch"))
+    method = (f"float32 sum, {args.warmup} warm-up call(s), then up to {args.iters} timed calls per size (at least "
+              f"{args.min_iters}, fewer where they would exceed {args.budget:g} s); rank 0's median per call. "
+              "x Gloo = Gloo's time / this contender's time at that size and rank count.")
+    if args.mpi_python:
+        import subprocess
+
+        probe = "from importlib.metadata import version as v; print(v('mpi4py'), v('mpich'))"
+        found = subprocess.run([args.mpi_python, "-c", probe], capture_output=True, text=True).stdout.split()
+        if len(found) == 2:
+            method += f" MPI: mpi4py {found[0]}, mpich {found[1]}, over shared memory (its default on one host)."
+    print()
+    print("CPU collective engines")
+    print(f"machine: {machine}")
+    print(method)
+    print()
+    print(text_table(cols, rows))
+    if args.write:
+        write_section(args.write, markdown_section(
+            COMPARE_BEGIN, COMPARE_END, "CPU collective engines",
+            "Allreduce per call and busbw (= bytes / time x 2(n-1)/n, MB/s) of sparktrain's native engine beside "
+            "TensorFlow's ring and Gloo, all measured in the same run. Written by "
+            "`benchmarks/allreduce_bandwidth.py --compare`.",
+            machine, command, cols, rows, before_command=[method], first_left=False),
+                      COMPARE_BEGIN, COMPARE_END)
+        print(f"wrote the CPU-engines section of {args.write}")
+    return 0
 
 
 # -- driver side ---------------------------------------------------------------------------------
@@ -163,6 +392,13 @@ def parse_args(argv=None):
                    help="launch through an embedded Spark session (--master) instead of local processes")
     p.add_argument("--master", default="local[3]", help="master of the embedded session with --spark (default local[3])")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds the whole run may take (default 900)")
+    p.add_argument("--compare", action="store_true",
+                   help="measure the CPU engines side by side (native, TensorFlow's ring, Gloo) on --ranks")
+    p.add_argument("--mpi-python", metavar="PYTHON",
+                   help="with --compare, also measure MPI: a Python with mpi4py whose bin/ holds mpiexec "
+                        "(pip install mpi4py mpich in a separate venv)")
+    p.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3],
+                   help="rank counts for --compare (default 2,3)")
     p.add_argument("--write", metavar="PATH",
                    help="write or replace the allreduce-bandwidth section of this markdown file")
     args = p.parse_args(argv)
@@ -178,9 +414,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        kind, rank, n, port, sizes, iters, budget = argv[1:8]
+        worker(kind, int(rank), int(n), int(port), [int(x) for x in sizes.split(",")], int(iters), float(budget))
+        return 0
     args = parse_args(argv)
-    command = shlex.join([sys.executable] + (sys.argv if argv is None else [sys.argv[0], *argv]))
+    command = shlex.join([sys.executable, sys.argv[0], *argv])
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    if args.compare:
+        return compare(args, command)
     modes = list(MODES) if args.mode == "both" else [args.mode]
     sizes = sizes_between(args.min_size, args.max_size, args.factor)
 

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from common import machine_line, markdown_section, text_table, write_section  # noqa: E402
 from connect_server import ConnectServer  # noqa: E402 - the test suite's Connect server launcher
+import launch_overhead  # noqa: E402
 from launch_overhead import FLOOR, SPARKTRAIN, TF_PEER, TORCH_PEER, benchmark, build_contenders  # noqa: E402
 
 SECTION_BEGIN = "<!-- connect_overhead:begin -->"
@@ -59,6 +60,10 @@ def main() -> int:
     parser.add_argument("--write", metavar="RESULTS.md")
     args = parser.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    import cloudpickle
+
+    # The no-op and the floor's task travel by value: a separate server's executors cannot import this folder.
+    cloudpickle.register_pickle_by_value(launch_overhead)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))
     logging.getLogger().setLevel(logging.WARNING)

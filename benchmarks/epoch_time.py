@@ -26,6 +26,14 @@ A callback inside the ranks takes ``time.perf_counter()`` at ``on_epoch_begin`` 
 is discarded; the table shows the median of the rest.
 
     python benchmarks/epoch_time.py [--epochs 6 --repeat-data 10 --rounds 2] [--spark] [--write benchmarks/RESULTS.md]
+
+``--scaling`` measures how CPU training scales instead: one process with 1 thread against 2
+ranks with 1 thread each (``OMP_NUM_THREADS`` and TensorFlow's intra-op threads 1, its inter-op
+pool 2, as sparktrain's defaults for one CPU per task),
+the gradients averaged by the native engine and, separately, by TensorFlow's ring; the same
+global batch for all three. It reports each one's samples/s and the ratio to the one process::
+
+    python benchmarks/epoch_time.py --scaling --num-proc 2 --global-batch 64 --write benchmarks/RESULTS.md
 """
 from __future__ import annotations
 
@@ -183,6 +191,41 @@ def build_contenders(args) -> list[Contender]:
     ]
 
 
+SCALING_BEGIN = "<!-- epoch_scaling:begin -->"
+SCALING_END = "<!-- epoch_scaling:end -->"
+# One compute thread; TensorFlow's inter-op pool keeps 2, as sparktrain's thread defaults do.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
+SCALING_HEADER = ["contender", "ranks x batch", "steps/epoch", "timed epochs", "median epoch s", "samples/s",
+                  "x one process", "last loss"]
+
+
+def build_scaling(args) -> list[Contender]:
+    common = (args.model, args.repeat_data, args.global_batch, args.epochs, 0.001 * args.global_batch / 32)
+    sign = 1 if args.spark else -1
+    return [
+        Contender("one process, 1 thread", train_keras3, (*common, False), sign * 1, {**BASE_ENV, **ONE_THREAD}),
+        Contender("2 ranks x 1 thread, native engine", train_keras3, (*common, True), sign * 2,
+                  {**BASE_ENV, **ONE_THREAD, "SPARKTRAIN_CPU_COLLECTIVES": "native"}),
+        Contender("2 ranks x 1 thread, TensorFlow ring", train_keras3, (*common, True), sign * 2,
+                  {**BASE_ENV, **ONE_THREAD, "SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"}),
+    ]
+
+
+def scaling_rows(contenders: list[Contender], global_batch: int) -> list[list[str]]:
+    one = contenders[0].median()
+    rows = []
+    for c in contenders:
+        med = c.median()
+        shape = f"{abs(c.num_proc)} x {global_batch // abs(c.num_proc)}"
+        if med is None:
+            rows.append([c.name, shape, c.status or "no timed epochs"])
+            continue
+        steps = c.info["steps"]
+        rows.append([c.name, shape, str(steps), str(len(c.epochs)), f"{med:.3f}", f"{steps * global_batch / med:,.0f}",
+                     f"{one / med:.2f}x" if one else "n/a", f"{c.info['loss']:.4f}"])
+    return rows
+
+
 def run_once(c: Contender, timeout: float | None) -> None:
     import sparktrain
 
@@ -273,6 +316,8 @@ def parse_args(argv=None):
     p.add_argument("--settle", type=float, default=15.0, metavar="S",
                    help="before each run, wait at most S seconds for the CPU to go quiet (default 15; 0 skips)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
+    p.add_argument("--scaling", action="store_true",
+                   help="one process with 1 thread against 2 ranks with 1 thread each, native engine and TensorFlow ring")
     p.add_argument("--write", metavar="PATH", help="write or replace the epoch-time section of this markdown file")
     args = p.parse_args(argv)
     if args.epochs < 2:
@@ -300,13 +345,15 @@ def main(argv=None) -> int:
                  .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                  .getOrCreate())
         spark.sparkContext.setLogLevel("ERROR")
-    contenders = build_contenders(args)
+    contenders = build_scaling(args) if args.scaling else build_contenders(args)
     try:
         benchmark(contenders, args.rounds, args.settle, args.timeout)
     finally:
         if spark is not None:
             spark.stop()
 
+    if args.scaling:
+        return write_scaling(args, contenders, command)
     rows = table_rows(contenders, args.global_batch)
     machine, model, target = machine_line(("sparktrain", "tensorflow", "keras", "tf_keras"), args.master if args.spark else None), model_line(contenders, args), target_line(contenders)
     print()
@@ -328,6 +375,29 @@ def main(argv=None) -> int:
             after_table=[target[0].upper() + target[1:]]),
                       SECTION_BEGIN, SECTION_END)
         print(f"wrote the epoch-time section of {args.write}")
+    return 0 if all(c.status is None for c in contenders) else 1
+
+
+def write_scaling(args, contenders: list[Contender], command: str) -> int:
+    rows = scaling_rows(contenders, args.global_batch)
+    machine = machine_line(("sparktrain", "tensorflow", "keras"), args.master if args.spark else None)
+    model = model_line(contenders, args)
+    print()
+    print("CPU scaling: one process with 1 thread against 2 ranks with 1 thread each")
+    print(f"machine: {machine}")
+    print(model)
+    print()
+    print(text_table(SCALING_HEADER, rows))
+    if args.write:
+        write_section(args.write, markdown_section(
+            SCALING_BEGIN, SCALING_END, "CPU scaling: 1 process against 2 ranks, 1 thread each",
+            "Samples per second of the same model, data and global batch: one process with one thread, and two "
+            "ranks with one thread each whose gradients are averaged by sparktrain's native engine or by "
+            "TensorFlow's ring. Timed inside rank 0, first epoch of every run dropped. Written by "
+            "`benchmarks/epoch_time.py --scaling`.",
+            machine, command, SCALING_HEADER, rows, before_command=[model[0].upper() + model[1:] + "."]),
+                      SCALING_BEGIN, SCALING_END)
+        print(f"wrote the CPU-scaling section of {args.write}")
     return 0 if all(c.status is None for c in contenders) else 1
 
 

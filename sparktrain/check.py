@@ -174,6 +174,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     else:
         tasks = _probe(report, spark, conf, size, use_gpu, timeout)
     _versions(report, driver, tasks)
+    _engines(report, driver, tasks)
     _backends(report, driver, tasks)
 
 
@@ -246,6 +247,12 @@ def _facts_function() -> Callable[[tuple, tuple], dict]:
         found = {"executable": sys.executable, "versions": {"python": platform.python_version()}, "backends": {},
                  # what a rank's barrier task imports besides sparktrain (cluster.TASK_MODULES)
                  "missing": [m for m in ("cloudpickle", "pyarrow") if util.find_spec(m) is None]}
+        try:  # which engine a rank's CPU collectives would run on here
+            from sparktrain import native
+
+            found["cpu_engine"] = "native" if native.available() else f"tensorflow ({native.unavailable_reason()})"
+        except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
+            found["cpu_engine"] = f"unknown ({type(e).__name__})"
         for name in packages:
             try:
                 found["versions"][name] = metadata.version(name)
@@ -427,6 +434,24 @@ def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
 def _where(tasks: list[dict]) -> str:
     names = [f"task {t['task']} at {t['address']}" for t in tasks]
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _engines(report: Report, driver: dict, tasks: list[dict]) -> None:
+    """Which engine CPU collectives run on, per executor: native where it was built, else TensorFlow's ring."""
+    report.line()
+    report.line("Collectives on CPU (spark.sparktrain.cpuCollectives)")
+    engines = [t.get("cpu_engine") or "unknown" for t in tasks]
+    native_there = sum(1 for e in engines if e == "native")
+    here = driver.get("cpu_engine") or "unknown"
+    report.field("engine", f"driver: {here.split(' (')[0]}" +
+                 (f"; executors: native on {native_there} of {len(tasks)}" if tasks else ""))
+    others: dict[str, list[dict]] = {}
+    for t, e in zip(tasks, engines):
+        if e != "native":
+            others.setdefault(e, []).append(t)
+    for e, ts in others.items():
+        report.warn(f"{_where(ts)}: CPU collectives fall back to {e}; reinstall sparktrain there where gcc is "
+                    "available so that its native engine is built")
 
 
 def _backends(report: Report, driver: dict, tasks: list[dict]) -> None:

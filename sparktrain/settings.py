@@ -90,8 +90,31 @@ SETTINGS = {
         # Read in the rank's process, where there is no Spark conf: give it with run(env=...).
         Setting("collective_timeout", "SPARKTRAIN_COLLECTIVE_TIMEOUT", None, 600.0, parse_seconds,
                 "seconds a collective waits for the other ranks before it fails (sparktrain.tensorflow.init)"),
+        # Read in the rank; run() passes the Spark conf's value on in the rank's env.
+        Setting("cpu_collectives", "SPARKTRAIN_CPU_COLLECTIVES", "spark.sparktrain.cpuCollectives", "native",
+                lambda n, v: _choice(n, v, ("native", "tensorflow")),
+                "the engine of collectives on CPU: 'native' (sparktrain's shared memory and TCP ring, where it "
+                "was built) or 'tensorflow' (TensorFlow's gRPC ring)"),
+        Setting("cpu_transport", "SPARKTRAIN_CPU_TRANSPORT", "spark.sparktrain.cpuTransport", "auto",
+                lambda n, v: _choice(n, v, ("auto", "tcp")),
+                "how the native engine connects ranks on one host: 'auto' (shared memory) or 'tcp' (the ring "
+                "between hosts, forced; for tests and measurements)"),
     ]
 }
+
+
+def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:
+    """``env`` plus, for settings read in the rank, the Spark conf's value where ``env`` lacks one.
+
+    >>> rank_env({}, {"spark.sparktrain.cpuCollectives": "tensorflow"})
+    {'SPARKTRAIN_CPU_COLLECTIVES': 'tensorflow'}
+    """
+    out = dict(env)
+    for name in ("cpu_collectives", "cpu_transport"):
+        s = SETTINGS[name]
+        if s.env not in out and conf.get(s.conf) not in (None, ""):
+            out[s.env] = str(s.parse(s.conf, conf.get(s.conf)))
+    return out
 
 
 def _url(name: str, value: Any) -> str:

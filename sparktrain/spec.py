@@ -47,7 +47,7 @@ class TaskSpec:
     #: (``sparktrain.storage.outputlog``).
     log_target: bytes | None = dataclasses.field(default=None, repr=False)
     #: The CPU cores each rank's task holds (its resource profile's, or ``spark.task.cpus``); the rank's
-    #: compute threads follow it (``worker_env.compute_threads_env``). None: leave the threads alone.
+    #: compute threads follow it (``worker_env.rank_threads``). None: this host's cores shared among its ranks.
     task_cpus: int | None = None
     #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)

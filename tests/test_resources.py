@@ -132,10 +132,11 @@ def test_slots_are_counted_for_the_profile_and_the_error_gives_the_figures():
 
 
 def test_threads_follow_the_cpus_unless_the_user_sets_them():
-    assert worker_env.compute_threads_env(None) == {}
-    assert worker_env.compute_threads_env(4) == {
-        "OMP_NUM_THREADS": "4", "TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "2"}
-    assert worker_env.compute_threads_env(1, {"TF_NUM_INTEROP_THREADS": "8"}) == {
+    assert worker_env.rank_threads(4, 16, 2) == 4  # the task's cpus, not the host's share
+    assert worker_env.rank_threads(None, 16, 2) == 8
+    assert worker_env.thread_defaults(4, {}) == {
+        "OMP_NUM_THREADS": "4", "TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "4"}
+    assert worker_env.thread_defaults(1, {"TF_NUM_INTEROP_THREADS": "8"}) == {
         "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1"}
 
 
@@ -147,4 +148,4 @@ def report_threads():
 
 def test_local_mode_threads_follow_resources_cpus():
     assert sparktrain.run(report_threads, num_proc=-1, resources={"cpus": 3}, verbose=0) == {
-        "OMP_NUM_THREADS": "3", "TF_NUM_INTRAOP_THREADS": "3", "TF_NUM_INTEROP_THREADS": "2"}
+        "OMP_NUM_THREADS": "3", "TF_NUM_INTRAOP_THREADS": "3", "TF_NUM_INTEROP_THREADS": "3"}

@@ -330,7 +330,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         run_id=info.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
         use_gpu=use_gpu, output_ranks=output_ranks, max_result_bytes=max_result_bytes,
         start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
-        grace_period=settings.resolve("grace_period", conf=conf), user_env=dict(env), checkpoint=checkpoint,
+        grace_period=settings.resolve("grace_period", conf=conf), user_env=settings.rank_env(env, conf), checkpoint=checkpoint,
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
         return_output=return_output, log_target=log_target,
         mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus,

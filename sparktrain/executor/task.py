@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import collections
 import errno
+import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 import selectors
 import shutil
 import socket
@@ -111,6 +114,8 @@ class _Rank:
         self.log_level = 0
         #: Where the output also goes when the run has a log_url (see sparktrain.storage.outputlog).
         self.log = None
+        #: The key the ranks' collective connections prove they hold (see collective_key).
+        self.collective_key = b""
 
     def open_log(self) -> None:
         if self.spec.log_target is None or not self.show:
@@ -175,12 +180,17 @@ class _Rank:
         spec = self.spec
         if spec.driver_address is None:
             # One Spark barrier sync (about a second): the path for executors that cannot reach
-            # the driver, such as under Spark Connect.
+            # the driver, such as under Spark Connect. With no driver secret, rank 0 makes the
+            # collective key and shares it through the sync.
             self.check_versions()
+            if self.rank == 0:
+                me["collective_key"] = secrets.token_hex(32)
             infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
             infos.sort(key=lambda i: i["rank"])
+            self.collective_key = bytes.fromhex(infos[0]["collective_key"])
             return ([i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"]),
                     [i["shard"] for i in infos])
+        self.collective_key = collective_key(spec.secret, spec.run_id, spec.attempt)
         try:
             self.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout))
         except OSError as e:
@@ -294,6 +304,22 @@ class _Rank:
             child.stop(self.spec.grace_period)
 
 
+def collective_key(secret: bytes, run_id: str, attempt: int) -> bytes:
+    """The key of the ranks' collective connections, derived from the attempt's channel secret.
+
+    The rank's process gets this derived key, never the channel's secret itself.
+    """
+    return hmac.new(secret, f"sparktrain-collective|{run_id}|{attempt}".encode(), hashlib.sha256).digest()
+
+
+def _write_key(workdir: str, key: bytes) -> str:
+    path = os.path.join(workdir, "collective.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return path
+
+
 def _gpu_ids(spec: TaskSpec, rank: int, gpu_addresses: Sequence[str] | None) -> str:
     if not spec.use_gpu:
         return worker_env.NO_GPU
@@ -336,17 +362,22 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             finally:
                 for s in reserved:  # hand the ports over: the child binds them next
                     s.close()
-            state.local_rank = worker_env.topology(hosts, rank)["local_rank"]
+            topo = worker_env.topology(hosts, rank)
+            state.local_rank = topo["local_rank"]
             state.open_log()
+            # The task's CPUs (its resource profile's, or spark.task.cpus on a cluster); on a local
+            # master or in local mode, this host's cores shared among its ranks.
+            threads = worker_env.rank_threads(spec.task_cpus, os.cpu_count(), topo["local_size"])
             env = dict(os.environ)
             env.update(worker_env.build_worker_env(
                 rank=rank, hosts=hosts, ports=ports, master_port=master_port,
                 gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
-                attempt=spec.attempt,
+                attempt=spec.attempt, threads=threads,
             ))
-            env.update(worker_env.compute_threads_env(spec.task_cpus, spec.user_env))
+            env.update(worker_env.thread_defaults(threads, spec.user_env))
             env.update(tracking.rank_env(rank, spec.mlflow, workdir))
             env["PYTHONPATH"] = _child_pythonpath()
+            env[worker_env.COLLECTIVE_KEY_FILE] = _write_key(workdir, state.collective_key)
             if spool is not None:
                 empty = [n for n in spec.feed if not sum(int(s.get(n, 0)) for s in shards)]
                 if empty:  # every rank sees the same counts, so every rank stops here alike

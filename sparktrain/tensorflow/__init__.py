@@ -6,8 +6,13 @@ Inside ``train_fn``::
     hvd.init()
     total = hvd.allreduce(tf.constant([hvd.rank()]), op=hvd.Sum)
 
-The collective runtime is TensorFlow's own (``CollectiveReduceV2`` and friends): NCCL on GPU,
-a ring over gRPC/TCP on CPU. ``init`` brings it up from the ``TF_CONFIG`` that ``run`` wrote.
+On GPU the collectives are TensorFlow's own (``CollectiveReduceV2`` and friends) over NCCL. On
+CPU they run on sparktrain's native engine (``sparktrain.native``: shared memory within a host,
+a TCP ring between hosts), called through one ``tf.numpy_function`` per collective, so they
+work eagerly and inside ``model.fit``'s compiled step alike. ``SPARKTRAIN_CPU_COLLECTIVES`` /
+``spark.sparktrain.cpuCollectives=tensorflow`` chooses TensorFlow's gRPC ring instead, as does
+a build without the engine (with one warning). ``init`` brings the chosen runtime up from the
+``TF_CONFIG`` that ``run`` wrote; :func:`collective_engine` says which it is.
 Every rank must issue the same collectives in the same order, as with Horovod; each call gets
 the next instance key from a per-process counter, so the keys agree across ranks. Inside a
 ``tf.function`` the key is fixed when the function is traced, as MultiWorkerMirroredStrategy
@@ -15,6 +20,7 @@ does, so every rank must trace the same functions in the same order.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any, Callable, Iterable
@@ -45,6 +51,9 @@ class _State:
         self.timeout = DEFAULT_TIMEOUT
         self.strategy = None
         self.next_key = _FIRST_INSTANCE_KEY
+        #: "native", "tensorflow" or "nccl"; the native engine's communicator when native.
+        self.engine = None
+        self.comm = None
 
 
 _state = _State()
@@ -80,7 +89,12 @@ def init(timeout: float | None = None) -> None:
         _state.size = _ctx.size()
         _state.rank = _ctx.rank()
         _state.timeout = float(timeout)
-        if _state.size > 1:
+        _state.engine = "nccl" if _state.gpu else _cpu_engine()
+        if _state.size > 1 and _state.engine == "native":
+            from .. import native
+
+            _state.comm = native.from_env(_state.timeout)
+        elif _state.size > 1:
             if "TF_CONFIG" not in os.environ:
                 raise SparkTrainError("TF_CONFIG is not set: sparktrain.tensorflow.init() must run inside sparktrain.run")
             # Constructing the strategy is TensorFlow's supported way to start this process's
@@ -95,6 +109,61 @@ def init(timeout: float | None = None) -> None:
             options = tf.distribute.experimental.CommunicationOptions(implementation=impl)
             _state.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         _state.initialized = True
+
+
+def _cpu_engine() -> str:
+    """The CPU engine the settings ask for, or TensorFlow's ring (with one warning) where the
+    native engine is not available."""
+    wanted = settings.resolve("cpu_collectives")
+    if wanted == "tensorflow":
+        return "tensorflow"
+    from .. import native
+
+    if native.available():
+        return "native"
+    logging.getLogger(__name__).warning("%s; using TensorFlow's ring for collectives on CPU instead",
+                                        native.unavailable_reason())
+    return "tensorflow"
+
+
+def collective_engine() -> str:
+    """Which engine runs this rank's collectives: ``"native"``, ``"tensorflow"`` or ``"nccl"``.
+
+    >>> hvd.init(); hvd.collective_engine()  # doctest: +SKIP
+    'native'
+    """
+    _require_init()
+    return _state.engine
+
+
+def _native_call(fn, inputs: list, tout: list):
+    """Run ``fn`` (numpy in, numpy out) on the native engine as one op, eager or in a graph.
+
+    Its failures surface as TensorFlow's own errors, as with TensorFlow's runtime: a wait past
+    the collective timeout as ``DeadlineExceededError``, a dead peer as ``UnavailableError``,
+    ranks that disagree as ``InvalidArgumentError`` (inside a graph TensorFlow wraps them in an
+    ``UnknownError`` that names them), each with the engine's message naming the rank.
+    """
+    tf = _tf()
+
+    def call(*arrays):
+        from .. import native
+
+        try:
+            return fn(*arrays)
+        except native.CollectiveError as e:
+            kind = {native.TIMEOUT: tf.errors.DeadlineExceededError, native.PEER: tf.errors.UnavailableError,
+                    native.MISMATCH: tf.errors.InvalidArgumentError,
+                    native.BROKEN: tf.errors.FailedPreconditionError}.get(e.code, tf.errors.InternalError)
+            raise kind(None, None, str(e)) from None
+
+    return tf.numpy_function(call, inputs, tout, stateful=True)
+
+
+def _check_native_dtype(dtype) -> None:
+    if dtype.name not in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
+        raise SparkTrainError(f"allreduce on CPU takes float16, bfloat16, float32, float64, int32 or int64 tensors; "
+                              f"got {dtype.name}")
 
 
 def _configure_health_checks(timeout: float) -> None:
@@ -198,6 +267,12 @@ def allreduce(tensor, op: str = Average, name: str | None = None):
     tensor = tf.convert_to_tensor(tensor)
     if _state.size == 1:
         return tf.identity(tensor)
+    if _state.comm is not None:
+        _check_native_dtype(tensor.dtype)
+        comm = _state.comm
+        out = _native_call(lambda x: comm.allreduce(x, op), [tensor], tensor.dtype)
+        out.set_shape(tensor.shape)
+        return out
     final = "Div" if op == Average else "Id"
     return tf.raw_ops.CollectiveReduceV2(
         input=tensor, group_size=_state.size, group_key=_GROUP_KEY, instance_key=_next_key(),
@@ -216,7 +291,41 @@ def grouped_allreduce(tensors: Iterable, op: str = Average) -> list:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if _state.size == 1:
         return [tf.identity(t) for t in tensors]
+    if _state.comm is not None:
+        return _native_grouped(tensors, op)
     return _fused(tensors, lambda flat: allreduce(flat, op=op))
+
+
+def _native_grouped(tensors: list, op: str) -> list:
+    """One op for the whole list: inside it, one engine call per dtype on one flat buffer."""
+    tf = _tf()
+    for t in tensors:
+        _check_native_dtype(t.dtype)
+    comm = _state.comm
+
+    def reduce_all(*arrays):
+        import numpy as np
+
+        out: list = [None] * len(arrays)
+        by_dtype: dict = {}
+        for i, a in enumerate(arrays):
+            by_dtype.setdefault(a.dtype.name, []).append(i)
+        for name in sorted(by_dtype):  # the same order on every rank
+            idx = by_dtype[name]
+            flat = np.concatenate([arrays[i].reshape(-1) for i in idx]) if len(idx) > 1 else \
+                np.array(arrays[idx[0]].reshape(-1))  # never write into an input: TensorFlow owns it
+            comm.allreduce_(flat, op)
+            offset = 0
+            for i in idx:
+                n = arrays[i].size
+                out[i] = flat[offset:offset + n].reshape(arrays[i].shape)
+                offset += n
+        return out
+
+    outs = _native_call(reduce_all, tensors, [t.dtype for t in tensors])
+    for o, t in zip(outs, tensors):
+        o.set_shape(t.shape)
+    return list(outs)
 
 
 def _fused(tensors: list, collective: Callable[[Any], Any]) -> list:
@@ -248,6 +357,11 @@ def allgather(tensor, name: str | None = None):
         return tf.identity(tensor)
     if tensor.shape.rank == 0:
         tensor = tf.reshape(tensor, [1])
+    if _state.comm is not None:
+        comm = _state.comm
+        out = _native_call(comm.allgather, [tensor], tensor.dtype)
+        out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+        return out
     # Gather every rank's length, pad to the longest, gather, then cut the padding out.
     n = tf.shape(tensor, out_type=tf.int64)[:1]
     lengths = _gather(n)
@@ -274,6 +388,11 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None):
     tensor = tf.convert_to_tensor(tensor)
     if _state.size == 1:
         return tf.identity(tensor)
+    if _state.comm is not None:
+        comm = _state.comm
+        out = _native_call(lambda x: comm.broadcast(x, root_rank), [tensor], tensor.dtype)
+        out.set_shape(tensor.shape)
+        return out
     common = dict(group_size=_state.size, group_key=_GROUP_KEY, instance_key=_next_key(),
                   communication_hint=_hint(), timeout_seconds=_timeout(), name=name)
     if _ctx.rank() == root_rank:

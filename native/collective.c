@@ -1,0 +1,752 @@
+/* sparktrain's CPU collective engine: shared memory within a host, a TCP ring between hosts.
+ *
+ * Shared memory. Each host's ranks map one segment: a header with every local rank's state
+ * (step counter, heartbeat, pid, the descriptor of the collective it is in) and two sets of
+ * buffers, one slot per rank plus one result area each. A collective is a series of steps; in
+ * step s a rank writes into set s%2, publishes s, waits until every local rank has published s,
+ * then reads. Every rank waits for all at every step, so a buffer written for step s is not
+ * overwritten before step s+2, by which time every reader is done with it (double buffering).
+ * Small chunks are reduced by every rank from all slots (copy-in plus reduce); large ones are
+ * reduce-scattered into the result area and then copied out (two steps). Each element is
+ * reduced by one rule, in rank order, so every rank gets the same bits.
+ *
+ * Between hosts, the leaders (local rank 0) run a ring: reduce-scatter then allgather, each
+ * step sending to the next leader while receiving from the previous one, and reducing what has
+ * arrived while the rest is still in flight.
+ *
+ * Every wait has the collective's deadline. A waiting rank checks the ranks it waits for: a
+ * local peer whose process is gone or whose heartbeat stopped, or a socket that closed, fails
+ * the collective with the peer's rank in the message.
+ */
+#define _GNU_SOURCE
+#include "collective.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "reduce.h"
+
+#define MAGIC 0x5350524b434f4c31ull /* "SPRKCOL1" */
+#define DEFAULT_CHUNK (256u << 10) /* measured: slots that stay in cache beat larger ones */
+#define SMALL_BYTES (32u << 10)
+#define CACHELINE 128
+
+enum kind { K_ALLREDUCE = 1, K_BROADCAST = 2, K_ALLGATHER = 3, K_BARRIER = 4, K_REDUCE_STEP = 5 };
+
+typedef struct rank_state {
+    _Atomic uint32_t seq;     /* the last step this rank published (wraps; compared as a difference) */
+    _Atomic uint32_t waiters; /* ranks asleep on seq (futex), so a publisher knows to wake them */
+    _Atomic uint64_t heartbeat_ms;
+    _Atomic int32_t pid;
+    int32_t rank;
+    uint64_t desc[2][4];
+} rank_state;
+
+typedef struct header {
+    _Alignas(CACHELINE) _Atomic uint64_t magic;
+    uint64_t local_size, chunk, seg_bytes;
+    _Atomic uint32_t attached;
+    _Atomic int32_t failed; /* 1 + the global rank of a rank whose collective failed */
+    /* Shares of large chunks, per buffer set: ranks claim them in turn, so ranks that have a core
+     * do the work of one that does not; each share is still reduced in rank order. */
+    _Alignas(CACHELINE) _Atomic uint32_t claimed[2];
+    _Alignas(CACHELINE) _Atomic uint32_t done[2];
+    _Atomic uint32_t done_waiters[2];
+} header;
+
+#define STATE_BYTES ((sizeof(rank_state) + CACHELINE - 1) / CACHELINE * CACHELINE)
+
+struct stc_comm {
+    stc_config cfg;
+    int *rank_node, *rank_local, *leader_of;
+    char shm_name[256];
+    int unlinked;
+    void *base;
+    size_t seg_bytes;
+    header *hdr;
+    char *data;
+    uint64_t seq;
+    uint32_t claimed_base[2], done_base[2]; /* where this set's counters stood before the current chunk */
+    int broken;
+    double deadline;      /* of the collective in progress */
+    const char *what;     /* its name, for messages */
+    uint64_t desc[4];
+    /* the ring */
+    char *tmp;
+    size_t tmp_bytes;
+    /* heartbeat */
+    pthread_t hb_thread;
+    int hb_started;
+    _Atomic int hb_stop;
+};
+
+/* ---------------------------------------------------------------------------------------- */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t now_ms(void) { return (uint64_t)(now_s() * 1000.0); }
+
+static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static rank_state *state_of(stc_comm *c, int lr) {
+    return (rank_state *)((char *)c->base + sizeof(header) + (size_t)lr * STATE_BYTES);
+}
+
+static char *slot(stc_comm *c, uint64_t step, int lr) {
+    size_t per_set = (size_t)(c->cfg.local_size + 1) * c->cfg.chunk_bytes;
+    return c->data + (step % 2) * per_set + (size_t)lr * c->cfg.chunk_bytes;
+}
+
+static char *result_area(stc_comm *c, uint64_t step) { return slot(c, step, c->cfg.local_size); }
+
+static int pid_alive(pid_t pid) {
+    if (pid <= 0) return 1;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return errno == ENOENT ? 0 : 1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 1;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* the state follows the command name */
+    if (p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X')) return 0;
+    return 1;
+}
+
+static void *heartbeat_main(void *arg) {
+    stc_comm *c = arg;
+    rank_state *me = state_of(c, c->cfg.local_rank);
+    struct timespec ts = {0, 50 * 1000 * 1000};
+    while (!atomic_load(&c->hb_stop)) {
+        atomic_store(&me->heartbeat_ms, now_ms());
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+static void mark_failed(stc_comm *c) {
+    c->broken = 1;
+    if (c->hdr) {
+        int32_t expected = 0;
+        atomic_compare_exchange_strong(&c->hdr->failed, &expected, c->cfg.rank + 1);
+    }
+}
+
+static void futex_wait(_Atomic uint32_t *addr, uint32_t expected, long ns) {
+    struct timespec ts = {0, ns};
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, expected, &ts, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *addr) { syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
+
+/* Spin briefly, then yield, then sleep with a growing pause: ranks may outnumber cores. Used
+ * where there is no futex to sleep on (set-up). */
+static void backoff(unsigned *spins) {
+    unsigned s = (*spins)++;
+    if (s < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    } else if (s < 256) {
+        sched_yield();
+    } else {
+        struct timespec ts = {0, s < 1024 ? 20000 : 200000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static int nms_stale(stc_comm *c, rank_state *st) {
+    uint64_t hb = atomic_load(&st->heartbeat_ms), nms = now_ms();
+    return nms > hb && (double)(nms - hb) / 1000.0 > c->cfg.heartbeat_s;
+}
+
+static const char *kind_name(uint64_t k) {
+    static const char *names[] = {"?", "allreduce", "broadcast", "allgather", "barrier", "allreduce"};
+    return k < sizeof names / sizeof *names ? names[k] : "?";
+}
+
+static const char *dtype_name(uint64_t d) {
+    static const char *names[] = {"float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"};
+    return d < sizeof names / sizeof *names ? names[d] : "?";
+}
+
+/* Fails when waiting for st can no longer succeed: a rank failed, st is dead or frozen, or the
+ * deadline passed. */
+static int check_peer(stc_comm *c, rank_state *st, double t, char *err, size_t errlen) {
+    int32_t failed = atomic_load(&c->hdr->failed);
+    if (failed)
+        return fail(err, errlen, STC_E_PEER,
+                    "%s: rank %d died, failed or timed out in this collective (another rank on this host saw it first)",
+                    c->what, failed - 1);
+    int32_t pid = atomic_load(&st->pid);
+    int32_t culprit = st->rank + 1, none = 0;
+    int alive = pid_alive(pid);
+    if (!alive || nms_stale(c, st) || t > c->deadline)
+        atomic_compare_exchange_strong(&c->hdr->failed, &none, culprit); /* the others name it too */
+    if (!alive)
+        return fail(err, errlen, STC_E_PEER, "%s: rank %d (pid %d, on this host) died during the collective",
+                    c->what, st->rank, pid);
+    uint64_t hb = atomic_load(&st->heartbeat_ms), nms = now_ms();
+    if (nms > hb && (double)(nms - hb) / 1000.0 > c->cfg.heartbeat_s)
+        return fail(err, errlen, STC_E_PEER,
+                    "%s: rank %d (pid %d, on this host) stopped its heartbeat %.1f s ago: it is frozen or dead",
+                    c->what, st->rank, pid, (double)(nms - hb) / 1000.0);
+    if (t > c->deadline)
+        return fail(err, errlen, STC_E_TIMEOUT,
+                    "%s: timed out after %.0f s waiting for rank %d (pid %d, on this host); "
+                    "every rank must make the same collective calls in the same order "
+                    "(raise the collective timeout if a rank is just slow)",
+                    c->what, c->cfg.timeout_s, st->rank, pid);
+    return STC_OK;
+}
+
+static int reached(uint32_t seq, uint32_t target) { return (int32_t)(seq - target) >= 0; }
+
+/* Publish step seq+1 and wait until every local rank has published it: spin briefly, yield a
+ * little, then sleep on the laggard's counter (a futex), waking every few milliseconds to check
+ * the deadline and that the laggard lives. Sleeping, not spinning, leaves the cores to the ranks
+ * that still compute when ranks outnumber cores. */
+static int shm_step(stc_comm *c, char *err, size_t errlen) {
+    uint32_t target = (uint32_t)++c->seq;
+    rank_state *me = state_of(c, c->cfg.local_rank);
+    atomic_store(&me->seq, target);
+    if (atomic_load(&me->waiters)) futex_wake(&me->seq);
+    double last_check = now_s();
+    int L = c->cfg.local_size;
+    for (int r = 0; r < L; r++) {
+        rank_state *st = state_of(c, r);
+        unsigned spins = 0;
+        uint32_t v;
+        while (!reached(v = atomic_load(&st->seq), target)) {
+            spins++;
+            if (spins < 128) {
+#if defined(__x86_64__) || defined(__i386__)
+                __builtin_ia32_pause();
+#endif
+                continue;
+            }
+            if (spins < 160) {
+                sched_yield();
+                continue;
+            }
+            atomic_fetch_add(&st->waiters, 1);
+            if (!reached(v = atomic_load(&st->seq), target)) futex_wait(&st->seq, v, 5 * 1000 * 1000);
+            atomic_fetch_sub(&st->waiters, 1);
+            double t = now_s();
+            if (t - last_check < 0.005) continue;
+            last_check = t;
+            int rc = check_peer(c, st, t, err, errlen);
+            if (rc) return rc;
+        }
+    }
+    return STC_OK;
+}
+
+/* The first step of a collective also checks that every local rank called the same one. */
+static int shm_step_checked(stc_comm *c, char *err, size_t errlen) {
+    rank_state *me = state_of(c, c->cfg.local_rank);
+    uint64_t s = c->seq + 1;
+    memcpy(me->desc[s % 2], c->desc, sizeof c->desc);
+    int rc = shm_step(c, err, errlen);
+    if (rc) return rc;
+    for (int r = 0; r < c->cfg.local_size; r++) {
+        rank_state *st = state_of(c, r);
+        if (memcmp(st->desc[s % 2], c->desc, sizeof c->desc) != 0)
+            return fail(err, errlen, STC_E_MISMATCH,
+                        "%s: ranks disagree: rank %d called %s of %llu %s (op/root %llu) but rank %d called %s of "
+                        "%llu %s (op/root %llu); every rank must make the same calls with the same shapes and dtypes",
+                        c->what, c->cfg.rank, kind_name(c->desc[0]), (unsigned long long)c->desc[2],
+                        dtype_name(c->desc[1]), (unsigned long long)c->desc[3], st->rank,
+                        kind_name(st->desc[s % 2][0]), (unsigned long long)st->desc[s % 2][2],
+                        dtype_name(st->desc[s % 2][1]), (unsigned long long)st->desc[s % 2][3]);
+    }
+    return STC_OK;
+}
+
+/* Reduce-scatter of one large chunk into the result area: every rank claims shares until none is
+ * left, then waits until all are done. Every rank runs this for every large chunk and leaves the
+ * claim loop with exactly one claim past the end, so the counters' next bases are known to all. */
+static int reduce_shares(stc_comm *c, uint64_t s, size_t m, int dtype, char *err, size_t errlen) {
+    int L = c->cfg.local_size, p = (int)(s % 2);
+    size_t esz = stc_dtype_size(dtype);
+    uint32_t ns = (uint32_t)(m * esz / SMALL_BYTES);
+    if (ns < (uint32_t)L) ns = (uint32_t)L;
+    if (ns > 64) ns = 64;
+    const void *srcs[64];
+    for (;;) {
+        uint32_t i = atomic_fetch_add(&c->hdr->claimed[p], 1) - c->claimed_base[p];
+        if (i >= ns) break;
+        size_t lo = m * i / ns, hi = m * (i + 1) / ns;
+        for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r) + lo * esz;
+        stc_reduce(result_area(c, s) + lo * esz, srcs, L, hi - lo, dtype);
+        atomic_fetch_add(&c->hdr->done[p], 1);
+        if (atomic_load(&c->hdr->done_waiters[p])) futex_wake(&c->hdr->done[p]);
+    }
+    c->claimed_base[p] += ns + (uint32_t)L;
+    uint32_t target = c->done_base[p] += ns;
+    unsigned spins = 0;
+    double last_check = now_s();
+    uint32_t v;
+    while (!reached(v = atomic_load(&c->hdr->done[p]), target)) {
+        if (++spins < 128) continue;
+        if (spins < 160) { sched_yield(); continue; }
+        atomic_fetch_add(&c->hdr->done_waiters[p], 1);
+        if (!reached(v = atomic_load(&c->hdr->done[p]), target)) futex_wait(&c->hdr->done[p], v, 5 * 1000 * 1000);
+        atomic_fetch_sub(&c->hdr->done_waiters[p], 1);
+        double t = now_s();
+        if (t - last_check < 0.005) continue;
+        last_check = t;
+        for (int r = 0; r < L; r++) { /* whoever holds the missing share: check everyone */
+            int rc = check_peer(c, state_of(c, r), t, err, errlen);
+            if (rc) return rc;
+        }
+    }
+    return STC_OK;
+}
+
+static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *err, size_t errlen) {
+    size_t esz = stc_dtype_size(dtype), chunk_elems = c->cfg.chunk_bytes / esz;
+    int L = c->cfg.local_size, lr = c->cfg.local_rank, first = 1;
+    size_t off = 0;
+    do {
+        size_t m = count - off < chunk_elems ? count - off : chunk_elems;
+        uint64_t s = c->seq + 1;
+        if (m) memcpy(slot(c, s, lr), buf + off * esz, m * esz); /* buf may be NULL when m is 0 */
+        int rc = first ? shm_step_checked(c, err, errlen) : shm_step(c, err, errlen);
+        if (rc) return rc;
+        first = 0;
+        const void *srcs[64];
+        if (m * esz <= SMALL_BYTES) {
+            for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r);
+            stc_reduce(buf + off * esz, srcs, L, m, dtype);
+        } else {
+            rc = reduce_shares(c, s, m, dtype, err, errlen);
+            if (rc) return rc;
+            memcpy(buf + off * esz, result_area(c, s), m * esz);
+        }
+        off += m;
+    } while (off < count);
+    return STC_OK;
+}
+
+static int shm_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_lr, char *err, size_t errlen) {
+    size_t off = 0;
+    int first = 1;
+    do {
+        size_t m = nbytes - off < c->cfg.chunk_bytes ? nbytes - off : c->cfg.chunk_bytes;
+        uint64_t s = c->seq + 1;
+        if (m && c->cfg.local_rank == root_lr) memcpy(slot(c, s, root_lr), buf + off, m);
+        int rc = first ? shm_step_checked(c, err, errlen) : shm_step(c, err, errlen);
+        if (rc) return rc;
+        first = 0;
+        if (m && c->cfg.local_rank != root_lr) memcpy(buf + off, slot(c, s, root_lr), m);
+        off += m;
+    } while (off < nbytes);
+    return STC_OK;
+}
+
+/* ------------------------------------------------------------------------------- the ring */
+
+static int next_node_rank(stc_comm *c) { return c->leader_of[(c->cfg.node + 1) % c->cfg.num_nodes]; }
+static int prev_node_rank(stc_comm *c) {
+    return c->leader_of[(c->cfg.node + c->cfg.num_nodes - 1) % c->cfg.num_nodes];
+}
+
+/* Send sl bytes to the next leader while receiving rl bytes from the previous one. With
+ * dtype >= 0 the received bytes are added into acc (through tmp) as whole elements arrive;
+ * otherwise they land in rp. With forward set, only bytes already received are sent (a chain). */
+static int ring_xfer(stc_comm *c, const char *sp, size_t sl, char *rp, size_t rl, int dtype, char *acc, int forward,
+                     char *err, size_t errlen) {
+    size_t sent = 0, got = 0, reduced = 0, esz = dtype >= 0 ? stc_dtype_size(dtype) : 1;
+    char *dst = rp;
+    if (dtype >= 0) {
+        if (c->tmp_bytes < rl) {
+            free(c->tmp);
+            c->tmp = malloc(rl);
+            c->tmp_bytes = c->tmp ? rl : 0;
+            if (!c->tmp) return fail(err, errlen, STC_E_SYS, "%s: out of memory for %zu bytes", c->what, rl);
+        }
+        dst = c->tmp;
+    }
+    while (sent < sl || got < rl) {
+        struct pollfd fds[2];
+        int nf = 0, si = -1, ri = -1;
+        size_t can_send = forward ? got : sl;
+        if (sent < sl && sent < can_send) { fds[nf].fd = c->cfg.next_fd; fds[nf].events = POLLOUT; si = nf++; }
+        if (got < rl) { fds[nf].fd = c->cfg.prev_fd; fds[nf].events = POLLIN; ri = nf++; }
+        double left = c->deadline - now_s();
+        if (left <= 0)
+            return fail(err, errlen, STC_E_TIMEOUT,
+                        "%s: timed out after %.0f s on the ring (sent %zu of %zu bytes to rank %d, got %zu of %zu "
+                        "from rank %d)", c->what, c->cfg.timeout_s, sent, sl, next_node_rank(c), got, rl,
+                        prev_node_rank(c));
+        int pr = poll(fds, (nfds_t)nf, (int)(left * 1000) + 1);
+        if (pr < 0) {
+            if (errno == EINTR) continue;
+            return fail(err, errlen, STC_E_SYS, "%s: poll: %s", c->what, strerror(errno));
+        }
+        if (ri >= 0 && fds[ri].revents) {
+            ssize_t n = recv(c->cfg.prev_fd, dst + got, rl - got, 0);
+            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+                return fail(err, errlen, STC_E_PEER, "%s: rank %d closed its connection (%s): it died or failed",
+                            c->what, prev_node_rank(c), n == 0 ? "end of stream" : strerror(errno));
+            if (n > 0) got += (size_t)n;
+            if (dtype >= 0) {
+                size_t whole = got / esz * esz;
+                if (whole - reduced >= (64u << 10) || whole == rl) {
+                    stc_accumulate(acc + reduced, c->tmp + reduced, (whole - reduced) / esz, dtype);
+                    reduced = whole;
+                }
+            }
+        }
+        if (si >= 0 && fds[si].revents) {
+            if (fds[si].revents & (POLLERR | POLLHUP))
+                return fail(err, errlen, STC_E_PEER, "%s: rank %d closed its connection: it died or failed", c->what,
+                            next_node_rank(c));
+            ssize_t n = send(c->cfg.next_fd, sp + sent, can_send - sent, MSG_NOSIGNAL);
+            if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                return fail(err, errlen, STC_E_PEER, "%s: sending to rank %d failed (%s): it died or failed",
+                            c->what, next_node_rank(c), strerror(errno));
+            if (n > 0) sent += (size_t)n;
+        }
+    }
+    return STC_OK;
+}
+
+static int ring_check(stc_comm *c, char *err, size_t errlen) {
+    uint64_t theirs[4];
+    int rc = ring_xfer(c, (const char *)c->desc, sizeof c->desc, (char *)theirs, sizeof theirs, -1, NULL, 0, err, errlen);
+    if (rc) return rc;
+    if (memcmp(theirs, c->desc, sizeof theirs) != 0)
+        return fail(err, errlen, STC_E_MISMATCH,
+                    "%s: ranks disagree: rank %d called %s of %llu %s (op/root %llu) but rank %d called %s of %llu "
+                    "%s (op/root %llu); every rank must make the same calls with the same shapes and dtypes",
+                    c->what, c->cfg.rank, kind_name(c->desc[0]), (unsigned long long)c->desc[2], dtype_name(c->desc[1]),
+                    (unsigned long long)c->desc[3], prev_node_rank(c), kind_name(theirs[0]),
+                    (unsigned long long)theirs[2], dtype_name(theirs[1]), (unsigned long long)theirs[3]);
+    return STC_OK;
+}
+
+static int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *err, size_t errlen) {
+    int m = c->cfg.num_nodes, pos = c->cfg.node;
+    size_t esz = stc_dtype_size(dtype);
+#define SEG_LO(i) (count * (size_t)(i) / (size_t)m)
+#define SEG_LEN(i) (SEG_LO((i) + 1) - SEG_LO(i))
+    for (int k = 0; k < m - 1; k++) {
+        int si = ((pos - k) % m + m) % m, ri = ((pos - k - 1) % m + m) % m;
+        int rc = ring_xfer(c, buf + SEG_LO(si) * esz, SEG_LEN(si) * esz, NULL, SEG_LEN(ri) * esz, dtype,
+                           buf + SEG_LO(ri) * esz, 0, err, errlen);
+        if (rc) return rc;
+    }
+    for (int k = 0; k < m - 1; k++) {
+        int si = ((pos + 1 - k) % m + m) % m, ri = ((pos - k) % m + m) % m;
+        int rc = ring_xfer(c, buf + SEG_LO(si) * esz, SEG_LEN(si) * esz, buf + SEG_LO(ri) * esz, SEG_LEN(ri) * esz,
+                           -1, NULL, 0, err, errlen);
+        if (rc) return rc;
+    }
+#undef SEG_LO
+#undef SEG_LEN
+    return STC_OK;
+}
+
+/* From the root host's leader along the ring; the leader before it only receives. */
+static int ring_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_node, char *err, size_t errlen) {
+    int m = c->cfg.num_nodes, pos = c->cfg.node;
+    int last = (root_node + m - 1) % m;
+    if (pos == root_node) return ring_xfer(c, buf, nbytes, NULL, 0, -1, NULL, 0, err, errlen);
+    if (pos == last) return ring_xfer(c, NULL, 0, buf, nbytes, -1, NULL, 0, err, errlen);
+    return ring_xfer(c, buf, nbytes, buf, nbytes, -1, NULL, 1, err, errlen);
+}
+
+/* ------------------------------------------------------------------------------ the ABI */
+
+int stc_abi_version(void) { return STC_ABI_VERSION; }
+
+static int begin(stc_comm *c, const char *what, uint64_t kind, uint64_t dtype, uint64_t count, uint64_t arg,
+                 char *err, size_t errlen) {
+    if (!c) return fail(err, errlen, STC_E_ARG, "%s: no communicator", what);
+    if (c->broken)
+        return fail(err, errlen, STC_E_BROKEN,
+                    "%s: an earlier collective failed on this rank, so its communicator cannot be used again", what);
+    c->what = what;
+    c->deadline = now_s() + c->cfg.timeout_s;
+    c->desc[0] = kind; c->desc[1] = dtype; c->desc[2] = count; c->desc[3] = arg;
+    return STC_OK;
+}
+
+static int finish(stc_comm *c, int rc) {
+    if (rc) mark_failed(c);
+    return rc;
+}
+
+int stc_allreduce(stc_comm *c, void *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
+    int rc = begin(c, "allreduce", K_ALLREDUCE, (uint64_t)dtype, count, (uint64_t)op, err, errlen);
+    if (rc) return rc;
+    if (stc_dtype_size(dtype) == 0 || (op != STC_SUM && op != STC_AVERAGE) || (count && !buf))
+        return fail(err, errlen, STC_E_ARG, "allreduce: bad dtype %d or op %d", dtype, op);
+    if (c->cfg.local_size > 1) {
+        rc = shm_allreduce(c, buf, count, dtype, err, errlen);
+        if (rc) return finish(c, rc);
+    }
+    if (c->cfg.num_nodes > 1) {
+        if (c->cfg.local_rank == 0) {
+            rc = ring_check(c, err, errlen);
+            if (!rc) rc = ring_allreduce(c, buf, count, dtype, err, errlen);
+            if (rc) return finish(c, rc);
+        }
+        if (c->cfg.local_size > 1) {
+            c->desc[0] = K_REDUCE_STEP;
+            rc = shm_broadcast(c, buf, count * stc_dtype_size(dtype), 0, err, errlen);
+            if (rc) return finish(c, rc);
+        }
+    }
+    if (op == STC_AVERAGE) stc_divide(buf, count, dtype, c->cfg.size);
+    return STC_OK;
+}
+
+int stc_broadcast(stc_comm *c, void *buf, size_t nbytes, int root, char *err, size_t errlen) {
+    int rc = begin(c, "broadcast", K_BROADCAST, 0, nbytes, (uint64_t)root, err, errlen);
+    if (rc) return rc;
+    if (root < 0 || root >= c->cfg.size || (nbytes && !buf))
+        return fail(err, errlen, STC_E_ARG, "broadcast: root %d is not a rank", root);
+    int root_node = c->rank_node[root];
+    if (c->cfg.local_size > 1 && c->cfg.node == root_node) {
+        rc = shm_broadcast(c, buf, nbytes, c->rank_local[root], err, errlen);
+        if (rc) return finish(c, rc);
+    }
+    if (c->cfg.num_nodes > 1) {
+        if (c->cfg.local_rank == 0) {
+            rc = ring_check(c, err, errlen);
+            if (!rc) rc = ring_broadcast(c, buf, nbytes, root_node, err, errlen);
+            if (rc) return finish(c, rc);
+        }
+        if (c->cfg.local_size > 1 && c->cfg.node != root_node) {
+            rc = shm_broadcast(c, buf, nbytes, 0, err, errlen);
+            if (rc) return finish(c, rc);
+        }
+    }
+    return STC_OK;
+}
+
+int stc_allgatherv(stc_comm *c, const void *in, void *out, const uint64_t *counts, char *err, size_t errlen) {
+    if (!c || !counts) return fail(err, errlen, STC_E_ARG, "allgather: no communicator or counts");
+    uint64_t total = 0, mine = 0;
+    for (int r = 0; r < c->cfg.size; r++) {
+        if (r == c->cfg.rank) mine = total;
+        total += counts[r];
+    }
+    if ((total && !out) || (counts[c->cfg.rank] && !in))
+        return fail(err, errlen, STC_E_ARG, "allgather: missing buffer");
+    /* Every byte has exactly one contributor, so a byte-wise sum with zeros elsewhere is exact. */
+    if (total) memset(out, 0, total);
+    if (counts[c->cfg.rank]) memcpy((char *)out + mine, in, counts[c->cfg.rank]);
+    int rc = stc_allreduce(c, out, total, STC_UINT8, STC_SUM, err, errlen);
+    return rc;
+}
+
+int stc_barrier(stc_comm *c, char *err, size_t errlen) { return stc_allreduce(c, NULL, 0, STC_UINT8, STC_SUM, err, errlen); }
+
+/* --------------------------------------------------------------------------- set up */
+
+static int attach_segment(stc_comm *c, char *err, size_t errlen) {
+    int L = c->cfg.local_size, lr = c->cfg.local_rank;
+    size_t hdr_bytes = sizeof(header) + (size_t)L * STATE_BYTES;
+    hdr_bytes = (hdr_bytes + 4095) & ~(size_t)4095;
+    c->seg_bytes = hdr_bytes + 2 * (size_t)(L + 1) * c->cfg.chunk_bytes;
+    double deadline = now_s() + c->cfg.timeout_s;
+    int fd = -1;
+    unsigned spins = 0;
+    if (lr == 0) {
+        fd = shm_open(c->shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0 && errno == EEXIST) { /* left by a killed run with the same name: it is ours to replace */
+            shm_unlink(c->shm_name);
+            fd = shm_open(c->shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        }
+        if (fd < 0) return fail(err, errlen, STC_E_SYS, "shm_open(%s): %s", c->shm_name, strerror(errno));
+        if (ftruncate(fd, (off_t)c->seg_bytes) != 0) {
+            int e = errno;
+            close(fd);
+            shm_unlink(c->shm_name);
+            return fail(err, errlen, STC_E_SYS, "sizing shared memory %s to %zu bytes: %s (is /dev/shm big enough?)",
+                        c->shm_name, c->seg_bytes, strerror(e));
+        }
+    } else {
+        for (;;) {
+            fd = shm_open(c->shm_name, O_RDWR, 0600);
+            if (fd >= 0) {
+                struct stat st;
+                if (fstat(fd, &st) == 0 && (size_t)st.st_size >= c->seg_bytes) break;
+                close(fd);
+                fd = -1;
+            } else if (errno != ENOENT) {
+                return fail(err, errlen, STC_E_SYS, "shm_open(%s): %s", c->shm_name, strerror(errno));
+            }
+            if (now_s() > deadline)
+                return fail(err, errlen, STC_E_TIMEOUT,
+                            "timed out after %.0f s waiting for local rank 0 to create shared memory %s",
+                            c->cfg.timeout_s, c->shm_name);
+            backoff(&spins);
+        }
+    }
+    c->base = mmap(NULL, c->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (c->base == MAP_FAILED) {
+        c->base = NULL;
+        if (lr == 0) shm_unlink(c->shm_name);
+        return fail(err, errlen, STC_E_SYS, "mmap of %zu bytes: %s", c->seg_bytes, strerror(errno));
+    }
+    c->hdr = (header *)c->base;
+    c->data = (char *)c->base + hdr_bytes;
+    if (lr == 0) {
+        c->hdr->local_size = (uint64_t)L;
+        c->hdr->chunk = c->cfg.chunk_bytes;
+        c->hdr->seg_bytes = c->seg_bytes;
+        atomic_store(&c->hdr->magic, MAGIC);
+    } else {
+        spins = 0;
+        while (atomic_load(&c->hdr->magic) != MAGIC) {
+            if (now_s() > deadline)
+                return fail(err, errlen, STC_E_TIMEOUT, "shared memory %s was never initialised", c->shm_name);
+            backoff(&spins);
+        }
+        if (c->hdr->local_size != (uint64_t)L || c->hdr->chunk != c->cfg.chunk_bytes)
+            return fail(err, errlen, STC_E_MISMATCH, "shared memory %s: ranks disagree on the local size or chunk",
+                        c->shm_name);
+    }
+    rank_state *me = state_of(c, lr);
+    me->rank = c->cfg.rank;
+    atomic_store(&me->heartbeat_ms, now_ms());
+    atomic_store(&me->pid, (int32_t)getpid());
+    atomic_store(&me->seq, 0);
+    atomic_store(&me->waiters, 0);
+    if (atomic_fetch_add(&c->hdr->attached, 1) + 1 == (uint32_t)L) {
+        shm_unlink(c->shm_name); /* every rank has it mapped: nothing outlives the ranks now */
+        c->unlinked = 1;
+    }
+    if (pthread_create(&c->hb_thread, NULL, heartbeat_main, c) != 0)
+        return fail(err, errlen, STC_E_SYS, "cannot start the heartbeat thread");
+    c->hb_started = 1;
+    spins = 0;
+    while (atomic_load(&c->hdr->attached) < (uint32_t)L) {
+        if (now_s() > deadline)
+            return fail(err, errlen, STC_E_TIMEOUT,
+                        "timed out after %.0f s: only %u of %d ranks on this host attached to shared memory",
+                        c->cfg.timeout_s, atomic_load(&c->hdr->attached), L);
+        backoff(&spins);
+    }
+    c->unlinked = 1;
+    return STC_OK;
+}
+
+int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) {
+    if (!cfg || !out) return fail(err, errlen, STC_E_ARG, "no config");
+    *out = NULL;
+    if (cfg->size < 1 || cfg->rank < 0 || cfg->rank >= cfg->size || cfg->local_size < 1 || cfg->local_size > 64 ||
+        cfg->local_rank < 0 || cfg->local_rank >= cfg->local_size || cfg->num_nodes < 1 || cfg->node < 0 ||
+        cfg->node >= cfg->num_nodes || cfg->timeout_s <= 0)
+        return fail(err, errlen, STC_E_ARG, "bad topology: rank %d of %d, local %d of %d, host %d of %d", cfg->rank,
+                    cfg->size, cfg->local_rank, cfg->local_size, cfg->node, cfg->num_nodes);
+    if (cfg->num_nodes > 1 && cfg->local_rank == 0 && (cfg->next_fd < 0 || cfg->prev_fd < 0))
+        return fail(err, errlen, STC_E_ARG, "a host's leader needs its ring connections");
+    stc_comm *c = calloc(1, sizeof *c);
+    if (!c) return fail(err, errlen, STC_E_SYS, "out of memory");
+    c->cfg = *cfg;
+    c->cfg.next_fd = c->cfg.prev_fd = -1; /* owned only once create succeeds */
+    if (!c->cfg.chunk_bytes) c->cfg.chunk_bytes = DEFAULT_CHUNK;
+    c->cfg.chunk_bytes = (c->cfg.chunk_bytes + 63) & ~(size_t)63;
+    if (c->cfg.heartbeat_s <= 0) c->cfg.heartbeat_s = 30;
+    c->rank_node = calloc((size_t)cfg->size, sizeof(int));
+    c->rank_local = calloc((size_t)cfg->size, sizeof(int));
+    c->leader_of = calloc((size_t)cfg->num_nodes, sizeof(int));
+    if (!c->rank_node || !c->rank_local || !c->leader_of) {
+        stc_destroy(c);
+        return fail(err, errlen, STC_E_SYS, "out of memory");
+    }
+    c->cfg.shm_name = NULL;
+    c->cfg.rank_node = c->cfg.rank_local = NULL;
+    for (int i = 0; i < cfg->num_nodes; i++) c->leader_of[i] = -1;
+    for (int r = 0; cfg->rank_node && cfg->rank_local && r < cfg->size; r++) {
+        if (cfg->rank_node[r] < 0 || cfg->rank_node[r] >= cfg->num_nodes) break;
+        c->rank_node[r] = cfg->rank_node[r];
+        c->rank_local[r] = cfg->rank_local[r];
+        if (cfg->rank_local[r] == 0) c->leader_of[cfg->rank_node[r]] = r;
+    }
+    for (int i = 0; i < cfg->num_nodes; i++) {
+        if (c->leader_of[i] < 0 || !cfg->rank_node || cfg->rank_node[cfg->rank] != cfg->node) {
+            stc_destroy(c);
+            return fail(err, errlen, STC_E_ARG, "bad host map: every host needs a local rank 0, and rank %d must be on "
+                        "host %d", cfg->rank, cfg->node);
+        }
+    }
+    snprintf(c->shm_name, sizeof c->shm_name, "%s", cfg->shm_name ? cfg->shm_name : "");
+    c->unlinked = 1;
+    if (cfg->local_size > 1) {
+        if (c->shm_name[0] != '/') {
+            stc_destroy(c);
+            return fail(err, errlen, STC_E_ARG, "shm_name must start with '/'");
+        }
+        c->unlinked = 0;
+        int rc = attach_segment(c, err, errlen);
+        if (rc) {
+            if (!c->unlinked) shm_unlink(c->shm_name);
+            c->unlinked = 1;
+            stc_destroy(c);
+            return rc;
+        }
+    }
+    if (cfg->num_nodes > 1 && cfg->local_rank == 0) {
+        fcntl(cfg->next_fd, F_SETFL, fcntl(cfg->next_fd, F_GETFL) | O_NONBLOCK);
+        fcntl(cfg->prev_fd, F_SETFL, fcntl(cfg->prev_fd, F_GETFL) | O_NONBLOCK);
+        c->cfg.next_fd = cfg->next_fd;
+        c->cfg.prev_fd = cfg->prev_fd;
+    }
+    *out = c;
+    return STC_OK;
+}
+
+void stc_destroy(stc_comm *c) {
+    if (!c) return;
+    if (c->hb_started) {
+        atomic_store(&c->hb_stop, 1);
+        pthread_join(c->hb_thread, NULL);
+    }
+    if (c->base) munmap(c->base, c->seg_bytes);
+    if (!c->unlinked && c->shm_name[0]) shm_unlink(c->shm_name);
+    if (c->cfg.next_fd >= 0) close(c->cfg.next_fd);
+    if (c->cfg.prev_fd >= 0 && c->cfg.prev_fd != c->cfg.next_fd) close(c->cfg.prev_fd);
+    free(c->tmp);
+    free(c->rank_node);
+    free(c->rank_local);
+    free(c->leader_of);
+    free(c);
+}

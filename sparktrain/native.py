@@ -1,0 +1,474 @@
+"""The native CPU collective engine (``native/``), seen from Python.
+
+The engine is a small C library built into the package (``sparktrain/_collective*.so``) and
+loaded with ctypes, which releases the GIL for every call. Within a host the ranks meet in
+shared memory; between hosts, one leader per host joins a TCP ring. This module owns the
+policy the library leaves to its caller: the topology, the deadline, and the ring's
+connections, each of which must prove it holds the run's secret before the library sees it.
+
+Pure of Spark and TensorFlow: it needs numpy only, so tests run ranks as plain processes::
+
+    comm = Communicator(rank=r, size=3, hosts=["h"] * 3, ports=[p0, p1, p2], secret=key, name=run)
+    total = comm.allreduce(np.arange(4.0), op="sum")
+    comm.close()
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+import importlib.machinery
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Sequence
+
+from . import settings, worker_env
+from .errors import SparkTrainError
+
+#: ``SPARKTRAIN_NATIVE_LIBRARY``: load the engine from this path instead (a sanitizer build, say).
+LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"
+#: The file holding the run's collective key; ``run`` writes it into the rank's work directory.
+KEY_FILE_ENV = worker_env.COLLECTIVE_KEY_FILE
+
+_ABI_VERSION = 1
+_ERRLEN = 1024
+_HELLO = b"STC1"
+_OPS = {"sum": 0, "average": 1}
+_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4, "int64": 5, "uint8": 6}
+
+
+#: The library's return codes (``native/collective.h``), by name.
+TIMEOUT, PEER, MISMATCH, BROKEN = -2, -3, -4, -6
+
+
+class CollectiveError(SparkTrainError):
+    """A native collective failed: a peer died, ranks disagreed, or a wait passed its deadline.
+
+    ``code`` is the library's return code (:data:`TIMEOUT`, :data:`PEER`, :data:`MISMATCH`,
+    :data:`BROKEN`, ...), or :data:`MISMATCH` for disagreements found in Python.
+    """
+
+    def __init__(self, message: str, code: int = MISMATCH):
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self):
+        return type(self), (str(self), self.code)
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [
+        ("rank", ctypes.c_int), ("size", ctypes.c_int),
+        ("local_rank", ctypes.c_int), ("local_size", ctypes.c_int),
+        ("node", ctypes.c_int), ("num_nodes", ctypes.c_int),
+        ("shm_name", ctypes.c_char_p),
+        ("chunk_bytes", ctypes.c_size_t),
+        ("timeout_s", ctypes.c_double), ("heartbeat_s", ctypes.c_double),
+        ("next_fd", ctypes.c_int), ("prev_fd", ctypes.c_int),
+        ("rank_node", ctypes.POINTER(ctypes.c_int32)), ("rank_local", ctypes.POINTER(ctypes.c_int32)),
+    ]
+
+
+_lib = None
+_lib_error: str | None = None
+_lib_lock = threading.Lock()
+
+
+def _library_path() -> str | None:
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return override
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, "_collective" + suffix)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def library():
+    """The loaded engine (a ``ctypes.CDLL``), or None when it was not built or does not load."""
+    global _lib, _lib_error
+    with _lib_lock:
+        if _lib is not None or _lib_error is not None:
+            return _lib
+        path = _library_path()
+        if path is None:
+            _lib_error = ("sparktrain's native collective engine was not built (no sparktrain/_collective*.so); "
+                          "reinstall sparktrain where gcc is available: pip install -e . or pip install sparktrain")
+            return None
+        try:
+            lib = ctypes.CDLL(path)
+            if lib.stc_abi_version() != _ABI_VERSION:
+                raise OSError(f"ABI version {lib.stc_abi_version()}, expected {_ABI_VERSION}")
+        except (OSError, AttributeError) as e:
+            _lib_error = f"sparktrain's native collective engine at {path} does not load: {e}"
+            return None
+        err = ctypes.c_char_p
+        lib.stc_create.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(ctypes.c_void_p), err, ctypes.c_size_t]
+        lib.stc_destroy.argtypes = [ctypes.c_void_p]
+        lib.stc_destroy.restype = None
+        lib.stc_allreduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                      err, ctypes.c_size_t]
+        lib.stc_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, err,
+                                      ctypes.c_size_t]
+        lib.stc_allgatherv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.POINTER(ctypes.c_uint64), err, ctypes.c_size_t]
+        lib.stc_barrier.argtypes = [ctypes.c_void_p, err, ctypes.c_size_t]
+        _lib = lib
+        return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why the engine cannot be used here, or None when it can."""
+    library()
+    return _lib_error
+
+
+def available() -> bool:
+    return library() is not None
+
+
+# -- topology ----------------------------------------------------------------------------------
+
+def layout(hosts: Sequence[str], force_tcp: bool = False) -> tuple[list[int], list[int]]:
+    """Each rank's host index (in order of first appearance) and local rank.
+
+    With ``force_tcp`` every rank is a host of its own, so ranks on one machine use the ring.
+
+    >>> layout(["a", "b", "a"])
+    ([0, 1, 0], [0, 0, 1])
+    """
+    if force_tcp:
+        return list(range(len(hosts))), [0] * len(hosts)
+    index: dict[str, int] = {}
+    nodes, locals_ = [], []
+    counts: dict[str, int] = {}
+    for h in hosts:
+        nodes.append(index.setdefault(h, len(index)))
+        locals_.append(counts.get(h, 0))
+        counts[h] = counts.get(h, 0) + 1
+    return nodes, locals_
+
+
+def segment_name(name: str, node: int) -> str:
+    """The shared-memory segment of run ``name`` on host ``node`` (``/dev/shm`` + this, on Linux)."""
+    return f"/sparktrain-{hashlib.sha256(name.encode()).hexdigest()[:16]}-h{node}"
+
+
+# -- the ring's connections --------------------------------------------------------------------
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("connection closed during the handshake")
+        data += chunk
+    return data
+
+
+def _authenticate_client(sock: socket.socket, key: bytes, name: bytes, rank: int) -> None:
+    hello = _recv_exact(sock, len(_HELLO) + 32)
+    if hello[:len(_HELLO)] != _HELLO:
+        raise ConnectionError("the peer is not a sparktrain collective endpoint")
+    nonce_s, nonce_c = hello[len(_HELLO):], secrets.token_bytes(32)
+    r = struct.pack("!i", rank)
+    sock.sendall(r + nonce_c + _mac(key, b"client", name, nonce_s, nonce_c, r))
+    if not hmac.compare_digest(_recv_exact(sock, 32), _mac(key, b"server", name, nonce_s, nonce_c, r)):
+        raise ConnectionError("the peer does not hold the run's secret")
+
+
+def _authenticate_server(sock: socket.socket, key: bytes, name: bytes, expected_rank: int) -> None:
+    nonce_s = secrets.token_bytes(32)
+    sock.sendall(_HELLO + nonce_s)
+    reply = _recv_exact(sock, 4 + 32 + 32)
+    r, nonce_c, mac = reply[:4], reply[4:36], reply[36:]
+    if not hmac.compare_digest(mac, _mac(key, b"client", name, nonce_s, nonce_c, r)):
+        raise ConnectionError("refused a connection that does not hold the run's secret")
+    if struct.unpack("!i", r)[0] != expected_rank:
+        raise ConnectionError(f"rank {struct.unpack('!i', r)[0]} connected where rank {expected_rank} was expected")
+    sock.sendall(_mac(key, b"server", name, nonce_s, nonce_c, r))
+
+
+def _connect_ring(listener: socket.socket, next_addr: tuple[str, int], key: bytes, name: bytes, rank: int,
+                  next_rank: int, prev_rank: int, deadline: float) -> tuple[socket.socket, socket.socket]:
+    """Connect to the next leader and accept the previous one, both authenticated."""
+    out: dict[str, object] = {}
+
+    def dial():
+        delay = 0.01
+        while True:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.settimeout(max(0.1, deadline - time.monotonic()))
+                s.connect(next_addr)
+                _authenticate_client(s, key, name, rank)
+                s.settimeout(None)
+                out["next"] = s
+                return
+            except (OSError, ConnectionError) as e:
+                s.close()
+                if time.monotonic() + delay > deadline:
+                    out["error"] = f"rank {rank} could not connect to rank {next_rank} at {next_addr[0]}:{next_addr[1]}: {e}"
+                    return
+                time.sleep(delay)  # the peer is not listening yet: nothing to wait on but time
+                delay = min(delay * 2, 0.5)
+
+    dialer = threading.Thread(target=dial, name="sparktrain-ring-dial", daemon=True)
+    dialer.start()
+    prev = None
+    try:
+        while prev is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveError(f"rank {rank} waited for rank {prev_rank} to connect until the collective "
+                                      f"timeout passed")
+            listener.settimeout(left)
+            try:
+                s, _ = listener.accept()
+            except socket.timeout:
+                continue
+            s.settimeout(min(5.0, max(0.1, deadline - time.monotonic())))  # a silent stranger cannot stall us long
+            try:
+                _authenticate_server(s, key, name, prev_rank)
+                s.settimeout(None)
+                prev = s
+            except (OSError, ConnectionError):
+                s.close()
+        dialer.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if "next" not in out:
+            raise CollectiveError(str(out.get("error", f"rank {rank} timed out connecting to rank {next_rank}")))
+        return out["next"], prev  # type: ignore[return-value]
+    except BaseException:
+        if prev is not None:
+            prev.close()
+        dialer.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if isinstance(out.get("next"), socket.socket):
+            out["next"].close()  # type: ignore[union-attr]
+        raise
+
+
+# -- the communicator --------------------------------------------------------------------------
+
+def _dtype_code(dtype) -> int:
+    code = _DTYPES.get(str(dtype))
+    if code is None:
+        raise CollectiveError(f"the native engine reduces {', '.join(sorted(_DTYPES))}; got {dtype}")
+    return code
+
+
+class Communicator:
+    """One rank's handle on the engine. Every rank must make the same calls in the same order.
+
+    Parameters
+    ----------
+    rank, size : this rank and the number of ranks.
+    hosts : every rank's host, in rank order; ranks with the same host share memory.
+    ports : every rank's TCP port; only the leaders of hosts (each host's first rank) listen,
+        and only when there is more than one host (or ``force_tcp``).
+    secret : the run's key; every ring connection proves it holds it (HMAC) before any data.
+    name : unique to the run and attempt; names the shared-memory segments.
+    timeout : seconds any collective (and the set-up) may wait for its peers.
+    force_tcp : every rank is its own host, so ranks on one machine use the TCP ring.
+    bind_host : the address to listen on; default: this rank's entry in ``hosts``.
+    listener : an already bound, listening socket to use instead of binding ``ports[rank]``.
+    """
+
+    def __init__(self, rank: int, size: int, hosts: Sequence[str], ports: Sequence[int], secret: bytes, name: str,
+                 timeout: float = 600.0, force_tcp: bool = False, bind_host: str | None = None,
+                 chunk_bytes: int = 0, heartbeat: float | None = None, listener: socket.socket | None = None):
+        lib = library()
+        if lib is None:
+            raise CollectiveError(unavailable_reason() or "the native engine is not available")
+        if len(hosts) != size or len(ports) != size:
+            raise CollectiveError(f"need {size} hosts and ports, got {len(hosts)} and {len(ports)}")
+        self._lib = lib
+        self.rank, self.size, self.timeout = rank, size, float(timeout)
+        nodes, locals_ = layout(hosts, force_tcp)
+        self.node, self.local_rank = nodes[rank], locals_[rank]
+        self.num_nodes = max(nodes) + 1
+        self.local_size = sum(1 for n in nodes if n == self.node)
+        self.transport = "tcp" if self.num_nodes > 1 and self.local_size == 1 else (
+            "shm" if self.num_nodes == 1 else "shm+tcp")
+        leaders = [r for r in range(size) if locals_[r] == 0]
+        deadline = time.monotonic() + self.timeout
+        next_sock = prev_sock = None
+        if self.num_nodes > 1 and self.local_rank == 0:
+            nxt, prv = leaders[(self.node + 1) % self.num_nodes], leaders[(self.node - 1) % self.num_nodes]
+            own = listener
+            if own is None:
+                own = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                own.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                own.bind((bind_host or hosts[rank], int(ports[rank])))  # the executor's address, not 0.0.0.0
+                own.listen(8)
+            try:
+                next_sock, prev_sock = _connect_ring(own, (hosts[nxt], int(ports[nxt])), secret, name.encode(), rank,
+                                                     nxt, prv, deadline)
+            finally:
+                own.close()  # no listening socket outlives the set-up
+            for s in (next_sock, prev_sock):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        shm = segment_name(name, self.node)
+        node_arr = (ctypes.c_int32 * size)(*nodes)
+        local_arr = (ctypes.c_int32 * size)(*locals_)
+        cfg = _Config(rank=rank, size=size, local_rank=self.local_rank, local_size=self.local_size, node=self.node,
+                      num_nodes=self.num_nodes, shm_name=shm.encode(), chunk_bytes=int(chunk_bytes),
+                      timeout_s=max(0.001, deadline - time.monotonic()),
+                      heartbeat_s=float(heartbeat if heartbeat is not None else min(30.0, self.timeout)),
+                      next_fd=next_sock.fileno() if next_sock else -1, prev_fd=prev_sock.fileno() if prev_sock else -1,
+                      rank_node=node_arr, rank_local=local_arr)
+        handle = ctypes.c_void_p()
+        err = ctypes.create_string_buffer(_ERRLEN)
+        rc = lib.stc_create(ctypes.byref(cfg), ctypes.byref(handle), err, _ERRLEN)
+        if rc != 0:
+            for s in (next_sock, prev_sock):
+                if s is not None:
+                    s.close()
+            raise CollectiveError(f"rank {rank}: the native engine did not start: {err.value.decode(errors='replace')}")
+        for s in (next_sock, prev_sock):
+            if s is not None:
+                s.detach()  # the engine owns the descriptors now
+        self._handle = handle
+        # One collective at a time: the handle and its message buffer are not for concurrent calls.
+        self._lock = threading.Lock()
+        self._cfg = cfg  # keeps the arrays alive for as long as the handle
+        self._cfg.timeout_s = self.timeout
+        self._err = err
+
+    # -- calls -------------------------------------------------------------------------------
+    def _call(self, fn, *args) -> None:
+        with self._lock:
+            self._check(fn(self._live(), *args, self._err, _ERRLEN))
+
+    def _check(self, rc: int) -> None:
+        if rc != 0:
+            msg = self._err.value.decode(errors="replace")
+            raise CollectiveError(f"rank {self.rank}: {msg}", rc)
+
+    def _live(self):
+        if self._handle is None:
+            raise CollectiveError("the communicator is closed")
+        return self._handle
+
+    def allreduce(self, array, op: str = "average"):
+        """A new array: ``array`` reduced over every rank (``"sum"`` or ``"average"``).
+
+        Averaged integers are divided with truncation toward zero.
+        """
+        import numpy as np
+
+        if op not in _OPS:
+            raise CollectiveError(f"op must be 'sum' or 'average', got {op!r}")
+        out = np.array(array, order="C", copy=True)
+        code = _dtype_code(out.dtype)
+        self._call(self._lib.stc_allreduce, out.ctypes.data, out.size, code, _OPS[op])
+        return out
+
+    def allreduce_(self, out, op: str = "average") -> None:
+        """Reduce the C-contiguous, writable ``out`` in place."""
+        if op not in _OPS:
+            raise CollectiveError(f"op must be 'sum' or 'average', got {op!r}")
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise CollectiveError("allreduce_ needs a C-contiguous, writable array")
+        self._call(self._lib.stc_allreduce, out.ctypes.data, out.size, _dtype_code(out.dtype), _OPS[op])
+
+    def broadcast(self, array, root: int = 0):
+        """A new array holding ``array`` as it is on ``root`` (same shape and dtype on every rank)."""
+        import numpy as np
+
+        out = np.array(array, order="C", copy=True)
+        self._call(self._lib.stc_broadcast, out.ctypes.data, out.nbytes, int(root))
+        return out
+
+    def allgather(self, array):
+        """Every rank's ``array`` concatenated along the first axis, in rank order.
+
+        The first dimension may differ between ranks; the others and the dtype must match.
+        """
+        import numpy as np
+
+        a = np.ascontiguousarray(array)
+        if a.ndim == 0:
+            a = a.reshape(1)
+        if a.ndim > 30:
+            raise CollectiveError("allgather takes arrays of at most 30 dimensions")
+        # First every rank's shape and dtype, so a mismatch is an error and never garbage.
+        meta = np.zeros(32, np.int64)
+        meta[0], meta[1] = a.ndim, _dtype_code(a.dtype) if str(a.dtype) in _DTYPES else 100 + a.dtype.itemsize
+        meta[2:2 + a.ndim] = a.shape
+        metas = self._gatherv(meta.view(np.uint8), [meta.nbytes] * self.size).view(np.int64).reshape(self.size, 32)
+        for r in range(self.size):
+            if metas[r, 0] != a.ndim or metas[r, 1] != meta[1] or (metas[r, 3:2 + a.ndim] != meta[3:2 + a.ndim]).any():
+                raise CollectiveError(
+                    f"rank {self.rank}: allgather: rank {r} sent shape {tuple(metas[r, 2:2 + metas[r, 0]])} "
+                    f"(dtype code {metas[r, 1]}) but this rank sent {a.shape} {a.dtype}; only the first "
+                    "dimension may differ")
+        row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        counts = [int(metas[r, 2]) * row for r in range(self.size)]
+        flat = self._gatherv(a.reshape(-1).view(np.uint8), counts)
+        return flat.view(a.dtype).reshape((int(metas[:, 2].sum()),) + a.shape[1:])
+
+    def _gatherv(self, data, counts: list[int]):
+        import numpy as np
+
+        out = np.empty(sum(counts), np.uint8)
+        arr = (ctypes.c_uint64 * self.size)(*counts)
+        self._call(self._lib.stc_allgatherv, data.ctypes.data, out.ctypes.data, arr)
+        return out
+
+    def barrier(self) -> None:
+        self._call(self._lib.stc_barrier)
+
+    def close(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            with self._lock:
+                self._lib.stc_destroy(self._handle)
+                self._handle = None
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# -- from a rank's environment -----------------------------------------------------------------
+
+def from_env(timeout: float | None = None, environ=None) -> Communicator:
+    """The communicator of a rank of ``sparktrain.run``, from its env contract.
+
+    Addresses come from the run's rendezvous (``TF_CONFIG``: every rank's host and the port
+    reserved for its collective runtime); the key from the file ``run`` wrote for this rank.
+    """
+    environ = os.environ if environ is None else environ
+    timeout = settings.resolve("collective_timeout", timeout, environ=environ)
+    try:
+        cluster = json.loads(environ["TF_CONFIG"])["cluster"]["worker"]
+        rank, size = int(environ["SPARKTRAIN_RANK"]), int(environ["SPARKTRAIN_SIZE"])
+    except (KeyError, ValueError) as e:
+        raise CollectiveError(f"the native engine needs the run's env contract (TF_CONFIG, SPARKTRAIN_RANK): {e}") \
+            from None
+    hosts = [w.rsplit(":", 1)[0] for w in cluster]
+    ports = [int(w.rsplit(":", 1)[1]) for w in cluster]
+    key_file = environ.get(KEY_FILE_ENV)
+    if not key_file or not os.path.exists(key_file):
+        raise CollectiveError(f"the native engine needs the run's key ({KEY_FILE_ENV}); is this a rank of "
+                              "sparktrain.run?")
+    with open(key_file, "rb") as f:
+        key = f.read()
+    name = f"{environ.get('SPARKTRAIN_RUN_ID', 'run')}-a{environ.get('SPARKTRAIN_ATTEMPT', '1')}"
+    force_tcp = settings.resolve("cpu_transport", environ=environ) == "tcp"
+    return Communicator(rank, size, hosts, ports, key, name, timeout=timeout, force_tcp=force_tcp)

@@ -1,0 +1,75 @@
+"""The native engine under sparktrain.run on a real local[3] Spark: the Horovod-API collectives
+eager and inside tf.function, and Keras 3 model.fit with the DistributedOptimizer."""
+from __future__ import annotations
+
+import pytest
+
+import sparktrain
+from conftest import module_spark
+from helpers import read_ranks, record_rank
+from sparktrain import native
+
+pytest.importorskip("tensorflow")
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))]
+
+from test_keras import ENV, collectives, fit_digits  # noqa: E402 - the same training as TensorFlow's ring
+
+spark = module_spark("local[3]")
+
+
+def collectives_and_engine(outdir):
+    import sparktrain.tensorflow as hvd
+
+    collectives(outdir)
+    record_rank(outdir, tag="-engine", engine=hvd.collective_engine())
+
+
+def test_collectives_run_on_the_native_engine(spark, tmp_path):
+    sparktrain.run(collectives_and_engine, args=(str(tmp_path),), num_proc=3, env=ENV, verbose=0)
+    engines = read_ranks(str(tmp_path), tag="-engine")
+    assert {r: e["engine"] for r, e in engines.items()} == {0: "native", 1: "native", 2: "native"}
+    ranks = read_ranks(str(tmp_path))
+    base = [[0, 1, 2], [3, 4, 5]]
+    for r, info in ranks.items():
+        got = info["got"]
+        for dtype in ("float32", "float64", "int32"):
+            assert got[f"sum_{dtype}"] == [[3 * v + 3 for v in row] for row in base], (r, dtype)
+            assert got[f"avg_{dtype}"] == [[v + 1 for v in row] for row in base], (r, dtype)
+            assert got[f"gather_{dtype}"] == [[0, 0], [1, 1], [1, 1], [2, 2], [2, 2], [2, 2]], (r, dtype)
+            assert got[f"bcast_{dtype}"] == [[1, 1], [1, 1]], (r, dtype)
+        assert got["graph"] == [[9.0], [2.0, 3.0, 4.0], [4.0]], r
+        assert got["variable"] == [2.0, 2.0, 2.0], r
+        assert got["thread_growth"] < 50, (r, got["thread_growth"])
+
+
+def engine_of_fit(outdir, *args):
+    import sparktrain.tensorflow as hvd
+
+    accuracy = fit_digits(outdir, *args)
+    record_rank(outdir, tag="-engine", engine=hvd.collective_engine())
+    return accuracy
+
+
+def fit(tmp_path, sub, env):
+    (tmp_path / sub).mkdir()
+    accuracy = sparktrain.run(engine_of_fit, args=(str(tmp_path / sub), 10, 32, 0.001, True), num_proc=3,
+                              env={**ENV, **env}, verbose=0)
+    ranks = read_ranks(str(tmp_path / sub))
+    engines = {e["engine"] for e in read_ranks(str(tmp_path / sub), tag="-engine").values()}
+    assert sorted(ranks) == [0, 1, 2]
+    assert len({info["final"] for info in ranks.values()}) == 1  # bit-identical weights on every rank
+    return accuracy, engines
+
+
+def test_keras_fit_on_the_native_engine_is_bit_identical_and_as_accurate_as_tensorflows_ring(spark, tmp_path):
+    native_accuracy, engines = fit(tmp_path, "native", {})
+    assert engines == {"native"}
+    ring_accuracy, engines = fit(tmp_path, "ring", {"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"})
+    assert engines == {"tensorflow"}
+    assert native_accuracy > 0.85 and native_accuracy >= ring_accuracy - 0.02, (native_accuracy, ring_accuracy)
+
+
+def test_keras_fit_over_the_forced_tcp_ring(spark, tmp_path):
+    accuracy, engines = fit(tmp_path, "tcp", {"SPARKTRAIN_CPU_TRANSPORT": "tcp"})
+    assert engines == {"native"} and accuracy > 0.85

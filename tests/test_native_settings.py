@@ -1,0 +1,84 @@
+"""Pure pieces around the native engine: settings, the thread defaults, the topology, the key,
+and the fallback to TensorFlow's ring when the library is missing. No Spark, no TensorFlow."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from sparktrain import native, settings, worker_env
+from sparktrain.errors import InvalidArgumentError
+from sparktrain.executor import task
+
+
+def test_cpu_collectives_resolves_env_over_conf_and_refuses_others():
+    conf = {"spark.sparktrain.cpuCollectives": "tensorflow"}
+    assert settings.resolve("cpu_collectives", conf=conf, environ={}) == "tensorflow"
+    assert settings.resolve("cpu_collectives", conf=conf, environ={"SPARKTRAIN_CPU_COLLECTIVES": "native"}) == "native"
+    assert settings.resolve("cpu_collectives", environ={}) == "native"
+    with pytest.raises(InvalidArgumentError, match="native, tensorflow; got 'gloo'"):
+        settings.resolve("cpu_collectives", "gloo")
+
+
+def test_the_spark_conf_reaches_the_rank_through_its_env_unless_env_says_otherwise():
+    conf = {"spark.sparktrain.cpuCollectives": "tensorflow", "spark.sparktrain.cpuTransport": "tcp"}
+    assert settings.rank_env({}, conf) == {"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow", "SPARKTRAIN_CPU_TRANSPORT": "tcp"}
+    assert settings.rank_env({"SPARKTRAIN_CPU_COLLECTIVES": "native"}, conf)["SPARKTRAIN_CPU_COLLECTIVES"] == "native"
+
+
+@pytest.mark.parametrize("task_cpus, cores, local_size, threads", [
+    (4, 16, 2, 4), (1, 16, 4, 1), (None, 2, 3, 1), (None, 8, 2, 4), (None, None, 1, 1),
+])
+def test_rank_threads(task_cpus, cores, local_size, threads):
+    assert worker_env.rank_threads(task_cpus, cores, local_size) == threads
+
+
+def test_thread_defaults_leave_what_is_set_and_keep_two_inter_op_threads():
+    assert worker_env.thread_defaults(1, {}) == {
+        "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
+    assert worker_env.thread_defaults(4, {"TF_NUM_INTRAOP_THREADS": "8"}) == {
+        "OMP_NUM_THREADS": "4", "TF_NUM_INTEROP_THREADS": "4"}
+    env = worker_env.build_worker_env(rank=0, hosts=["h"], ports=[1], master_port=2, gpu_ids="-1", run_id="r",
+                                      threads=3)
+    assert env["SPARKTRAIN_THREADS"] == "3"
+    assert {"SPARKTRAIN_THREADS", "SPARKTRAIN_COLLECTIVE_KEY_FILE"} <= worker_env.RESERVED_VARS
+
+
+def test_layout_groups_ranks_by_host_or_makes_each_its_own_with_tcp():
+    assert native.layout(["a", "b", "a", "b"]) == ([0, 1, 0, 1], [0, 0, 1, 1])
+    assert native.layout(["a", "a", "a"], force_tcp=True) == ([0, 1, 2], [0, 0, 0])
+
+
+def test_the_collective_key_is_derived_per_attempt_and_never_the_secret():
+    k1 = task.collective_key(b"s" * 32, "run", 1)
+    assert k1 == task.collective_key(b"s" * 32, "run", 1) and len(k1) == 32
+    assert k1 not in (b"s" * 32, task.collective_key(b"s" * 32, "run", 2), task.collective_key(b"t" * 32, "run", 1))
+
+
+def test_the_key_file_is_for_the_rank_only(tmp_path):
+    path = task._write_key(str(tmp_path), b"k" * 32)
+    assert open(path, "rb").read() == b"k" * 32
+    assert os.stat(path).st_mode & 0o077 == 0
+
+
+def test_a_missing_library_falls_back_to_tensorflows_ring_with_one_warning(monkeypatch, caplog):
+    import sparktrain.tensorflow as hvd
+
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_lib_error", "sparktrain's native collective engine was not built")
+    monkeypatch.delenv("SPARKTRAIN_CPU_COLLECTIVES", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert hvd._cpu_engine() == "tensorflow"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not built" in warnings[0].getMessage()
+    assert "TensorFlow's ring" in warnings[0].getMessage()
+    monkeypatch.setenv("SPARKTRAIN_CPU_COLLECTIVES", "tensorflow")
+    caplog.clear()
+    assert hvd._cpu_engine() == "tensorflow" and not caplog.records  # asked for: no warning
+
+
+def test_the_library_is_found_and_speaks_this_abi():
+    if native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
+    assert native.library().stc_abi_version() == 1
