@@ -32,7 +32,9 @@ def test_rendezvous_and_output(server):
     a.send(_hello(1, 1001))
     b.send(_hello(0, 1000))
     peers = a.recv()
-    assert peers == {"type": "peers", "hosts": ["127.0.0.1"] * 2, "ports": [1000, 1001], "master_port": 9}
+    # No rank was fed a DataFrame, so each rank's row counts ("shards") are empty.
+    assert peers == {"type": "peers", "hosts": ["127.0.0.1"] * 2, "ports": [1000, 1001], "master_port": 9,
+                     "shards": [{}, {}]}
     assert b.recv() == peers
     a.send({"type": "out", "stream": "stdout", "line": "hi", "time": 1.0})
     assert _event(server, Output) == Output(1, "stdout", "hi", 1.0)
