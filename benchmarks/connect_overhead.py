@@ -38,6 +38,7 @@ def measure(kind: str, repeats: int, timeout: float) -> list:
     from pyspark.sql import SparkSession
 
     server = None
+    saved = dict(os.environ)
     if kind == "embedded":
         spark = SparkSession.builder.remote(f"local[{RANKS}]").getOrCreate()
     else:
@@ -51,6 +52,8 @@ def measure(kind: str, repeats: int, timeout: float) -> list:
         spark.stop()
         if server is not None:
             server.stop()
+        os.environ.clear()
+        os.environ.update(saved)  # the embedded server leaves its token, which would turn on TLS next
 
 
 def main() -> int:
@@ -61,9 +64,13 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
     import cloudpickle
+    from pyspark import cloudpickle as spark_cloudpickle
 
-    # The no-op and the floor's task travel by value: a separate server's executors cannot import this folder.
+    # The no-op and the floor's task travel by value, whichever cloudpickle pickles them (sparktrain
+    # uses cloudpickle, Spark's UDFs and TorchDistributor pyspark's copy): a separate server's
+    # executors cannot import this folder.
     cloudpickle.register_pickle_by_value(launch_overhead)
+    spark_cloudpickle.register_pickle_by_value(launch_overhead)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))
     logging.getLogger().setLevel(logging.WARNING)

@@ -121,3 +121,19 @@ def weights_digest(weights) -> str:
     import numpy as np
 
     return hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes() for w in weights)).hexdigest()
+
+
+def assert_collectives(ranks: dict[int, dict]) -> None:
+    """Check what ``collectives`` (tests/test_keras.py) recorded on each of 3 ranks, on any engine."""
+    base = [[0, 1, 2], [3, 4, 5]]
+    for r, info in ranks.items():
+        got = info["got"]
+        for dtype in ("float32", "float64", "int32"):
+            assert got[f"sum_{dtype}"] == [[3 * v + 3 for v in row] for row in base], (r, dtype)
+            assert got[f"avg_{dtype}"] == [[v + 1 for v in row] for row in base], (r, dtype)
+            assert got[f"gather_{dtype}"] == [[0, 0], [1, 1], [1, 1], [2, 2], [2, 2], [2, 2]], (r, dtype)
+            assert got[f"bcast_{dtype}"] == [[1, 1], [1, 1]], (r, dtype)
+        # Last step: x = rank + 2 on each rank.
+        assert got["graph"] == [[9.0], [2.0, 3.0, 4.0], [4.0]], r
+        assert got["variable"] == [2.0, 2.0, 2.0], r
+        assert got["thread_growth"] < 50, (r, got["thread_growth"])  # 900 collectives ran

@@ -122,6 +122,16 @@ def test_with_a_log_url_output_streams_through_storage_while_the_ranks_run(spark
     assert {p.split("-")[1] for p in pieces} == {"0", "1", "2"}  # the run's log stays in storage
 
 
+def test_a_run_started_from_another_thread_uses_the_connect_session(spark):
+    # The active session is per thread; an embedded server's own classic session must not be taken.
+    box = {}
+    t = threading.Thread(target=lambda: box.update(size=sparktrain.run(lambda: sparktrain.size(), num_proc=3,
+                                                                         verbose=0)), daemon=True)
+    t.start()
+    t.join(240)
+    assert box.get("size") == 3
+
+
 def shard_rows():
     import sparktrain.data
 

@@ -6,7 +6,7 @@ import pytest
 
 import sparktrain
 from conftest import module_spark
-from helpers import read_ranks, record_rank
+from helpers import assert_collectives, read_ranks, record_rank
 from sparktrain import native
 
 pytest.importorskip("tensorflow")
@@ -30,17 +30,7 @@ def test_collectives_run_on_the_native_engine(spark, tmp_path):
     engines = read_ranks(str(tmp_path), tag="-engine")
     assert {r: e["engine"] for r, e in engines.items()} == {0: "native", 1: "native", 2: "native"}
     ranks = read_ranks(str(tmp_path))
-    base = [[0, 1, 2], [3, 4, 5]]
-    for r, info in ranks.items():
-        got = info["got"]
-        for dtype in ("float32", "float64", "int32"):
-            assert got[f"sum_{dtype}"] == [[3 * v + 3 for v in row] for row in base], (r, dtype)
-            assert got[f"avg_{dtype}"] == [[v + 1 for v in row] for row in base], (r, dtype)
-            assert got[f"gather_{dtype}"] == [[0, 0], [1, 1], [1, 1], [2, 2], [2, 2], [2, 2]], (r, dtype)
-            assert got[f"bcast_{dtype}"] == [[1, 1], [1, 1]], (r, dtype)
-        assert got["graph"] == [[9.0], [2.0, 3.0, 4.0], [4.0]], r
-        assert got["variable"] == [2.0, 2.0, 2.0], r
-        assert got["thread_growth"] < 50, (r, got["thread_growth"])
+    assert_collectives(ranks)
 
 
 def engine_of_fit(outdir, *args):

@@ -30,6 +30,9 @@ from .shard import UNEVEN, Shard, check_uneven, open_shard
 
 __all__ = ["dataset", "numpy", "shard", "Shard", "UNEVEN"]
 
+#: Bytes of rows the generator gathers per step, split into batches inside tf.data.
+GATHER_BYTES = 4 << 20
+
 #: A column, a list of scalar columns stacked side by side, or a dict of those (multi-input models).
 Columns = Union[str, Sequence[str], Mapping[str, Union[str, Sequence[str]]]]
 
@@ -76,14 +79,20 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     if s.rank == 0:
         print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
     epochs = itertools.count()
+    sample = build(s.epoch_rows(0, 1, False, 0))
+    # Python hands tf.data several batches at a time (about GATHER_BYTES), which rebatch splits:
+    # one generator step per batch would cost more than the gather itself for small rows.
+    row_bytes = sum(a.nbytes if a.dtype != object else 1024 for a in tf.nest.flatten(sample))
+    per_yield = max(1, min(steps, GATHER_BYTES // max(1, row_bytes * batch_size)))
 
     def batches():
         rows = s.epoch_rows(next(epochs), steps * batch_size, shuffle, seed)
-        for step in range(steps):
-            yield build(rows[step * batch_size:(step + 1) * batch_size])
+        for step in range(0, steps, per_yield):
+            yield build(rows[step * batch_size:(step + per_yield) * batch_size])
 
-    signature = tf.nest.map_structure(lambda a: _spec(tf, a, batch_size), build(s.epoch_rows(0, 1, False, 0)))
+    signature = tf.nest.map_structure(lambda a: _spec(tf, a, None), sample)
     ds = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    ds = ds.rebatch(batch_size, drop_remainder=True)  # every yield holds whole batches: nothing is dropped
     ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
     return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
 
@@ -132,7 +141,7 @@ def _taker(s: Shard, spec: Columns, what: str):
         f"{what} must be a column name, a list of column names or a dict of them, got {spec!r}")
 
 
-def _spec(tf, array: np.ndarray, batch_size: int):
+def _spec(tf, array: np.ndarray, batch_size: int | None):
     dtype = tf.string if array.dtype == object else tf.as_dtype(array.dtype)
     return tf.TensorSpec((batch_size,) + array.shape[1:], dtype)
 

@@ -53,10 +53,21 @@ def expected_executors(master: str, conf: Mapping[str, str]) -> int | None:
 # -- the session -------------------------------------------------------------------------------------
 
 def active_session():
-    """The SparkSession this process already runs, or None."""
+    """The SparkSession this process already runs, or None.
+
+    The active session is per thread; from another thread (a notebook's background job, say),
+    the process's default Spark Connect session comes first: an embedded Connect server also
+    holds a classic session in this process, and that one is the server's, not the user's.
+    """
+    import sys
+
     from pyspark.sql import SparkSession
 
     spark = SparkSession.getActiveSession()
+    if spark is None and "pyspark.sql.connect.session" in sys.modules:
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+        spark = ConnectSession._get_default_session()
     if spark is None:
         spark = getattr(SparkSession, "_instantiatedSession", None)
     return spark
