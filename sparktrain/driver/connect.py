@@ -90,12 +90,25 @@ def client_host(spark) -> str:
         probe.close()
 
 
+#: What the probe found, per session and client address: the network between executors and this
+#: client does not change within a session, and a probe costs one Spark job (about 0.2 s).
+_REACHED: dict[tuple[str, str], bool] = {}
+
+
 def executors_reach(spark, host: str) -> bool:
     """Whether a task of this session can open a TCP connection to ``host`` (this client).
 
     One one-task job, which connects to a listener here; the kernel completes the handshake, so
-    nothing needs to accept it. A job that does not finish in time counts as "cannot".
+    nothing needs to accept it. A job that does not finish in time counts as "cannot". Asked once
+    per session and address.
     """
+    key = (str(getattr(spark, "session_id", id(spark))), host)
+    if key not in _REACHED:
+        _REACHED[key] = _probe(spark, host)
+    return _REACHED[key]
+
+
+def _probe(spark, host: str) -> bool:
     from .jobs import BarrierJob
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
