@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,6 +63,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--write", metavar="RESULTS.md")
     args = parser.parse_args()
+    # A terminated benchmark still stops the Connect server it started (its own process group).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ["PYSPARK_PYTHON"] = sys.executable
     import cloudpickle
     from pyspark import cloudpickle as spark_cloudpickle

@@ -38,13 +38,33 @@ def on_this_host(master: str) -> bool:
     return is_local(master) or master.startswith("local-cluster[")
 
 
+def local_cores(master: str) -> int | None:
+    """The task slots a local master's one JVM runs (``local[*]``: this machine's cores); None
+    for any other master.
+
+    >>> local_cores("local[3]"), local_cores("local"), local_cores("yarn")
+    (3, 1, None)
+    """
+    m = _LOCAL.fullmatch(master)
+    if m is None:
+        return None
+    slots = m.group(1)
+    return 1 if slots is None else (os.cpu_count() or 1) if slots == "*" else int(slots)
+
+
+def local_cluster_shape(master: str) -> tuple[int, int] | None:
+    """``(executors, cores per executor)`` of a ``local-cluster[N,C,M]`` master; None otherwise."""
+    m = _LOCAL_CLUSTER.fullmatch(master)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def expected_executors(master: str, conf: Mapping[str, str]) -> int | None:
     """How many executors the cluster should have once all registered; None when nobody says."""
     if is_local(master):
         return 1
-    m = _LOCAL_CLUSTER.fullmatch(master)
-    if m:
-        return int(m.group(1))
+    shape = local_cluster_shape(master)
+    if shape:
+        return shape[0]
     if conf.get("spark.executor.instances"):
         return int(conf["spark.executor.instances"])
     return None
@@ -176,14 +196,12 @@ def _default_capacity(sc, conf: Mapping[str, str], task_cpus: int, task_gpus: fl
                       spark_slots: int | None) -> Capacity:
     jsc = sc._jsc.sc()
     master = sc.master
-    m = _LOCAL.fullmatch(master)
-    if m:
-        slots = m.group(1)
-        cores = 1 if slots is None else (os.cpu_count() or 1) if slots == "*" else int(slots)
+    cores = local_cores(master)
+    if cores is not None:
         return Capacity(1, cores, task_cpus, preflight.gpu_amount(conf, "driver"), task_gpus, spark_slots)
     executors = max(0, jsc.getExecutorMemoryStatus().size() - 1)  # minus the driver
-    m = _LOCAL_CLUSTER.fullmatch(master)
-    cores = int(m.group(2)) if m else int(conf.get("spark.executor.cores", "0") or 0)
+    shape = local_cluster_shape(master)
+    cores = shape[1] if shape else int(conf.get("spark.executor.cores", "0") or 0)
     if not cores and executors:
         cores = max(1, (spark_slots or 0) * task_cpus // executors)
     return Capacity(executors, cores, task_cpus, preflight.gpu_amount(conf, "executor"), task_gpus, spark_slots)

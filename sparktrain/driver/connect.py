@@ -13,11 +13,11 @@ here is what a client can see or do:
 from __future__ import annotations
 
 import logging
-import os
 import re
 import socket
 from typing import Mapping
 
+from . import cluster
 from .preflight import Capacity, gpu_amount
 
 log = logging.getLogger("sparktrain")
@@ -27,8 +27,6 @@ PROBE_CONNECT_TIMEOUT = 3.0
 #: Seconds the probe job may take in all (it waits for a free task slot first).
 PROBE_JOB_TIMEOUT = 60.0
 
-_LOCAL = re.compile(r"local(?:\[(\d+|\*)(?:,\d+)?\])?")
-_LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\]")
 _SIZE = re.compile(r"(\d+)\s*([kmgtp]?)b?", re.IGNORECASE)
 
 
@@ -60,14 +58,12 @@ def capacity(conf: Mapping[str, str]) -> Capacity | None:
     master = conf.get("spark.master", "")
     task_cpus = int(conf.get("spark.task.cpus", "1"))
     task_gpus = gpu_amount(conf, "task")
-    m = _LOCAL.fullmatch(master)
-    if m:
-        slots = m.group(1)
-        cores = 1 if slots is None else (os.cpu_count() or 1) if slots == "*" else int(slots)
+    cores = cluster.local_cores(master)
+    if cores is not None:
         return Capacity(1, cores, task_cpus, gpu_amount(conf, "driver"), task_gpus)
-    m = _LOCAL_CLUSTER.fullmatch(master)
-    if m:
-        return Capacity(int(m.group(1)), int(m.group(2)), task_cpus, gpu_amount(conf, "executor"), task_gpus)
+    shape = cluster.local_cluster_shape(master)
+    if shape:
+        return Capacity(shape[0], shape[1], task_cpus, gpu_amount(conf, "executor"), task_gpus)
     dynamic = conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true"
     instances, cores = conf.get("spark.executor.instances"), conf.get("spark.executor.cores")
     if dynamic or not instances or not cores:
