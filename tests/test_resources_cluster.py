@@ -14,10 +14,9 @@ import pytest
 import sparktrain
 from conftest import HERE, make_spark, stop_spark
 from helpers import read_ranks, record_rank
+from sparktrain.worker_env import THREAD_VARS
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
-
-THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
 
 @pytest.fixture(scope="module")
