@@ -325,3 +325,66 @@ def fail_first_attempt():
 
 def test_max_attempts_starts_the_gang_again_over_connect(spark):
     assert sparktrain.run(fail_first_attempt, num_proc=3, max_attempts=2, verbose=0) == 2
+
+
+def hold_a_slot(outdir):
+    def hold(batches):
+        from helpers import wait_for_file
+
+        open(os.path.join(outdir, "holding"), "w").close()
+        try:
+            wait_for_file(os.path.join(outdir, "release"), timeout=120)
+        except TimeoutError:
+            pass
+        yield from batches
+
+    return hold
+
+
+def test_start_timeout_names_the_ranks_that_never_started(spark, tmp_path):
+    # One of the three slots is busy with another job of the same session, so the barrier stage
+    # cannot start; the start timeout must end the run, name the ranks, and cancel only its own job.
+    outdir = str(tmp_path)
+    box = {}
+
+    def blocker():
+        try:
+            box["rows"] = spark.range(0, 1, 1, 1).mapInArrow(hold_a_slot(outdir), "id long").count()
+        except Exception as e:  # noqa: BLE001 - reported below
+            box["error"] = e
+
+    t = threading.Thread(target=blocker, daemon=True)
+    t.start()
+    try:
+        wait_for_file(os.path.join(outdir, "holding"), timeout=120)
+        with pytest.raises(sparktrain.StartTimeoutError, match=r"rank\(s\) \[0, 1, 2\] to start.*start_timeout"):
+            sparktrain.run(lambda: 0, num_proc=3, start_timeout=3, verbose=0)
+    finally:
+        open(os.path.join(outdir, "release"), "w").close()
+        t.join(120)
+    assert box.get("rows") == 1, box  # the other job was not cancelled with the run
+    assert sparktrain.run(lambda: sparktrain.size(), num_proc=3, verbose=0) == 3
+
+
+API_MODE = textwrap.dedent("""
+    import sys
+    from pyspark.sql import SparkSession
+    import sparktrain
+    from sparktrain.driver import connect
+
+    spark = SparkSession.builder.master("local[2]").config("spark.api.mode", "connect").getOrCreate()
+    print("CONNECT", connect.is_connect(spark), type(spark).__module__)
+    print("VALUE", sparktrain.run(lambda: sparktrain.size() * 10 + sparktrain.rank(), num_proc=2, verbose=0))
+    spark.stop()
+""")
+
+
+def test_a_classic_application_switched_to_connect_by_api_mode_runs(spark):
+    if spark.kind == "embedded":
+        pytest.skip("runs once, while no embedded server holds Connect's default port: pyspark's api mode "
+                    "always connects to sc://localhost")
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_CONNECT_AUTHENTICATE_TOKEN"}
+    proc = subprocess.run([sys.executable, "-c", API_MODE], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "CONNECT True pyspark.sql.connect.session" in proc.stdout, proc.stdout
+    assert "VALUE 20" in proc.stdout, proc.stdout
