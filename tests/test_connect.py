@@ -388,3 +388,21 @@ def test_a_classic_application_switched_to_connect_by_api_mode_runs(spark):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "CONNECT True pyspark.sql.connect.session" in proc.stdout, proc.stdout
     assert "VALUE 20" in proc.stdout, proc.stdout
+
+
+def test_where_the_conf_does_not_say_a_probe_counts_the_slots(spark, monkeypatch, caplog):
+    from sparktrain.driver import connect
+
+    # As on a cluster whose conf names no executor count: the slots are found by a probe job.
+    monkeypatch.setattr(connect, "capacity", lambda conf: None)
+    monkeypatch.setenv("SPARKTRAIN_CAPACITY_WAIT", "3")
+    with caplog.at_level(logging.INFO, logger="sparktrain"):
+        assert sparktrain.run(lambda: sparktrain.size(), num_proc=3, stdout=io.StringIO()) == 3
+    assert "3 tasks ran at once in a probe job" in caplog.text
+    with pytest.raises(sparktrain.InsufficientResourcesError) as e:
+        sparktrain.run(lambda: 0, num_proc=4, verbose=0)
+    assert "num_proc=4 needs 4 task slots at once, but only 3 task(s) of a probe job of 4 ran at once within 3 s" \
+        in str(e.value)
+    with pytest.raises(sparktrain.InvalidArgumentError, match="num_proc is required over Spark Connect"):
+        sparktrain.run(lambda: 0, verbose=0)
+    assert sparktrain.run(lambda: sparktrain.size(), num_proc=3, verbose=0) == 3  # the probe left nothing behind

@@ -5,7 +5,8 @@ A Connect session (``SparkSession.builder.remote(...)``, an application started 
 here is what a client can see or do:
 - the conf, through ``spark.conf``;
 - the capacity, counted from that conf (master, executor instances and cores), since the
-  client cannot list executors;
+  client cannot list executors; where the conf does not say, a probe: a job of ``num_proc``
+  tasks that must all be running at once within the capacity wait;
 - whether executors can open connections to this client, by a one-task probe, which decides
   how ranks meet: through the run's channel (live output) or Spark's barrier ``allGather``;
 - a job's handle: a tag (``addTag``/``interruptTag``) in place of a job group.
@@ -124,6 +125,68 @@ def _probe(spark, host: str) -> bool:
         return False
     finally:
         listener.close()
+
+
+def concurrent_slots(spark, host: str, wanted: int, wait: float) -> int:
+    """How many of ``wanted`` tasks of one (non-barrier) job run at once within ``wait`` seconds.
+
+    Each task connects to a listener here and holds its connection until this client closes it,
+    so the count is of tasks running at the same moment, which is what a barrier stage needs.
+    Stops counting at ``wanted``; the job is cancelled by its tag afterwards. Needs executors that
+    can reach this client (see :func:`executors_reach`).
+    """
+    import time
+
+    from .jobs import BarrierJob
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held: list[socket.socket] = []
+    job = None
+    try:
+        listener.bind((host, 0))
+        listener.listen(max(8, wanted))
+        port = listener.getsockname()[1]
+        job = BarrierJob(spark, f"sparktrain-slots-{port}", f"sparktrain: do {wanted} tasks run at once?",
+                         lambda: spark.range(0, wanted, 1, wanted).mapInArrow(_hold(host, port, wait),
+                                                                             "held boolean").collect())
+        job.start()
+        deadline = time.monotonic() + wait
+        while len(held) < wanted and not job.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            listener.settimeout(min(left, 0.5))  # wake now and then to see whether the job failed
+            try:
+                held.append(listener.accept()[0])
+            except socket.timeout:
+                continue
+        return len(held)
+    finally:
+        for s in held:
+            s.close()  # lets every task finish
+        listener.close()
+        if job is not None and not job.wait(PROBE_CONNECT_TIMEOUT):
+            job.cancel()
+
+
+def _hold(host: str, port: int, wait: float):
+    def hold(batches):
+        import socket
+
+        import pyarrow as pa
+
+        for _ in batches:
+            pass
+        try:
+            with socket.create_connection((host, port), timeout=PROBE_CONNECT_TIMEOUT) as s:
+                s.settimeout(wait + PROBE_CONNECT_TIMEOUT)
+                s.recv(1)  # the client closes it once it has counted, or gives up
+            ok = True
+        except OSError:
+            ok = False
+        yield pa.RecordBatch.from_arrays([pa.array([ok])], names=["held"])
+
+    return hold
 
 
 def _reach(host: str, port: int):

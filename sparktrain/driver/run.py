@@ -225,7 +225,7 @@ def run(
         None if local_master else preflight.default_task_resources(conf).cpus
     capacity_wait = settings.resolve("capacity_wait", conf=conf)
     if connected:
-        size = _check_connect_capacity(conf, size, use_gpu, stage)
+        size = _check_connect_capacity(spark, conf, size, use_gpu, stage, capacity_wait)
     else:
         if size is None:
             size = max(1, cluster.capacity(sc, conf, stage, profile).slots(use_gpu))
@@ -268,7 +268,7 @@ def run(
     def before_retry() -> None:
         # A lost executor is usually replaced within seconds; the gang needs all its slots back.
         if connected:
-            _check_connect_capacity(conf, size, use_gpu, stage)
+            _check_connect_capacity(spark, conf, size, use_gpu, stage, max(RETRY_CAPACITY_WAIT, capacity_wait))
         else:
             cluster.wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait), stage,
                                       profile)
@@ -292,11 +292,12 @@ def _log_target(log_url: str | None, storage_options: Mapping[str, Any] | None,
     return cloudpickle.dumps((url, dict(storage_options or {})))
 
 
-def _check_connect_capacity(conf: Mapping[str, str], size: int | None, use_gpu: bool,
-                            stage: preflight.TaskResources | None = None) -> int:
-    """Over Connect the client cannot list executors: count slots from the conf, and fail now
-    rather than wait out Spark's barrier slot check (about 10 minutes). Returns the size.
-    ``stage``: the run's own task resources, counted instead of the conf's."""
+def _check_connect_capacity(spark, conf: Mapping[str, str], size: int | None, use_gpu: bool,
+                            stage: preflight.TaskResources | None = None, wait: float = 10.0) -> int:
+    """Over Connect the client cannot list executors: count slots from the conf, or, where the
+    conf does not say, probe with a job of ``size`` tasks that must all run at once within
+    ``wait`` seconds. Fails now rather than wait out Spark's barrier slot check (about 10
+    minutes). Returns the size. ``stage``: the run's own task resources, counted instead of the conf's."""
     cap = connect.capacity(conf)
     if cap is not None and stage is not None:
         cap = dataclasses.replace(cap, task_cpus=stage.cpus, task_gpus=stage.gpus or 0.0, profile=True)
@@ -308,8 +309,21 @@ def _check_connect_capacity(conf: Mapping[str, str], size: int | None, use_gpu: 
         if size is None:
             raise InvalidArgumentError(
                 "num_proc is required over Spark Connect when the conf does not say how many executors there "
-                f"are (dynamic allocation, or spark.executor.instances/cores unset); {checked}")
-        log.info("sparktrain: over Spark Connect the task slots cannot be %s; launching %d ranks", checked, size)
+                f"are (spark.executor.instances/cores unset); {checked}")
+        host = connect.client_host(spark)
+        if stage is not None or not connect.executors_reach(spark, host):
+            log.info("sparktrain: over Spark Connect the task slots cannot be %s, nor probed from here; "
+                     "launching %d ranks", checked, size)
+            return size
+        running = connect.concurrent_slots(spark, host, size, wait)
+        if running < size:
+            raise InsufficientResourcesError(
+                f"num_proc={size} needs {size} task slots at once, but only {running} task(s) of a probe job of "
+                f"{size} ran at once within {wait:g} s (the conf does not say: {checked}). Lower num_proc, add "
+                "executors, or set spark.executor.instances and spark.executor.cores so the count comes from the "
+                "conf; spark.sparktrain.capacityWait waits longer for executors to come up")
+        log.info("sparktrain: %d tasks ran at once in a probe job (the conf does not say how many executors "
+                 "there are)", running)
         return size
     if size is None:
         return max(1, cap.slots(use_gpu))
