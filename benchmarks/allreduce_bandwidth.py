@@ -8,6 +8,9 @@ rank, for every size (float32 tensors of 4 KiB to 64 MiB by default) and for eac
 - ``eager``: ``hvd.allreduce(x, op=hvd.Sum)`` called eagerly (a new collective instance per call);
 - ``tf.function``: the same call traced once into a ``tf.function`` (one collective instance,
   run again and again, as a training step does);
+- ``in-step``: ``STEP_CALLS`` allreduces chained inside one ``tf.function`` (a ``tf.range``
+  loop), timed per collective: what a collective costs inside a compiled ``model.fit`` step,
+  without the Python-to-``tf.function`` dispatch that a per-call timing also counts;
 
 waits at a barrier, runs ``--warmup`` untimed calls (the first traces the tf.function) and
 checks the result (every element must be the number of ranks), then times ``--iters`` calls
@@ -23,7 +26,7 @@ column: it is how gradients are reduced inside ``model.fit`` and a custom traini
 ``--compare`` measures the CPU engines side by side in one run instead, on 2 and 3 ranks: the
 native engine called directly (shared memory, and the TCP ring forced with
 ``SPARKTRAIN_CPU_TRANSPORT=tcp``), the native engine through ``sparktrain.tensorflow.allreduce``
-inside a ``tf.function`` (as in a ``model.fit`` step), TensorFlow's own ring
+inside a ``tf.function`` (per call, and per collective inside a compiled step), TensorFlow's own ring
 (``SPARKTRAIN_CPU_COLLECTIVES=tensorflow``) in a ``tf.function``, and Gloo
 (``torch.distributed``, where torch is installed) and, with ``--mpi-python``, MPI (mpi4py with the
 ``mpich`` wheel, started by its ``mpiexec``) as the reference. Each size is timed call by call; the table
@@ -47,7 +50,9 @@ COMPARE_END = "<!-- cpu_engines:end -->"
 SECTION_BEGIN = "<!-- allreduce_bandwidth:begin -->"
 SECTION_END = "<!-- allreduce_bandwidth:end -->"
 
-MODES = ("tf.function", "eager")
+MODES = ("tf.function", "eager", "in-step")
+#: Collectives chained inside one tf.function call in the ``in-step`` mode.
+STEP_CALLS = 50
 
 
 # -- what the ranks run (self-contained: cloudpickle ships it by value) --------------------------
@@ -69,9 +74,19 @@ def measure(sizes: list[int], modes: list[str], op_name: str, warmup: int, iters
         x = tf.ones([nbytes // 4], tf.float32)
         row: dict = {"bytes": nbytes}
         for mode in modes:
+            per = 1
             if mode == "eager":
                 def call(t):
                     return hvd.allreduce(t, op=op)
+            elif mode == "in-step":
+                per = STEP_CALLS
+
+                @tf.function
+                def call(t):
+                    for _ in tf.range(STEP_CALLS):
+                        # Each collective waits for the last; the values stay as they were.
+                        t = hvd.allreduce(t, op=op) - t * (expected - 1.0)
+                    return t
             else:
                 # A fresh tf.function per size: traced once (in the warm-up), one collective instance.
                 call = tf.function(lambda t: hvd.allreduce(t, op=op))
@@ -82,9 +97,10 @@ def measure(sizes: list[int], modes: list[str], op_name: str, warmup: int, iters
                 out = call(x)
                 warm.append(time.perf_counter() - start)
             lo, hi = float(tf.reduce_min(out)), float(tf.reduce_max(out))
-            if lo != expected or hi != expected:
+            want = 1.0 if mode == "in-step" else expected
+            if lo != want or hi != want:
                 raise RuntimeError(f"{mode} allreduce of {nbytes} bytes gave values in [{lo}, {hi}], "
-                                   f"expected {expected}")
+                                   f"expected {want}")
             # Every rank must issue the same calls: rank 0 picks the count and broadcasts it.
             per_call = min(warm[1:]) if len(warm) > 1 else warm[0]  # the first call may include tracing
             count = max(min_iters, min(iters, int(budget / max(per_call, 1e-9))))
@@ -95,7 +111,7 @@ def measure(sizes: list[int], modes: list[str], op_name: str, warmup: int, iters
                 start = time.perf_counter()
                 call(x)
                 times.append(time.perf_counter() - start)
-            row[mode] = {"median": statistics.median(times), "min": min(times), "iters": count}
+            row[mode] = {"median": statistics.median(times) / per, "min": min(times) / per, "iters": count * per}
         results.append(row)
     return results
 
@@ -243,6 +259,7 @@ def compare(args, command: str) -> int:
     sizes = sizes_between(args.min_size, args.max_size, args.factor)
     contenders = [("native, shared memory", "native"), ("native, forced TCP", "native-tcp"),
                   ("native in tf.function (sparktrain.tensorflow)", "tf-native"),
+                  (f"native inside a compiled step ({STEP_CALLS} per tf.function)", "tf-native-step"),
                   ("TensorFlow ring in tf.function", "tf-ring")]
     if util.find_spec("torch") is not None:
         contenders.append(("Gloo (torch.distributed)", "gloo"))
@@ -258,11 +275,13 @@ def compare(args, command: str) -> int:
                     res = run_mpi(args.mpi_python, n, sizes, args.iters, args.budget, args.timeout)
                 elif kind.startswith("tf-"):
                     env = {"TF_CPP_MIN_LOG_LEVEL": "3",
-                           "SPARKTRAIN_CPU_COLLECTIVES": "native" if kind == "tf-native" else "tensorflow"}
-                    res = sparktrain.run(measure, args=(sizes, ["tf.function"], "sum", args.warmup, args.iters,
+                           "SPARKTRAIN_CPU_COLLECTIVES": "tensorflow" if kind == "tf-ring" else "native"}
+                    mode = "in-step" if kind.endswith("-step") else "tf.function"
+                    res = sparktrain.run(measure, args=(sizes, [mode], "sum", args.warmup, args.iters,
                                                         args.min_iters, args.budget),
                                          num_proc=-n, env=env, verbose=0, output_ranks=[0], stdout=sys.stderr,
                                          timeout=args.timeout)
+                    res = [{"bytes": r["bytes"], "tf.function": r[mode]} for r in res]
                 else:
                     try:
                         res = run_workers(kind, n, sizes, args.iters, args.budget, args.timeout)
@@ -384,8 +403,8 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=10.0, metavar="S",
                    help="time fewer than --iters calls where they would take longer than S seconds (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per size and mode first (default 2)")
-    p.add_argument("--mode", choices=("both", *MODES), default="both",
-                   help="tf.function, eager or both (default both; tf.function is the primary column)")
+    p.add_argument("--mode", choices=("all", *MODES), default="all",
+                   help="tf.function, eager, in-step or all (default all; tf.function is the primary column)")
     p.add_argument("--op", choices=("sum", "average"), default="sum", help="reduction (default sum)")
     p.add_argument("--num-proc", type=int, default=3, help="ranks (default 3)")
     p.add_argument("--spark", action="store_true",
@@ -424,7 +443,7 @@ def main(argv=None) -> int:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     if args.compare:
         return compare(args, command)
-    modes = list(MODES) if args.mode == "both" else [args.mode]
+    modes = list(MODES) if args.mode == "all" else [args.mode]
     sizes = sizes_between(args.min_size, args.max_size, args.factor)
 
     import sparktrain
