@@ -30,8 +30,11 @@ is discarded; the table shows the median of the rest.
 ``--scaling`` measures how CPU training scales instead: one process with 1 thread against 2
 ranks with 1 thread each (``OMP_NUM_THREADS`` and TensorFlow's intra-op threads 1, its inter-op
 pool 2, as sparktrain's defaults for one CPU per task),
-the gradients averaged by the native engine and, separately, by TensorFlow's ring; the same
-global batch for all three. It reports each one's samples/s and the ratio to the one process::
+the gradients averaged by the native engine and, separately, by TensorFlow's ring. Twice: with
+the same global batch for all (strong scaling: each rank takes half the batch), and with the
+same batch per rank (weak scaling, the convention of Horovod's scaling figures: the 2 ranks take
+a global batch twice the size, in half the steps per epoch). It reports each one's samples/s and
+the ratio to the one process::
 
     python benchmarks/epoch_time.py --scaling --num-proc 2 --global-batch 64 --write benchmarks/RESULTS.md
 """
@@ -200,29 +203,38 @@ SCALING_HEADER = ["contender", "ranks x batch", "steps/epoch", "timed epochs", "
 
 
 def build_scaling(args) -> list[Contender]:
-    common = (args.model, args.repeat_data, args.global_batch, args.epochs, 0.001 * args.global_batch / 32)
+    def common(global_batch):
+        return (args.model, args.repeat_data, global_batch, args.epochs, 0.001 * global_batch / 32)
+
     sign = 1 if args.spark else -1
+    one, two = common(args.global_batch), common(args.global_batch * 2)
     return [
-        Contender("one process, 1 thread", train_keras3, (*common, False), sign * 1, {**BASE_ENV, **ONE_THREAD}),
-        Contender("2 ranks x 1 thread, native engine", train_keras3, (*common, True), sign * 2,
+        Contender("one process, 1 thread", train_keras3, (*one, False), sign * 1, {**BASE_ENV, **ONE_THREAD}),
+        Contender("2 ranks x 1 thread, native engine, same global batch", train_keras3, (*one, True), sign * 2,
                   {**BASE_ENV, **ONE_THREAD, "SPARKTRAIN_CPU_COLLECTIVES": "native"}),
-        Contender("2 ranks x 1 thread, TensorFlow ring", train_keras3, (*common, True), sign * 2,
+        Contender("2 ranks x 1 thread, TensorFlow ring, same global batch", train_keras3, (*one, True), sign * 2,
+                  {**BASE_ENV, **ONE_THREAD, "SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"}),
+        Contender("2 ranks x 1 thread, native engine, same batch per rank", train_keras3, (*two, True), sign * 2,
+                  {**BASE_ENV, **ONE_THREAD, "SPARKTRAIN_CPU_COLLECTIVES": "native"}),
+        Contender("2 ranks x 1 thread, TensorFlow ring, same batch per rank", train_keras3, (*two, True), sign * 2,
                   {**BASE_ENV, **ONE_THREAD, "SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"}),
     ]
 
 
-def scaling_rows(contenders: list[Contender], global_batch: int) -> list[list[str]]:
-    one = contenders[0].median()
+def scaling_rows(contenders: list[Contender]) -> list[list[str]]:
+    one = contenders[0]
+    one_rate = one.info["steps"] * one.args[2] / one.median() if one.median() else None
     rows = []
     for c in contenders:
-        med = c.median()
+        med, global_batch = c.median(), c.args[2]
         shape = f"{abs(c.num_proc)} x {global_batch // abs(c.num_proc)}"
         if med is None:
             rows.append([c.name, shape, c.status or "no timed epochs"])
             continue
         steps = c.info["steps"]
-        rows.append([c.name, shape, str(steps), str(len(c.epochs)), f"{med:.3f}", f"{steps * global_batch / med:,.0f}",
-                     f"{one / med:.2f}x" if one else "n/a", f"{c.info['loss']:.4f}"])
+        rate = steps * global_batch / med
+        rows.append([c.name, shape, str(steps), str(len(c.epochs)), f"{med:.3f}", f"{rate:,.0f}",
+                     f"{rate / one_rate:.2f}x" if one_rate else "n/a", f"{c.info['loss']:.4f}"])
     return rows
 
 
@@ -379,9 +391,9 @@ def main(argv=None) -> int:
 
 
 def write_scaling(args, contenders: list[Contender], command: str) -> int:
-    rows = scaling_rows(contenders, args.global_batch)
+    rows = scaling_rows(contenders)
     machine = machine_line(("sparktrain", "tensorflow", "keras"), args.master if args.spark else None)
-    model = model_line(contenders, args)
+    model = model_line(contenders, args) + f"; the same-batch-per-rank rows take a global batch of {2 * args.global_batch}"
     print()
     print("CPU scaling: one process with 1 thread against 2 ranks with 1 thread each")
     print(f"machine: {machine}")
@@ -391,10 +403,11 @@ def write_scaling(args, contenders: list[Contender], command: str) -> int:
     if args.write:
         write_section(args.write, markdown_section(
             SCALING_BEGIN, SCALING_END, "CPU scaling: 1 process against 2 ranks, 1 thread each",
-            "Samples per second of the same model, data and global batch: one process with one thread, and two "
-            "ranks with one thread each whose gradients are averaged by sparktrain's native engine or by "
-            "TensorFlow's ring. Timed inside rank 0, first epoch of every run dropped. Written by "
-            "`benchmarks/epoch_time.py --scaling`.",
+            "Samples per second of the same model and data: one process with one thread, and two ranks with one "
+            "thread each whose gradients are averaged by sparktrain's native engine or by TensorFlow's ring, "
+            "first with the same global batch (each rank takes half), then with the same batch per rank (the "
+            "global batch doubles, as in Horovod's scaling figures). Timed inside rank 0, first epoch of every "
+            "run dropped. Written by `benchmarks/epoch_time.py --scaling`.",
             machine, command, SCALING_HEADER, rows, before_command=[model[0].upper() + model[1:] + "."]),
                       SCALING_BEGIN, SCALING_END)
         print(f"wrote the CPU-scaling section of {args.write}")
