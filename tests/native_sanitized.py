@@ -24,7 +24,7 @@ def main() -> int:
             failures.append(f"{fn.__name__} n={n} {kw}: reported {sorted(results)}, bad {bad}")
     for tcp in (False, True):
         results = nr.run_ranks(2, nr.mismatched, tcp=tcp, timeout=30)
-        if sorted(results) != [0, 1] or any(s != "error" or "disagree" not in v for s, v in results.values()):
+        if sorted(results) != [0, 1] or any(s != "error" or "the shapes differ" not in v for s, v in results.values()):
             failures.append(f"mismatch tcp={tcp}: {results}")
     for f in failures:
         print("FAILED:", f)
