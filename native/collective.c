@@ -255,12 +255,12 @@ static void set_desc(desc *d, uint32_t kind, int dtype, int32_t arg, int ndim, c
 static void desc_text(char *out, size_t n, const desc *d) {
     char dt[32];
     size_t k = 0;
-    if (d->kind == K_BARRIER) { snprintf(out, n, "nothing"); return; }
+    if (d->kind == K_BARRIER) { out[0] = 0; return; }
     dtype_text(dt, sizeof dt, d->dtype);
     k += (size_t)snprintf(out + k, n - k, "%s[", dt);
     for (uint32_t i = 0; i < d->ndim && k < n; i++) {
         if (i == DESC_DIMS - 1 && d->ndim > DESC_DIMS) {
-            k += (size_t)snprintf(out + k, n - k, "%s... (%u dims)", i ? "," : "", d->ndim);
+            k += (size_t)snprintf(out + k, n - k, ",... (%u more dims)", d->ndim - i);
             break;
         }
         k += (size_t)snprintf(out + k, n - k, "%s%lld", i ? "," : "", (long long)d->dims[i]);
@@ -291,9 +291,10 @@ static int mismatch(char *err, size_t errlen, const verdict *v) {
     desc_text(tb, sizeof tb, &v->b);
     if (v->a.kind != v->b.kind)
         return fail(err, errlen, STC_E_MISMATCH,
-                    "%s: rank %d called %s of %s but rank %d called %s of %s: the collectives differ (every rank "
+                    "%s: rank %d called %s%s%s but rank %d called %s%s%s: the collectives differ (every rank "
                     "must make the same collective calls in the same order)",
-                    kind_name(v->a.kind), v->rank_a, kind_name(v->a.kind), ta, v->rank_b, kind_name(v->b.kind), tb);
+                    kind_name(v->a.kind), v->rank_a, kind_name(v->a.kind), ta[0] ? " of " : "", ta, v->rank_b,
+                    kind_name(v->b.kind), tb[0] ? " of " : "", tb);
     return fail(err, errlen, STC_E_MISMATCH, "%s: rank %d passed %s but rank %d passed %s: the %s differ",
                 kind_name(v->a.kind), v->rank_a, ta, v->rank_b, tb, what ? what : "descriptors");
 }
