@@ -390,6 +390,7 @@ class Communicator:
         self._cfg = cfg  # keeps the arrays alive for as long as the handle
         self._cfg.timeout_s = self.timeout
         self._err = err
+        self._args_seen: dict = {}
 
     # -- calls -------------------------------------------------------------------------------
     def _call(self, fn, *args) -> None:
@@ -406,6 +407,20 @@ class Communicator:
             raise CollectiveError("the communicator is closed")
         return self._handle
 
+    def _reduce_args(self, dtype, shape, op, what: str):
+        """(dtype code, op code, ndim, dims) for a reduction, checked; remembered per dtype, shape
+        and op, since a training step makes the same calls every time and small ones are
+        dominated by this."""
+        key = (dtype, shape, op, what) if isinstance(op, str) else None
+        args = self._args_seen.get(key) if key else None
+        if args is None:
+            code = _op_code(op, what)
+            args = (_reduce_code(dtype, op, what), code) + _dims(shape)
+            if len(self._args_seen) >= 1024:
+                self._args_seen.clear()
+            self._args_seen[key] = args
+        return args
+
     def allreduce(self, array, op: str = "average"):
         """A new array: ``array`` reduced over every rank with ``op`` (one of :data:`OPS`).
 
@@ -414,21 +429,16 @@ class Communicator:
         """
         import numpy as np
 
-        code = _op_code(op, "allreduce")
         out = np.array(array, order="C", copy=True)
-        dtype = _reduce_code(out.dtype, op, "allreduce")
-        ndim, dims = _dims(out.shape)
-        self._call(self._lib.stc_allreduce, out.ctypes.data, dtype, code, ndim, dims)
+        self._call(self._lib.stc_allreduce, out.ctypes.data, *self._reduce_args(out.dtype, out.shape, op, "allreduce"))
         return out
 
     def allreduce_(self, out, op: str = "average") -> None:
         """Reduce the C-contiguous, writable ``out`` in place (as :meth:`allreduce`)."""
-        code = _op_code(op, "allreduce")
+        args = self._reduce_args(out.dtype, out.shape, op, "allreduce")
         if not (out.flags.c_contiguous and out.flags.writeable):
             raise CollectiveError("allreduce_ needs a C-contiguous, writable array")
-        dtype = _reduce_code(out.dtype, op, "allreduce")
-        ndim, dims = _dims(out.shape)
-        self._call(self._lib.stc_allreduce, out.ctypes.data, dtype, code, ndim, dims)
+        self._call(self._lib.stc_allreduce, out.ctypes.data, *args)
 
     def reducescatter(self, array, op: str = "average"):
         """``array`` reduced over every rank, of which this rank keeps its rows of axis 0.
