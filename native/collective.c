@@ -47,7 +47,7 @@
 #define SMALL_BYTES (32u << 10)
 #define CACHELINE 128
 
-enum kind { K_ALLREDUCE = 1, K_BROADCAST = 2, K_ALLGATHER = 3, K_BARRIER = 4, K_REDUCESCATTER = 5 };
+enum kind { K_ALLREDUCE = 1, K_BROADCAST = 2, K_ALLGATHER = 3, K_BARRIER = 4, K_REDUCESCATTER = 5, K_ALLTOALL = 6 };
 
 /* What a rank passed to a collective: compared between ranks before any data moves. */
 #define DESC_DIMS 8
@@ -214,7 +214,7 @@ static int nms_stale(stc_comm *c, rank_state *st) {
 }
 
 static const char *kind_name(uint64_t k) {
-    static const char *names[] = {"?", "allreduce", "broadcast", "allgather", "barrier", "reducescatter"};
+    static const char *names[] = {"?", "allreduce", "broadcast", "allgather", "barrier", "reducescatter", "alltoall"};
     return k < sizeof names / sizeof *names ? names[k] : "?";
 }
 
@@ -272,12 +272,12 @@ static void desc_text(char *out, size_t n, const desc *d) {
 }
 
 /* What differs between two ranks' descriptors ("shapes", ...), or NULL when they may go on.
- * Allgather's first dimension may differ (its total, in count, may not). */
+ * Allgather's and alltoall's first dimension may differ (their total, in count, may not). */
 static const char *desc_differs(const desc *a, const desc *b) {
     if (a->kind != b->kind) return "collectives";
     if (a->dtype != b->dtype) return "dtypes";
     if (a->ndim != b->ndim || a->count != b->count) return "shapes";
-    for (uint32_t i = a->kind == K_ALLGATHER ? 1 : 0; i < a->ndim && i < DESC_DIMS; i++)
+    for (uint32_t i = a->kind == K_ALLGATHER || a->kind == K_ALLTOALL ? 1 : 0; i < a->ndim && i < DESC_DIMS; i++)
         if (a->dims[i] != b->dims[i]) return "shapes";
     if (a->arg != b->arg) return a->kind == K_BROADCAST ? "roots" : "ops";
     return NULL;
@@ -486,6 +486,70 @@ static int shm_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_lr, int
         if (m && c->cfg.local_rank != root_lr) memcpy(buf + off, slot(c, s, root_lr), m);
         off += m;
     } while (off < nbytes);
+    return STC_OK;
+}
+
+/* A reduce-scatter within one host: as shm_allreduce, except that each rank reduces (small
+ * chunks) or copies out (large ones, reduced in shares by all) only the elements [lo, hi) it
+ * keeps, into out. The collective's first step; buf is only read. */
+static int shm_reducescatter(stc_comm *c, const char *buf, size_t count, int dtype, int op, char *out, size_t lo,
+                             size_t hi, char *err, size_t errlen) {
+    size_t esz = stc_dtype_size(dtype), chunk_elems = c->cfg.chunk_bytes / esz;
+    int L = c->cfg.local_size, lr = c->cfg.local_rank, first = 1;
+    size_t off = 0;
+    do {
+        size_t m = count - off < chunk_elems ? count - off : chunk_elems;
+        uint64_t s = c->seq + 1;
+        if (m) memcpy(slot(c, s, lr), buf + off * esz, m * esz);
+        int rc = first ? shm_step_checked(c, err, errlen) : shm_step(c, err, errlen);
+        if (rc) return rc;
+        first = 0;
+        size_t a = lo > off ? lo : off, b = hi < off + m ? hi : off + m; /* this rank's part of the chunk */
+        if (m * esz <= SMALL_BYTES) {
+            if (a < b) {
+                const void *srcs[64];
+                for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r) + (a - off) * esz;
+                stc_reduce(out + (a - lo) * esz, srcs, L, b - a, dtype, op);
+            }
+        } else {
+            rc = reduce_shares(c, s, m, dtype, op, err, errlen);
+            if (rc) return rc;
+            if (a < b) memcpy(out + (a - lo) * esz, result_area(c, s) + (a - off) * esz, (b - a) * esz);
+        }
+        off += m;
+    } while (off < count);
+    return STC_OK;
+}
+
+/* An alltoall within one host. sends[i * size + j] is how many bytes rank i sends rank j (the
+ * same matrix on every rank). In each step every rank copies the next chunk of its whole send
+ * buffer into its slot, and each reads from every slot what of it is addressed to it: one copy
+ * in, one copy out. The collective's first step. */
+static int shm_alltoallv(stc_comm *c, const char *in, char *out, const uint64_t *sends, char *err, size_t errlen) {
+    int n = c->cfg.size, me = c->cfg.rank;
+    size_t chunk = c->cfg.chunk_bytes, longest = 0, mine = 0;
+    for (int i = 0; i < n; i++) {
+        size_t total = 0;
+        for (int j = 0; j < n; j++) total += sends[(size_t)i * n + j];
+        if (total > longest) longest = total;
+        if (i == me) mine = total;
+    }
+    size_t steps = longest ? (longest + chunk - 1) / chunk : 1;
+    for (size_t k = 0; k < steps; k++) {
+        size_t base = k * chunk;
+        uint64_t s = c->seq + 1;
+        if (mine > base) memcpy(slot(c, s, c->cfg.local_rank), in + base, mine - base < chunk ? mine - base : chunk);
+        int rc = k == 0 ? shm_step_checked(c, err, errlen) : shm_step(c, err, errlen);
+        if (rc) return rc;
+        size_t dst = 0;
+        for (int i = 0; i < n; i++) {
+            size_t src = 0, len = sends[(size_t)i * n + me];
+            for (int j = 0; j < me; j++) src += sends[(size_t)i * n + j]; /* where rank i's part for me starts */
+            size_t a = src > base ? src : base, b = src + len < base + chunk ? src + len : base + chunk;
+            if (a < b) memcpy(out + dst + (a - src), slot(c, s, c->rank_local[i]) + (a - base), b - a);
+            dst += len;
+        }
+    }
     return STC_OK;
 }
 
@@ -753,9 +817,17 @@ int stc_reducescatter(stc_comm *c, void *buf, void *out, int dtype, int op, int 
     uint64_t row_elems = rows ? count / rows : 0, extra = rows % size;
     uint64_t first = r * (rows / size) + (r < extra ? r : extra), mine = rows / size + (r < extra ? 1 : 0);
     if (mine && !out) return fail(err, errlen, STC_E_ARG, "reducescatter: no output buffer");
+    size_t esz = stc_dtype_size(dtype);
+    if (c->cfg.num_nodes == 1 && c->cfg.local_size > 1) {
+        rc = shm_reducescatter(c, buf, count, dtype, op, out, first * row_elems, (first + mine) * row_elems, err,
+                               errlen);
+        if (rc) return finish(c, rc);
+        if (op == STC_AVERAGE) stc_divide(out, mine * row_elems, dtype, c->cfg.size);
+        return STC_OK;
+    }
+    /* Across hosts (and for one rank): the whole reduction, then this rank's rows. */
     rc = reduce_all(c, buf, count, dtype, op, err, errlen);
     if (rc) return finish(c, rc);
-    size_t esz = stc_dtype_size(dtype);
     if (mine) memcpy(out, (char *)buf + first * row_elems * esz, mine * row_elems * esz);
     return STC_OK;
 }
@@ -807,6 +879,51 @@ int stc_allgatherv(stc_comm *c, const void *in, void *out, const uint64_t *count
     if (total) memset(out, 0, total);
     if (counts[c->cfg.rank]) memcpy((char *)out + mine, in, counts[c->cfg.rank]);
     return finish(c, reduce_all(c, out, total, STC_UINT8, STC_SUM, err, errlen));
+}
+
+int stc_alltoallv(stc_comm *c, const void *in, void *out, const uint64_t *sends, int dtype, int ndim,
+                  const int64_t *dims, char *err, size_t errlen) {
+    if (!c || !sends) return fail(err, errlen, STC_E_ARG, "alltoall: no communicator or sends");
+    int n = c->cfg.size, me = c->cfg.rank;
+    uint64_t total = 0, mine = 0, got = 0;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) {
+            total += sends[(size_t)i * n + j];
+            if (i == me) mine += sends[(size_t)i * n + j];
+            if (j == me) got += sends[(size_t)i * n + j];
+        }
+    int rc = begin(c, K_ALLTOALL, dtype, 0, ndim, dims, total, err, errlen);
+    if (rc) return rc;
+    if (stc_dtype_size(dtype) == 0) return fail(err, errlen, STC_E_ARG, "alltoall: bad dtype %d", dtype);
+    if ((mine && !in) || (got && !out)) return fail(err, errlen, STC_E_ARG, "alltoall: missing buffer");
+    if (c->cfg.num_nodes == 1 && c->cfg.local_size > 1) return finish(c, shm_alltoallv(c, in, out, sends, err, errlen));
+    if (n == 1) {
+        if (mine) memcpy(out, in, mine);
+        return STC_OK;
+    }
+    /* Across hosts: every rank's whole send buffer to every rank (a byte-wise sum over zeros, as
+     * allgather), of which each keeps its parts. Simple, at n times the traffic of a true alltoall. */
+    char *all = total ? malloc(total) : NULL;
+    if (total && !all) return fail(err, errlen, STC_E_SYS, "alltoall: out of memory for %llu bytes",
+                                   (unsigned long long)total);
+    uint64_t at = 0;
+    for (int i = 0; i < me; i++)
+        for (int j = 0; j < n; j++) at += sends[(size_t)i * n + j];
+    if (total) memset(all, 0, total);
+    if (mine) memcpy(all + at, in, mine);
+    rc = reduce_all(c, all, total, STC_UINT8, STC_SUM, err, errlen);
+    if (!rc) {
+        uint64_t start = 0, dst = 0;
+        for (int i = 0; i < n; i++) {
+            uint64_t src = start, len = sends[(size_t)i * n + me];
+            for (int j = 0; j < me; j++) src += sends[(size_t)i * n + j];
+            if (len) memcpy((char *)out + dst, all + src, len);
+            dst += len;
+            for (int j = 0; j < n; j++) start += sends[(size_t)i * n + j];
+        }
+    }
+    free(all);
+    return finish(c, rc);
 }
 
 int stc_barrier(stc_comm *c, char *err, size_t errlen) {

@@ -17,7 +17,8 @@ extern "C" {
 #endif
 
 /* 2: every collective carries its dtype and shape (so a disagreement names both and leaves the
- * communicator usable); min, max and product; int8, int16, uint16 and bool; reduce-scatter. */
+ * communicator usable); min, max and product; int8, int16, uint16 and bool; reduce-scatter and
+ * alltoall. */
 #define STC_ABI_VERSION 2
 
 enum stc_dtype {
@@ -98,6 +99,12 @@ int stc_broadcast(stc_comm *comm, void *buf, int dtype, int ndim, const int64_t 
  * first dimension may differ between ranks. */
 int stc_allgatherv(stc_comm *comm, const void *in, void *out, const uint64_t *counts, int dtype, int ndim,
                    const int64_t *dims, char *err, size_t errlen);
+/* sends[i * size + j] is how many bytes rank i sends rank j: the same matrix on every rank. in
+ * holds this rank's sends in rank order of their destinations (this rank's tensor of the given
+ * shape); out receives what every rank sent this one, in rank order. Only the first dimension
+ * may differ between ranks. */
+int stc_alltoallv(stc_comm *comm, const void *in, void *out, const uint64_t *sends, int dtype, int ndim,
+                  const int64_t *dims, char *err, size_t errlen);
 int stc_barrier(stc_comm *comm, char *err, size_t errlen);
 
 #ifdef __cplusplus

@@ -127,6 +127,8 @@ def library():
         lib.stc_broadcast.argtypes = [vp, vp, i, i, i64p, i, err, ctypes.c_size_t]
         lib.stc_allgatherv.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_uint64), i, i, i64p, err,
                                        ctypes.c_size_t]
+        lib.stc_alltoallv.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_uint64), i, i, i64p, err,
+                                      ctypes.c_size_t]
         lib.stc_barrier.argtypes = [ctypes.c_void_p, err, ctypes.c_size_t]
         _lib = lib
         return _lib
@@ -570,17 +572,12 @@ class Communicator:
         self._check_ragged("alltoall", metas)
         sent = metas[:, 4 + _MAX_DIMS:]  # sent[i][j]: rows from rank i to rank j
         row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
-        # Built on allgather: every rank receives every send buffer and keeps its parts.
-        everything = self._gatherv(a.reshape(-1).view(np.uint8), [int(metas[r, 2]) * row for r in range(n)],
-                                   _move_code(a.dtype), a.shape)
-        parts, start = [], 0
-        for i in range(n):
-            lo = start + int(sent[i, :self.rank].sum()) * row
-            parts.append(everything[lo:lo + int(sent[i, self.rank]) * row])
-            start += int(metas[i, 2]) * row
         received_splits = sent[:, self.rank].astype(np.int64)
-        flat = np.concatenate(parts) if parts else np.empty(0, np.uint8)
-        return flat.view(a.dtype).reshape((int(received_splits.sum()),) + a.shape[1:]), received_splits
+        out = np.empty((int(received_splits.sum()),) + a.shape[1:], a.dtype)
+        sends = (ctypes.c_uint64 * (n * n))(*(sent.reshape(-1) * row).tolist())
+        ndim, dims = _dims(a.shape)
+        self._call(self._lib.stc_alltoallv, a.ctypes.data, out.ctypes.data, sends, _move_code(a.dtype), ndim, dims)
+        return out, received_splits
 
     def _gatherv(self, data, counts: list[int], dtype: int, shape):
         import numpy as np

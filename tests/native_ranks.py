@@ -303,11 +303,12 @@ def reducescatter_cases(comm):
     except native.CollectiveError as e:
         if "scalar" not in str(e):
             bad.append(f"reducescatter of a scalar: {e}")
-    big = 40_003  # over the shared-memory chunk: the large path
-    got = comm.reducescatter(np.arange(big * 3, dtype=np.float32).reshape(big, 3) * (r + 1), "sum")
-    full = np.arange(big * 3, dtype=np.float32).reshape(big, 3) * (n * (n + 1) // 2)
-    lo = sum(native.split_rows(big, n)[:r])
-    _compare(bad, "reducescatter big", got, full[lo:lo + native.split_rows(big, n)[r]])
+    # Over the 256 KiB shared-memory chunk: two large chunks; a large one and then a small one.
+    for big in (40_003, 22_700):
+        got = comm.reducescatter(np.arange(big * 3, dtype=np.float32).reshape(big, 3) * (r + 1), "average")
+        full = np.arange(big * 3, dtype=np.float32).reshape(big, 3) * np.float32(n * (n + 1) // 2) / np.float32(n)
+        lo = sum(native.split_rows(big, n)[:r])
+        _compare(bad, f"reducescatter big {big}", got, full[lo:lo + native.split_rows(big, n)[r]])
     return bad
 
 
