@@ -14,9 +14,16 @@
  * step sending to the next leader while receiving from the previous one, and reducing what has
  * arrived while the rest is still in flight.
  *
+ * Before any data moves, the ranks compare what each passed (a descriptor: kind, dtype, shape,
+ * op or root). Within a host every rank publishes its descriptor with the collective's first
+ * step and reads everyone's; across hosts each leader adds its host's verdict, the leaders pass
+ * the verdicts around the ring, and each tells its local ranks the outcome in one more step. So
+ * a disagreement is found by every rank at the same step, with the same message, and leaves the
+ * communicator usable (STC_E_MISMATCH).
+ *
  * Every wait has the collective's deadline. A waiting rank checks the ranks it waits for: a
  * local peer whose process is gone or whose heartbeat stopped, or a socket that closed, fails
- * the collective with the peer's rank in the message.
+ * the collective with the peer's rank in the message, and ends the communicator.
  */
 #define _GNU_SOURCE
 #include "collective.h"

@@ -10,7 +10,13 @@ Pure of Spark and TensorFlow: it needs numpy only, so tests run ranks as plain p
 
     comm = Communicator(rank=r, size=3, hosts=["h"] * 3, ports=[p0, p1, p2], secret=key, name=run)
     total = comm.allreduce(np.arange(4.0), op="sum")
+    mine = comm.reducescatter(np.ones((7, 2), np.float32), op="max")   # rows 3, 2 and 2
+    got, got_splits = comm.alltoall(np.arange(6), splits=[1, 2, 3])
     comm.close()
+
+Ranks that pass different shapes, dtypes, ops or roots, or call different collectives, all get
+the same :class:`CollectiveError` (code :data:`MISMATCH`), and the communicator goes on working;
+a dead peer or a timeout (:data:`PEER`, :data:`TIMEOUT`) ends it (:data:`BROKEN` after).
 """
 from __future__ import annotations
 
