@@ -881,7 +881,8 @@ int stc_allgatherv(stc_comm *c, const void *in, void *out, const uint64_t *count
     int rc = begin(c, K_ALLGATHER, dtype, 0, ndim, dims, total, err, errlen);
     if (rc) return rc;
     if (stc_dtype_size(dtype) == 0) return fail(err, errlen, STC_E_ARG, "allgather: bad dtype %d", dtype);
-    if ((total && !out) || (counts[c->cfg.rank] && !in)) return fail(err, errlen, STC_E_ARG, "allgather: missing buffer");
+    if ((total && !out) || (counts[c->cfg.rank] && !in))
+        return fail(err, errlen, STC_E_ARG, "allgather: missing buffer");
     /* Every byte has exactly one contributor, so a byte-wise sum with zeros elsewhere is exact. */
     if (total) memset(out, 0, total);
     if (counts[c->cfg.rank]) memcpy((char *)out + mine, in, counts[c->cfg.rank]);

@@ -571,7 +571,8 @@ class Communicator:
                 got = metas[r, 4 + _MAX_DIMS:].tolist()
                 why = {1: "a scalar has no rows to send; pass an array of at least one dimension",
                        2: f"its {int(metas[r, 2])} rows do not split evenly over {n} ranks; pass splits",
-                       3: f"splits must be {n} integers, one per rank; it passed {int(metas[r, 3 + _MAX_DIMS])}",
+                       3: f"splits must be {n} integers, one per rank (it passed {int(metas[r, 3 + _MAX_DIMS])} "
+                          "values, or values that are not integers)",
                        4: f"splits {got} are negative",
                        5: f"splits {got} sum to {sum(got)}, not to its {int(metas[r, 2])} rows"}[p]
                 raise CollectiveError(f"rank {self.rank}: alltoall: rank {r} passed {shape}: {why}")

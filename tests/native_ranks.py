@@ -290,8 +290,10 @@ def reducescatter_cases(comm):
         for trailing in ((), (3,)):
             for dtype, op in (("float32", "sum"), ("int32", "average"), ("int16", "max"), ("float16", "min"),
                               ("bool", "sum")):
-                make = lambda k: op_inputs(rows * int(np.prod(trailing, dtype=np.int64)), k, dtype, op).reshape(  # noqa: E731
-                    (rows,) + trailing)
+                def make(k, rows=rows, trailing=trailing, dtype=dtype, op=op):
+                    size = rows * int(np.prod(trailing, dtype=np.int64))
+                    return op_inputs(size, k, dtype, op).reshape((rows,) + trailing)
+
                 got = comm.reducescatter(make(r), op)
                 full = op_expected([make(k) for k in range(n)], dtype, op)
                 lo = sum(native.split_rows(rows, n)[:r])
