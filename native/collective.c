@@ -62,7 +62,7 @@ typedef struct desc {
     uint32_t kind, dtype;
     int32_t arg;    /* the op, the root, or 0 */
     uint32_t ndim;  /* the true number of dims; those from DESC_DIMS-1 on are folded into the last entry */
-    uint64_t count; /* elements; for allgather the bytes of every rank together */
+    uint64_t count; /* elements; for allgather and alltoall the bytes of every rank together */
     int64_t dims[DESC_DIMS];
 } desc;
 
