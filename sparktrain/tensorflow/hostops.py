@@ -24,12 +24,13 @@ _DESC_LEN = 40  # kind, op, dtype, root, ndim, then up to 35 dimensions
 
 
 def engine_ops() -> set:
-    """The reductions the engine runs itself (the engine's table; newer engines have more)."""
-    return set(getattr(native, "_OPS", {}))
+    """The reductions the engine runs itself (older engines had fewer, in a private table)."""
+    return set(getattr(native, "OPS", None) or getattr(native, "_OPS", {}))
 
 
 def engine_dtypes() -> set:
-    return set(getattr(native, "_DTYPES", {}))
+    """The dtypes the engine reduces itself."""
+    return set(getattr(native, "DTYPES", None) or getattr(native, "_DTYPES", {}))
 
 
 def engine_checks(comm) -> bool:
