@@ -268,6 +268,7 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
         assert all(e["dur"] >= 0 and e["ts"] > 1.6e15 for e in events)
         expect("after_shutdown", r, False)
         expect("reinit", r, [total])
+    assert len({got[r]["join"] for r in range(n)}) == 1  # every rank names the same last rank
     return bad
 
 
