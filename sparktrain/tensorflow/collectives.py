@@ -421,8 +421,12 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None, ignore_name_s
     return _broadcast(tensor, root_rank, name)
 
 
-def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set) -> None:
-    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype."""
+def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set,
+                        inplace: bool = False) -> None:
+    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype.
+
+    The assignment is always in place; ``inplace`` (Horovod's memory-saving variant) is accepted.
+    """
     require_init()
     tf = _tf()
     _check_process_set(process_set)
@@ -436,8 +440,8 @@ def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=glo
 
 
 def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_set=global_process_set):
-    """Broadcast in place: every variable takes its value on ``root_rank``; returns the variables
-    (a single variable when given one), as Horovod's ``broadcast_``."""
+    """Broadcast in place: every variable takes its value on ``root_rank``; returns their new
+    values (tensors, in order; one tensor when given one variable), as Horovod's ``broadcast_``."""
     single = not isinstance(variables, (list, tuple))
     items = [variables] if single else list(variables)
     for v in items:
@@ -445,7 +449,8 @@ def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_s
             raise InvalidArgumentError(f"broadcast_ assigns variables in place; got a {type(v).__name__}. Use "
                                        "broadcast() for tensors")
     broadcast_variables(items, root_rank, process_set=process_set)
-    return items[0] if single else items
+    values = [_tf().convert_to_tensor(v) for v in items]
+    return values[0] if single else values
 
 
 # -- reducescatter -----------------------------------------------------------------------------
