@@ -159,6 +159,7 @@ def everything(outdir):
     put("bad/bool_average", lambda: hvd.allreduce(t("bool")))
     put("bad/adasum_int", lambda: hvd.allreduce(t("int32"), op=hvd.Adasum))
     put("bad/init_comm", lambda: hvd.init(comm=[0, 1]))
+    put("bad/init_sets", lambda: hvd.init(process_sets=[[0, 1]]))
     # Timeline: every collective between start and stop, one event each.
     timeline = os.path.join(outdir, "timeline.json")
     hvd.start_timeline(timeline)
@@ -170,7 +171,8 @@ def everything(outdir):
     # shutdown closes the engine; init brings it up again.
     hvd.shutdown()
     got["after_shutdown"] = hvd.is_initialized()
-    hvd.init()
+    with tf.Graph().as_default():  # init may come first in a graph; eager collectives find it after
+        hvd.init()
     put("reinit", lambda: hvd.allreduce(tf.constant([float(r)]), op=hvd.Sum))
     record_rank(outdir, got=got, engine=hvd.collective_engine())
 
@@ -254,7 +256,8 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
         for case, words in {"bad/op": ["'mean'", "Average, Sum"], "bad/both": ["op supersedes", "average=True"],
                             "bad/root": [f"0..{n - 1}", f"got {n}"], "bad/splits": ["splits", "[1, 1"],
                             "bad/bool_average": ["bool", "Average"], "bad/adasum_int": ["Adasum", "int32"],
-                            "bad/init_comm": ["comm=[0, 1]", "without comm"]}.items():
+                            "bad/init_comm": ["comm=[0, 1]", "without comm"],
+                            "bad/init_sets": ["process_sets=[[0, 1]]", "no process sets"]}.items():
             assert got[r][case].startswith("ERROR InvalidArgumentError") and all(w in got[r][case] for w in words), \
                 (case, got[r][case])
         path = got[r]["timeline"]
