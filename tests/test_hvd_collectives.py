@@ -128,7 +128,8 @@ def everything(outdir):
     put("fp16_dtype", lambda: hvd.Compression.fp16.compress(t("float64"))[0].dtype.name)
 
     def sparse():
-        s = hvd.allreduce(tf.IndexedSlices(tf.fill([1, 2], tf.constant(r + 1.0, tf.float64)), tf.constant([r]), tf.constant([n, 2])))
+        values = tf.fill([1, 2], tf.constant(r + 1.0, tf.float64))
+        s = hvd.allreduce(tf.IndexedSlices(values, tf.constant([r]), tf.constant([n, 2])))
         return [s.values, s.indices, tf.convert_to_tensor(s)]
     put("sparse", sparse)
 

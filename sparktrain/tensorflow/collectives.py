@@ -291,7 +291,8 @@ def _grouped_raw(tensors: list, op: str) -> list:
         return [tf.identity(t) for t in tensors]
     if _native():
         comm = state.comm
-        outs = _native_call(f"grouped_allreduce.{op}", lambda *arrays: hostops.grouped_allreduce(comm, list(arrays), op),
+        outs = _native_call(f"grouped_allreduce.{op}",
+                            lambda *arrays: hostops.grouped_allreduce(comm, list(arrays), op),
                             tensors, [t.dtype for t in tensors])
         if not isinstance(outs, (list, tuple)):  # TensorFlow unwraps a list of one
             outs = [outs]
