@@ -284,7 +284,8 @@ def test_every_collective_op_and_dtype_on_the_native_engine(tmp_path, num_proc):
     assert check_everything(got, num_proc, tmp_path, "native") == []
 
 
-def test_every_collective_op_and_dtype_on_tensorflows_ring(tmp_path):
-    got, engines = run_all(tmp_path, 3, RING)
+@pytest.mark.parametrize("num_proc", [3, 2])
+def test_every_collective_op_and_dtype_on_tensorflows_ring(tmp_path, num_proc):
+    got, engines = run_all(tmp_path, num_proc, RING)
     assert engines == {"tensorflow"}
-    assert check_everything(got, 3, tmp_path, "tensorflow") == []
+    assert check_everything(got, num_proc, tmp_path, "tensorflow") == []
