@@ -166,7 +166,7 @@ def everything(outdir):
     hvd.start_timeline(timeline)
     hvd.allreduce(t("float32"), op=hvd.Sum)
     hvd.allgather(t("int32"))
-    hvd.broadcast(t("float64"), root_rank=0)
+    hvd.broadcast(t("float64"), root_rank=0, name="weights")
     tf.function(lambda x: hvd.allreduce(x, op=hvd.Max))(t("int8"))  # recorded on the native engine only
     got["timeline"] = hvd.stop_timeline()
     # shutdown closes the engine; init brings it up again.
@@ -267,7 +267,7 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
             events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
         in_function = [("allreduce.max", 6)] if engine == "native" else []
         assert [(e["name"], e["args"]["bytes"]) for e in events] == \
-            [("allreduce.sum", 24), ("allgather", 24), ("broadcast", 48)] + in_function, events
+            [("allreduce.sum", 24), ("allgather", 24), ("weights", 48)] + in_function, events
         assert all(e["pid"] == r for e in events)
         assert all(e["dur"] >= 0 and e["ts"] > 1.6e15 for e in events)
         expect("after_shutdown", r, False)

@@ -160,10 +160,10 @@ def _allreduce_raw(t, op: str, name=None):
         return tf.identity(t)
     if _native():
         comm = state.comm
-        out = _native_call(f"allreduce.{op}", lambda a: hostops.allreduce(comm, a, op), [t], t.dtype)
+        out = _native_call(name or f"allreduce.{op}", lambda a: hostops.allreduce(comm, a, op), [t], t.dtype)
         out.set_shape(t.shape)
         return out
-    return _ring_call(f"allreduce.{op}", _nbytes(t), lambda: ringops.allreduce(t, op, name=name))
+    return _ring_call(name or f"allreduce.{op}", _nbytes(t), lambda: ringops.allreduce(t, op, name=name))
 
 
 def _allreduce(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
@@ -332,10 +332,10 @@ def _allgather_raw(t, name=None):
         return tf.identity(t)
     if _native():
         comm = state.comm
-        out = _native_call("allgather", lambda a: hostops.allgather(comm, a), [t], t.dtype)
+        out = _native_call(name or "allgather", lambda a: hostops.allgather(comm, a), [t], t.dtype)
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         return out
-    return _ring_call("allgather", _nbytes(t), lambda: ringops.allgather(t, name=name))
+    return _ring_call(name or "allgather", _nbytes(t), lambda: ringops.allgather(t, name=name))
 
 
 def _allgather(t, name=None):
@@ -389,10 +389,10 @@ def _broadcast_raw(t, root_rank: int, name=None):
         return tf.identity(t)
     if _native():
         comm = state.comm
-        out = _native_call("broadcast", lambda a: hostops.broadcast(comm, a, root_rank), [t], t.dtype)
+        out = _native_call(name or "broadcast", lambda a: hostops.broadcast(comm, a, root_rank), [t], t.dtype)
         out.set_shape(t.shape)
         return out
-    return _ring_call("broadcast", _nbytes(t), lambda: ringops.broadcast(t, root_rank, name=name))
+    return _ring_call(name or "broadcast", _nbytes(t), lambda: ringops.broadcast(t, root_rank, name=name))
 
 
 def _broadcast(t, root_rank: int, name=None):
@@ -462,10 +462,10 @@ def _reducescatter_raw(t, op: str, name=None):
         return tf.identity(t)
     if _native():
         comm = state.comm
-        out = _native_call(f"reducescatter.{op}", lambda a: hostops.reducescatter(comm, a, op), [t], t.dtype)
+        out = _native_call(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(comm, a, op), [t], t.dtype)
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         return out
-    return _ring_call(f"reducescatter.{op}", _nbytes(t), lambda: ringops.reducescatter(t, op, name=name))
+    return _ring_call(name or f"reducescatter.{op}", _nbytes(t), lambda: ringops.reducescatter(t, op, name=name))
 
 
 def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
