@@ -25,7 +25,8 @@ from .collectives import (ProcessSet, add_process_set, allgather, allreduce, all
                           broadcast_variables, global_process_set, grouped_allgather, grouped_allreduce,
                           grouped_reducescatter, join, reducescatter, remove_process_set)
 from .compression import Compression
-from .gradients import DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients, average_gradients
+from .gradients import (DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape, allreduce_gradients,
+                        average_gradients)
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
 from .ops import Adasum, Average, Max, Min, Product, Sum, check_op
 from .runtime import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_TIMEOUT, ccl_built, collective_engine, cross_rank, cross_size,
@@ -37,7 +38,8 @@ from .runtime import cpu_engine as _cpu_engine  # noqa: F401 - the settings test
 from .timeline import start_timeline, stop_timeline
 
 __all__ = [
-    "Adasum", "Average", "COLLECTIVE_TIMEOUT_ENV", "Compression", "DEFAULT_TIMEOUT", "DistributedGradientTape", "Max",
+    "Adasum", "Average", "COLLECTIVE_TIMEOUT_ENV", "Compression", "DEFAULT_TIMEOUT", "DistributedGradientTape",
+    "DistributedOptimizer", "Max",
     "Min", "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
     "allgather_object", "allreduce", "allreduce_gradients", "alltoall", "average_gradients", "barrier", "broadcast",
     "broadcast_", "broadcast_object", "broadcast_object_fn", "broadcast_variables", "ccl_built", "check_op",
