@@ -289,3 +289,30 @@ def test_every_collective_op_and_dtype_on_tensorflows_ring(tmp_path, num_proc):
     got, engines = run_all(tmp_path, num_proc, RING)
     assert engines == {"tensorflow"}
     assert check_everything(got, num_proc, tmp_path, "tensorflow") == []
+
+
+def test_compression_and_horovods_helpers_in_this_process():
+    import tensorflow as tf
+
+    import sparktrain.tensorflow as hvd
+
+    x = tf.constant([1.5, -2.25], tf.float64)
+    compressed, ctx = hvd.Compression.fp16.compress(x)
+    assert compressed.dtype == tf.float16 and ctx == tf.float64
+    back = hvd.Compression.fp16.decompress(compressed, ctx)
+    assert back.dtype == tf.float64 and back.numpy().tolist() == [1.5, -2.25]
+    ints, ctx = hvd.Compression.fp16.compress(tf.constant([3], tf.int32))
+    assert ints.dtype == tf.int32 and hvd.Compression.fp16.decompress(ints, ctx).dtype == tf.int32
+    same, ctx = hvd.Compression.none.compress(x)
+    assert same is x and ctx is None and hvd.Compression.none.decompress(same, ctx) is x
+    assert [hvd.check_num_rank_power_of_2(k) for k in (1, 2, 3, 4, 6, 8)] == [True, True, False, True, False, True]
+    assert hvd.handle_average_backwards_compatibility(None, None) == hvd.Average
+    assert hvd.handle_average_backwards_compatibility(hvd.Max, None) == hvd.Max
+    with pytest.warns(DeprecationWarning):
+        assert hvd.handle_average_backwards_compatibility(None, False) == hvd.Sum
+    with pytest.raises(ValueError, match=r"broadcast_global_variables\(0\).*broadcast_variables\(model.variables"):
+        hvd.broadcast_global_variables(0)
+    with pytest.raises(ValueError, match=r"add_process_set.*global_process_set"):
+        hvd.add_process_set([0, 1])
+    with pytest.raises(AttributeError, match="no_such_name"):
+        hvd.no_such_name  # noqa: B018 - the module's lazy lookup still refuses unknown names

@@ -440,6 +440,14 @@ def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=glo
         v.assign(value)
 
 
+def broadcast_global_variables(root_rank: int = 0):
+    """Horovod's TensorFlow 1 call, which has no global variables to find in TensorFlow 2's eager
+    mode (Horovod refuses it there too): an error naming what to call instead."""
+    raise InvalidArgumentError(f"broadcast_global_variables({root_rank!r}) needs TensorFlow 1 global variables; "
+                               "call broadcast_variables(model.variables, root_rank) (or the Keras callback "
+                               "BroadcastGlobalVariablesCallback) instead")
+
+
 def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_set=global_process_set):
     """Broadcast in place: every variable takes its value on ``root_rank``; returns their new
     values (tensors, in order; one tensor when given one variable), as Horovod's ``broadcast_``."""
