@@ -141,6 +141,11 @@ def everything(outdir):
 
     for step in range(2):  # the traced function runs again with its fixed keys
         put(f"graph/{step}", lambda: in_graph(t("float32"), t("bool")))
+    @tf.function
+    def every_dtype_in_graph():
+        return [hvd.allreduce(t(dtype), op=hvd.Max if dtype == "bool" else hvd.Sum) for dtype in DTYPES]
+
+    put("graph/dtypes", every_dtype_in_graph)
     v = tf.Variable(t("float32"))
     put("broadcast_", lambda: [hvd.broadcast_([v], root_rank=1)[0], v])  # the value returned, and assigned
     put("broadcast_object", lambda: hvd.broadcast_object({"from": r, "x": [1, 2]} if r == 1 else None, root_rank=1))
@@ -247,6 +252,7 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
             assert g[:6] == [plain(np.max(x, 0)), plain(np.all(b, 0)), plain(np.concatenate(x)), plain(b[2 % n]),
                              plain(np.sum(x, 0)[sum(rs[:r]):sum(rs[:r + 1])]), plain(mine)], (r, step, g)
             assert np.allclose(g[6], adasum(x), rtol=1e-5), (r, step)
+        expect("graph/dtypes", r, [expected_reduce("Max" if d == "bool" else "Sum", d, n) for d in DTYPES])
         expect("broadcast_", r, [plain(inputs(1, "float32"))] * 2)
         expect("broadcast_object", r, {"from": 1, "x": [1, 2]})
         expect("broadcast_object_fn", r, "rank0")
