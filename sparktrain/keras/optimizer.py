@@ -1,0 +1,308 @@
+"""Horovod's ``DistributedOptimizer`` and ``PartialDistributedOptimizer`` for Keras 3.
+
+The distributed optimizer is a subclass of the user's optimizer class, built from its config,
+whose gradients are reduced over all ranks inside the compiled train step, after Keras has
+unscaled and (with ``backward_passes_per_step``) accumulated them, and before clipping, weight
+decay and the update. Only the applying step reduces: on the other passes the gradients are
+added to local accumulators (Keras 3's own ``gradient_accumulation_steps``) and no collective
+runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .. import tensorflow as _tfc
+from ..errors import SparkTrainError
+from ..tensorflow import Average, Sum
+from .compression import Compression, check_compression
+
+_wrapped_classes: dict[type, type] = {}
+
+
+@dataclasses.dataclass
+class GradientReduction:
+    """How a distributed optimizer reduces its gradients (Horovod's arguments, checked)."""
+
+    op: str = Average
+    compression: Any = Compression.none
+    sparse_as_dense: bool = False
+    gradient_predivide_factor: float = 1.0
+    backward_passes_per_step: int = 1
+    average_aggregated_gradients: bool = False
+    groups: Any = None
+    scale_local_gradients: bool = True
+    #: ``id()`` of each variable registered with ``register_local_var``, and the variables.
+    local_vars: dict = dataclasses.field(default_factory=dict)
+    local_layers: list = dataclasses.field(default_factory=list)
+
+    def local_ids(self) -> set[int]:
+        ids = set(self.local_vars)
+        for layer in self.local_layers:
+            ids.update(id(v) for v in layer.weights)
+        return ids
+
+
+def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str = "", device_sparse: str = "",  # noqa: N802
+                         compression=Compression.none, sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, op: str = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
+                         process_set=None, scale_local_gradients: bool = True):
+    """Wrap a Keras 3 optimizer so each update first reduces the gradients over all ranks.
+
+    Horovod's arguments and defaults:
+
+    - ``compression``: ``Compression.none`` or ``Compression.fp16`` (floating gradients travel
+      as float16 and come back in their own dtype).
+    - ``sparse_as_dense``: reduce ``tf.IndexedSlices`` gradients (embeddings) as dense tensors;
+      by default they are gathered from every rank (values and indices) and stay sparse.
+    - ``gradient_predivide_factor`` f: gradients are scaled by 1/f before the sum and by f/size
+      after it (``op=Average`` only), to keep float16 sums in range.
+    - ``op``: ``Average`` (default) or ``Sum``.
+    - ``backward_passes_per_step`` N: gradients are accumulated locally for N passes, then
+      reduced once and applied; ``average_aggregated_gradients=True`` divides the accumulated
+      sum by N, as one pass over an N times larger batch would. ``optimizer.iterations`` counts
+      the updates, as with Keras's ``gradient_accumulation_steps``, which this uses.
+    - ``num_groups`` / ``groups``: how gradients are fused into collectives (a number of
+      groups, or lists of variables reduced together); the result is the same.
+    - ``scale_local_gradients``: gradients of variables registered with
+      ``register_local_var`` are not reduced; with this they are divided by size, as Horovod
+      does.
+    - ``name``: the optimizer's name (Keras's ``name``); ``device_dense`` and
+      ``device_sparse`` are accepted and ignored (sparktrain places collectives itself).
+    - ``process_set``: only the global set (``None``) exists in sparktrain.
+
+    The result keeps the original class's name (``Adam``), so a saved model loads without
+    sparktrain. Clipping and weight decay happen after the reduction, as with Horovod.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise SparkTrainError(
+            f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
+            "for tf_keras use sparktrain.tensorflow.strategy()")
+    reduction = _check_arguments(optimizer, compression, sparse_as_dense, gradient_predivide_factor, op,
+                                 backward_passes_per_step, average_aggregated_gradients, num_groups, groups,
+                                 process_set, scale_local_gradients)
+    base = type(optimizer)
+    if getattr(base, "_sparktrain_distributed", False):
+        raise SparkTrainError(f"{base.__name__} is already a DistributedOptimizer; wrap the plain optimizer once")
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    if backward_passes_per_step > 1:
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    wrapped = _distributed_class(base).from_config(config)
+    wrapped._sparktrain_reduction = reduction
+    return wrapped
+
+
+def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense: str = "",  # noqa: N802
+                                device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: str = Average,
+                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                                groups=None, process_set=None, local_layers=None, scale_local_gradients: bool = True):
+    """A :func:`DistributedOptimizer` whose ``local_layers`` (a layer or a list) train on each rank's
+    own gradients: their variables' gradients are never reduced.
+
+    Pair it with ``BroadcastGlobalVariablesCallback(0, local_variables=...)`` or leave it to the
+    callback, which skips every variable this optimizer treats as local. The layers may be
+    unbuilt here; their weights are looked up when gradients are first applied.
+    """
+    import keras
+
+    layers = [] if local_layers is None else [local_layers] if isinstance(local_layers, keras.layers.Layer) \
+        else list(local_layers)
+    bad = [type(layer).__name__ for layer in layers if not isinstance(layer, keras.layers.Layer)]
+    if bad:
+        raise SparkTrainError(f"local_layers must be Keras layers, got {', '.join(bad)}; pass model.layers[i] "
+                              "or the layer objects themselves")
+    wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                                   compression=compression, sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=gradient_predivide_factor, op=op,
+                                   backward_passes_per_step=backward_passes_per_step,
+                                   average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                                   process_set=process_set, scale_local_gradients=scale_local_gradients)
+    wrapped._sparktrain_reduction.local_layers = layers
+    return wrapped
+
+
+def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, passes, average_aggregated, num_groups,
+                     groups, process_set, scale_local) -> GradientReduction:
+    if op not in (Average, Sum):
+        raise SparkTrainError(f"op must be sparktrain.keras.Average or Sum for gradients, got {op!r}")
+    check_compression(compression)
+    if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
+        raise SparkTrainError(f"gradient_predivide_factor must be a positive number, got {predivide!r}")
+    if predivide != 1.0 and op != Average:
+        raise SparkTrainError(f"gradient_predivide_factor={predivide!r} needs op=Average (it splits the averaging "
+                              f"before and after the sum), got op={op!r}")
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise SparkTrainError(f"backward_passes_per_step must be a whole number of at least 1, got {passes!r}")
+    if passes > 1 and getattr(optimizer, "gradient_accumulation_steps", None):
+        raise SparkTrainError(
+            f"the optimizer already accumulates gradients (gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}); set either that or backward_passes_per_step={passes}, not both")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise SparkTrainError(f"num_groups must be a whole number >= 0, got {num_groups!r}")
+    if num_groups and groups is None:
+        groups = num_groups
+    if groups is not None and not (isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups)) \
+            and not (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0):
+        raise SparkTrainError(f"groups must be a positive number of groups or a list of lists of variables, "
+                              f"got {groups!r}")
+    if process_set is not None:
+        raise SparkTrainError(f"process_set={process_set!r}: sparktrain reduces over every rank (the global set); "
+                              "leave process_set out")
+    return GradientReduction(op=op, compression=compression, sparse_as_dense=bool(sparse_as_dense),
+                             gradient_predivide_factor=float(predivide), backward_passes_per_step=passes,
+                             average_aggregated_gradients=bool(average_aggregated), groups=groups,
+                             scale_local_gradients=bool(scale_local))
+
+
+def _distributed_class(base: type) -> type:
+    cls = _wrapped_classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (base,), {
+            "_backend_apply_gradients": _backend_apply_gradients,
+            "_clip_gradients": _clip_gradients,
+            "register_local_var": register_local_var,
+            "_sparktrain_distributed": True,
+            "__module__": base.__module__,
+            "__doc__": f"{base.__name__} whose gradients are reduced over every sparktrain rank.",
+        })
+        _wrapped_classes[base] = cls
+    return cls
+
+
+def register_local_var(self, var) -> None:
+    """Treat ``var`` as local to this rank: its gradient is not reduced, and
+    ``BroadcastGlobalVariablesCallback`` does not broadcast it. Call it before training."""
+    reduction = _reduction_of(self)
+    reduction.local_vars[id(var)] = var
+
+
+def _reduction_of(optimizer) -> GradientReduction:
+    reduction = getattr(optimizer, "_sparktrain_reduction", None)
+    if reduction is None:  # loaded by load_model: Horovod's defaults
+        reduction = GradientReduction()
+        optimizer._sparktrain_reduction = reduction
+    return reduction
+
+
+def local_variables(optimizer) -> list:
+    """The variables ``optimizer`` keeps local (registered, or in its ``local_layers``); [] for others."""
+    reduction = getattr(optimizer, "_sparktrain_reduction", None)
+    if reduction is None:
+        return []
+    found = dict(reduction.local_vars)
+    for layer in reduction.local_layers:
+        found.update((id(v), v) for v in layer.weights)
+    return list(found.values())
+
+
+def _backend_apply_gradients(self, grads, trainable_variables):
+    # Keras calls _clip_gradients once per update, inside the applying branch when it
+    # accumulates; it does not pass the variables there, so they are kept for that call.
+    self._sparktrain_pending_variables = list(trainable_variables)
+    try:
+        return super(type(self), self)._backend_apply_gradients(grads, trainable_variables)
+    finally:
+        self._sparktrain_pending_variables = None
+
+
+def _clip_gradients(self, grads):
+    variables = getattr(self, "_sparktrain_pending_variables", None)
+    if variables is None or len(variables) != len(grads):
+        raise SparkTrainError("DistributedOptimizer could not match gradients to variables; this Keras version "
+                              "calls _clip_gradients differently from Keras 3.15")
+    grads = reduce_gradients(list(grads), variables, _reduction_of(self))
+    return super(type(self), self)._clip_gradients(grads)
+
+
+def reduce_gradients(grads: list, variables: list, reduction: GradientReduction) -> list:
+    """Reduce ``grads`` (one per variable in ``variables``) as ``reduction`` says; None stays None."""
+    import tensorflow as tf
+
+    size = _tfc.size()
+    local = reduction.local_ids()
+    shared = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and id(v) not in local]
+    out = list(grads)
+    scale_after = 1.0
+    if reduction.backward_passes_per_step > 1 and not reduction.average_aggregated_gradients:
+        # Keras averages the accumulated passes; Horovod's default is their sum.
+        scale_after = float(reduction.backward_passes_per_step)
+    if shared:
+        reduced = _reduce_shared([grads[i] for i in shared], [variables[i] for i in shared], reduction, size)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        factor = scale_after * (1.0 / size if id(v) in local and reduction.scale_local_gradients else 1.0)
+        if factor != 1.0:
+            g = out[i]
+            out[i] = tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape) \
+                if isinstance(g, tf.IndexedSlices) else g * tf.cast(factor, g.dtype)
+    return out
+
+
+def _reduce_shared(grads: list, variables: list, reduction: GradientReduction, size: int) -> list:
+    """Reduce every gradient of ``grads`` over the ranks: dense ones in fused groups, sparse ones
+    gathered (or densified with ``sparse_as_dense``)."""
+    import tensorflow as tf
+
+    op, f = reduction.op, reduction.gradient_predivide_factor
+    # Average with a predivide factor f is a sum of g/f, scaled by f/size afterwards.
+    pre, post = (1.0 / f, f / size) if f != 1.0 else (1.0, 1.0)
+    collective_op = Sum if f != 1.0 else op
+    out: list = [None] * len(grads)
+    dense_idx = []
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices) and reduction.sparse_as_dense:
+            g = tf.convert_to_tensor(g)
+        if isinstance(g, tf.IndexedSlices):
+            values = _tfc.allgather(g.values * tf.cast(pre, g.values.dtype) if pre != 1.0 else g.values)
+            indices = _tfc.allgather(g.indices)
+            if collective_op == Average:
+                values = values / tf.cast(size, values.dtype)
+            if post != 1.0:
+                values = values * tf.cast(post, values.dtype)
+            out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
+        else:
+            out[i] = g
+            dense_idx.append(i)
+    for group in _groups(dense_idx, [variables[i] for i in dense_idx], reduction.groups):
+        compressed, contexts = [], []
+        for i in group:
+            g = tf.convert_to_tensor(out[i])
+            if pre != 1.0:
+                g = g * tf.cast(pre, g.dtype)
+            c, ctx = reduction.compression.compress(g)
+            compressed.append(c)
+            contexts.append(ctx)
+        reduced = _tfc.grouped_allreduce(compressed, op=collective_op)
+        for i, r, ctx in zip(group, reduced, contexts):
+            r = reduction.compression.decompress(r, ctx)
+            out[i] = r * tf.cast(post, r.dtype) if post != 1.0 else r
+    return out
+
+
+def _groups(indices: list[int], variables: list, groups) -> list[list[int]]:
+    """Split the dense gradients' indices into the collectives they are fused into."""
+    if not indices:
+        return []
+    if groups is None:
+        return [indices]
+    if isinstance(groups, int):
+        n = min(groups, len(indices))
+        return [indices[k * len(indices) // n:(k + 1) * len(indices) // n] for k in range(n)]
+    position = {id(v): indices[k] for k, v in enumerate(variables)}
+    out, seen = [], set()
+    for group in groups:
+        members = [position[id(v)] for v in group if id(v) in position and position[id(v)] not in seen]
+        seen.update(members)
+        if members:
+            out.append(members)
+    out.extend([i] for i in indices if i not in seen)  # a variable in no list is a group of its own
+    return out
