@@ -52,6 +52,7 @@ def accumulation_and_compression(got, hvd, keras, x, y, x_test, y_test):
         _fit(model, opt, xs, ys, batch)
         runs[label] = model.get_weights()
         got[f"iterations_{label}"] = int(opt.iterations.numpy())
+        got[f"variables_{label}"] = len(opt.variables)
     got["passes2_avg_max_diff"] = max(float(np.max(np.abs(a - b))) for a, b in
                                       zip(runs["passes2_avg"], runs["double_batch"]))
     got["passes2_sum_max_diff"] = max(float(np.max(np.abs(a - b))) for a, b in
@@ -235,6 +236,9 @@ def test_backward_passes_per_step_equals_one_pass_over_twice_the_batch(ranks):
         assert got["predivide_max_diff"] < 1e-6 and got["groups_max_diff"] < 1e-6
         # Keras counts updates, not passes: 6 updates either way.
         assert got["iterations_passes2_avg"] == got["iterations_double_batch"] == 6
+        # The optimizer's own variables only: iterations and the rate, and one accumulator per weight
+        # (2 layers x kernel and bias) when it accumulates; never the model's.
+        assert (got["variables_double_batch"], got["variables_passes2_avg"]) == (2, 6)
     same_on_every_rank(ranks, "passes2_digest")
 
 

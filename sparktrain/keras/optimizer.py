@@ -35,6 +35,8 @@ class GradientReduction:
     #: ``id()`` of each variable registered with ``register_local_var``, and the variables.
     local_vars: dict = dataclasses.field(default_factory=dict)
     local_layers: list = dataclasses.field(default_factory=list)
+    #: The variables of the update being applied (see _backend_apply_gradients).
+    pending_variables: list | None = None
 
     def local_ids(self) -> set[int]:
         ids = set(self.local_vars)
@@ -203,20 +205,24 @@ def local_variables(optimizer) -> list:
 
 def _backend_apply_gradients(self, grads, trainable_variables):
     # Keras calls _clip_gradients once per update, inside the applying branch when it
-    # accumulates; it does not pass the variables there, so they are kept for that call.
-    self._sparktrain_pending_variables = list(trainable_variables)
+    # accumulates; it does not pass the variables there, so they are kept for that call, on
+    # the reduction settings: a list set on the optimizer itself would be tracked by Keras as
+    # optimizer variables.
+    reduction = _reduction_of(self)
+    reduction.pending_variables = list(trainable_variables)
     try:
         return super(type(self), self)._backend_apply_gradients(grads, trainable_variables)
     finally:
-        self._sparktrain_pending_variables = None
+        reduction.pending_variables = None
 
 
 def _clip_gradients(self, grads):
-    variables = getattr(self, "_sparktrain_pending_variables", None)
+    reduction = _reduction_of(self)
+    variables = reduction.pending_variables
     if variables is None or len(variables) != len(grads):
         raise SparkTrainError("DistributedOptimizer could not match gradients to variables; this Keras version "
                               "calls _clip_gradients differently from Keras 3.15")
-    grads = reduce_gradients(list(grads), variables, _reduction_of(self))
+    grads = reduce_gradients(list(grads), variables, reduction)
     return super(type(self), self)._clip_gradients(grads)
 
 
