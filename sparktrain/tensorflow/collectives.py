@@ -1,0 +1,616 @@
+"""Horovod's tensor collectives: allreduce, allgather, broadcast, reducescatter, alltoall, their
+grouped forms, and the gradients TensorFlow takes through each.
+
+On the native engine each collective is one ``tf.numpy_function`` calling ``hostops``; on
+TensorFlow's runtime, its collective ops (``ringops``). Either way they work eagerly and inside
+``tf.function``. Every rank must issue the same collectives in the same order, as with Horovod;
+on TensorFlow's runtime each call gets the next instance key from a per-process counter, fixed
+when a ``tf.function`` is traced, so every rank must also trace the same functions in the same
+order.
+
+Gradients (``tf.custom_gradient``) follow Horovod's: allreduce's is an allreduce with the same
+op and scale factors; allgather's is this rank's rows of an Average allreduce of the gradient;
+broadcast's is an Average allreduce on the root and zeros elsewhere; reducescatter's is an
+allgather (times the size for Sum, times the scale factors); alltoall's is an alltoall back
+with the received splits.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from . import hostops, ops, ringops, runtime, timeline
+from .compression import Compression
+from .ops import Average, Sum
+from .runtime import require_init, state
+from ..errors import InvalidArgumentError
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+class ProcessSet:
+    """Horovod's process set, of which sparktrain has one: every rank (id 0)."""
+
+    process_set_id = 0
+    ranks = None
+
+    def size(self) -> int:
+        return runtime.size()
+
+    def rank(self) -> int:
+        return runtime.rank()
+
+    def included(self) -> bool:
+        return True
+
+    def __repr__(self):
+        return "ProcessSet(global)"
+
+
+global_process_set = ProcessSet()
+
+
+def add_process_set(process_set):
+    raise InvalidArgumentError(f"add_process_set({process_set!r}): sparktrain runs every collective over all ranks "
+                               "and has no process sets besides global_process_set")
+
+
+def remove_process_set(process_set):
+    raise InvalidArgumentError(f"remove_process_set({process_set!r}): sparktrain has only global_process_set, "
+                               "which cannot be removed")
+
+
+def _check_process_set(process_set) -> None:
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return
+    raise InvalidArgumentError(f"process_set={process_set!r}: sparktrain runs every collective over all ranks; "
+                               "leave process_set at global_process_set")
+
+
+# -- running one collective --------------------------------------------------------------------
+
+def _native_call(kind: str, fn, inputs: list, tout):
+    """Run ``fn`` (numpy in, numpy out) on the native engine as one op, eager or in a graph.
+
+    Its failures surface as TensorFlow's own errors: a wait past the collective timeout as
+    ``DeadlineExceededError``, a dead peer as ``UnavailableError``, ranks that disagree (and a
+    broken communicator) as ``FailedPreconditionError`` (inside a graph TensorFlow may wrap it
+    in an ``UnknownError`` that names it), each with the engine's message naming the ranks.
+    """
+    tf = _tf()
+
+    def call(*arrays):
+        from .. import native
+
+        start = timeline.now_us()
+        try:
+            out = fn(*arrays)
+        except native.CollectiveError as e:
+            cls = {native.TIMEOUT: tf.errors.DeadlineExceededError, native.PEER: tf.errors.UnavailableError,
+                   native.MISMATCH: tf.errors.FailedPreconditionError,
+                   native.BROKEN: tf.errors.FailedPreconditionError}.get(e.code, tf.errors.InternalError)
+            raise cls(None, None, str(e)) from None
+        if timeline.active():
+            timeline.record(kind, sum(a.nbytes for a in arrays), start, timeline.now_us())
+        return out
+
+    return tf.numpy_function(call, inputs, tout, stateful=True)
+
+
+def _ring_call(kind: str, nbytes, fn):
+    """Run ``fn`` (TensorFlow's collective ops); eagerly, also record it on the timeline."""
+    if not (timeline.active() and _tf().executing_eagerly()):
+        return fn()
+    start = timeline.now_us()
+    out = fn()
+    timeline.record(kind, nbytes, start, timeline.now_us())
+    return out
+
+
+def _nbytes(t) -> int:
+    try:
+        return int(t.shape.num_elements() or 0) * t.dtype.size
+    except (TypeError, ValueError):
+        return 0
+
+
+def _native() -> bool:
+    return state.comm is not None
+
+
+def _scale(t, factor):
+    if factor == 1.0:
+        return t
+    tf = _tf()
+    if t.dtype.is_floating or t.dtype.is_complex:
+        return t * tf.cast(factor, t.dtype)
+    return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)  # integers: scaled, then truncated
+
+
+def _differentiable(t) -> bool:
+    return t.dtype.is_floating
+
+
+def _check_root(root_rank) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < state.size:
+        raise InvalidArgumentError(f"root_rank must be a rank in 0..{state.size - 1}, got {root_rank!r}")
+    return root_rank
+
+
+def _tensor(t, what: str):
+    tf = _tf()
+    if isinstance(t, tf.IndexedSlices):
+        raise InvalidArgumentError(f"{what} takes dense tensors; convert the tf.IndexedSlices with "
+                                   "tf.convert_to_tensor first")
+    try:
+        return tf.convert_to_tensor(t)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"{what} takes a tensor, got {type(t).__name__}: {e}") from None
+
+
+# -- allreduce ---------------------------------------------------------------------------------
+
+def _allreduce_raw(t, op: str, name=None):
+    """The collective alone, no scaling, no gradient."""
+    tf = _tf()
+    if state.size == 1:
+        return tf.identity(t)
+    if _native():
+        comm = state.comm
+        out = _native_call(f"allreduce.{op}", lambda a: hostops.allreduce(comm, a, op), [t], t.dtype)
+        out.set_shape(t.shape)
+        return out
+    return _ring_call(f"allreduce.{op}", _nbytes(t), lambda: ringops.allreduce(t, op, name=name))
+
+
+def _allreduce(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """Allreduce of a dense tensor with Horovod's scaling, and its gradient."""
+    tf = _tf()
+
+    def forward(x):
+        return _scale(_allreduce_raw(_scale(x, prescale_factor), op, name), postscale_factor)
+
+    if not _differentiable(t):
+        return forward(t)
+
+    @tf.custom_gradient
+    def reduce(x):
+        def grad(dy):
+            return _allreduce(dy, op, prescale_factor, postscale_factor)
+
+        return forward(x), grad
+
+    return reduce(t)
+
+
+def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
+              op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
+              process_set=global_process_set, ignore_name_scope: bool = False):
+    """Reduce ``tensor`` over all ranks with ``op`` (default ``Average``); Horovod's signature.
+
+    The result is ``postscale_factor * op(prescale_factor * tensor)``. ``average=True/False`` is
+    Horovod's deprecated spelling of ``op=Average/Sum`` (never both). A ``tf.IndexedSlices`` is
+    reduced as sparse: its values and indices are allgathered (Average divides the values by
+    the size), as Horovod does; only Sum and Average apply, without scale factors. Integer
+    tensors averaged are divided with truncation toward zero. ``device_dense``/``device_sparse``
+    and ``ignore_name_scope`` are accepted and change nothing: the engine chooses the device.
+    """
+    require_init()
+    tf = _tf()
+    op = ops.resolve(op, average)
+    ops.check_scale(prescale_factor, postscale_factor)
+    _check_process_set(process_set)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor)
+    tensor = _tensor(tensor, "allreduce")
+    ops.check_dtype(tensor.dtype.name, op, "allreduce")
+    compressed, ctx = compression.compress(tensor)
+    reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name)
+    return compression.decompress(reduced, ctx)
+
+
+def _allreduce_sparse(slices, op: str, prescale_factor, postscale_factor):
+    tf = _tf()
+    if op not in (Sum, Average):
+        raise InvalidArgumentError(f"allreduce of tf.IndexedSlices supports op=Sum or Average, got "
+                                   f"{ops.name_of(op)}; pass sparse_as_dense=True (or tf.convert_to_tensor) "
+                                   "to reduce it as a dense tensor")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise InvalidArgumentError("prescale_factor and postscale_factor do not apply to tf.IndexedSlices; reduce "
+                                   "it as dense (sparse_as_dense=True) or scale it yourself")
+    values = allgather(slices.values)
+    indices = allgather(slices.indices)
+    if op == Average:
+        values = values / tf.cast(state.size, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def grouped_allreduce(tensors: Iterable, average=None, device_dense: str = "", device_sparse: str = "",
+                      compression=Compression.none, op=None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set=global_process_set, ignore_name_scope: bool = False,
+                      name: str | None = None) -> list:
+    """Allreduce many tensors in as few collectives as possible (one per dtype); Horovod's signature.
+
+    ``tf.IndexedSlices`` among them are reduced as sparse, as by :func:`allreduce`.
+    """
+    require_init()
+    tf = _tf()
+    tensors = list(tensors)
+    op = ops.resolve(op, average)
+    ops.check_scale(prescale_factor, postscale_factor)
+    _check_process_set(process_set)
+    if not tensors:
+        return []
+    out: list = [None] * len(tensors)
+    dense_idx = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            out[i] = _allreduce_sparse(t, op, prescale_factor, postscale_factor)
+        else:
+            dense_idx.append(i)
+    if dense_idx:
+        dense = [_tensor(tensors[i], "grouped_allreduce") for i in dense_idx]
+        for t in dense:
+            ops.check_dtype(t.dtype.name, op, "grouped_allreduce")
+        packed = [compression.compress(t) for t in dense]
+        reduced = _grouped_allreduce([p[0] for p in packed], op, prescale_factor, postscale_factor)
+        for i, r, (_, ctx) in zip(dense_idx, reduced, packed):
+            out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_factor=1.0) -> list:
+    tf = _tf()
+
+    def forward(*xs):
+        xs = [_scale(x, prescale_factor) for x in xs]
+        return [_scale(y, postscale_factor) for y in _grouped_raw(list(xs), op)]
+
+    if not any(_differentiable(t) for t in tensors):
+        return forward(*tensors)
+
+    @tf.custom_gradient
+    def reduce(*xs):
+        def grad(*dys):
+            # TensorFlow may hand float32 zeros for a float64 output: reduce each in its own dtype.
+            dys = [tf.cast(dy, x.dtype) for dy, x in zip(dys, xs)]
+            back = _grouped_allreduce(dys, op, prescale_factor, postscale_factor)
+            return [g if _differentiable(x) else None for g, x in zip(back, xs)]
+
+        return forward(*xs), grad
+
+    return list(reduce(*tensors))
+
+
+def _grouped_raw(tensors: list, op: str) -> list:
+    tf = _tf()
+    if state.size == 1:
+        return [tf.identity(t) for t in tensors]
+    if _native():
+        comm = state.comm
+        outs = _native_call(f"grouped_allreduce.{op}", lambda *arrays: hostops.grouped_allreduce(comm, list(arrays), op),
+                            tensors, [t.dtype for t in tensors])
+        if not isinstance(outs, (list, tuple)):  # TensorFlow unwraps a list of one
+            outs = [outs]
+        for o, t in zip(outs, tensors):
+            o.set_shape(t.shape)
+        return list(outs)
+    if op == ops.Adasum:  # Horovod's Adasum is per tensor
+        return [_allreduce_raw(t, op) for t in tensors]
+    return _fused(tensors, lambda flat: _allreduce_raw(flat, op))
+
+
+def _fused(tensors: list, collective) -> list:
+    """Run ``collective`` once per dtype on one flat buffer of all ``tensors`` of that dtype, and
+    return each tensor's part, reshaped. The dtypes go in name order, the same on every rank."""
+    tf = _tf()
+    out: list = [None] * len(tensors)
+    by_dtype: dict = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype in sorted(by_dtype, key=lambda d: d.name):
+        idx = by_dtype[dtype]
+        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in idx], axis=0)
+        parts = tf.split(collective(flat), [tf.size(tensors[i]) for i in idx])
+        for i, part in zip(idx, parts):
+            out[i] = tf.reshape(part, tf.shape(tensors[i]))
+            out[i].set_shape(tensors[i].shape)
+    return out
+
+
+# -- allgather ---------------------------------------------------------------------------------
+
+def _allgather_raw(t, name=None):
+    tf = _tf()
+    if t.shape.rank == 0:
+        t = tf.reshape(t, [1])
+    if state.size == 1:
+        return tf.identity(t)
+    if _native():
+        comm = state.comm
+        out = _native_call("allgather", lambda a: hostops.allgather(comm, a), [t], t.dtype)
+        out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+        return out
+    return _ring_call("allgather", _nbytes(t), lambda: ringops.allgather(t, name=name))
+
+
+def _allgather(t, name=None):
+    tf = _tf()
+    if not _differentiable(t):
+        return _allgather_raw(t, name)
+
+    @tf.custom_gradient
+    def gather(x):
+        def grad(dy):
+            reduced = _allreduce(dy, Average)
+            rows = tf.shape(x)[:1] if x.shape.rank else tf.constant([1])
+            every = tf.reshape(_allgather_raw(rows), [state.size])
+            mine = tf.split(reduced, every, axis=0)[state.rank] if state.size > 1 else reduced
+            return tf.reshape(mine, tf.shape(x))
+
+        return _allgather_raw(x, name), grad
+
+    return gather(t)
+
+
+def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False, process_set=global_process_set):
+    """Concatenate ``tensor`` from every rank along the first dimension, in rank order.
+
+    The first dimension may differ between ranks (even be 0); the others must match. A scalar
+    gathers as a vector of one element per rank.
+    """
+    require_init()
+    _check_process_set(process_set)
+    tensor = _tensor(tensor, "allgather")
+    ops.check_dtype(tensor.dtype.name, None, "allgather")
+    return _allgather(tensor, name)
+
+
+def grouped_allgather(tensors: Iterable, name: str | None = None, ignore_name_scope: bool = False,
+                      process_set=global_process_set) -> list:
+    """:func:`allgather` of each tensor, in order."""
+    require_init()
+    _check_process_set(process_set)
+    tensors = [_tensor(t, "grouped_allgather") for t in tensors]
+    for t in tensors:
+        ops.check_dtype(t.dtype.name, None, "grouped_allgather")
+    return [_allgather(t) for t in tensors]
+
+
+# -- broadcast ---------------------------------------------------------------------------------
+
+def _broadcast_raw(t, root_rank: int, name=None):
+    tf = _tf()
+    if state.size == 1:
+        return tf.identity(t)
+    if _native():
+        comm = state.comm
+        out = _native_call("broadcast", lambda a: hostops.broadcast(comm, a, root_rank), [t], t.dtype)
+        out.set_shape(t.shape)
+        return out
+    return _ring_call("broadcast", _nbytes(t), lambda: ringops.broadcast(t, root_rank, name=name))
+
+
+def _broadcast(t, root_rank: int, name=None):
+    tf = _tf()
+    if not _differentiable(t):
+        return _broadcast_raw(t, root_rank, name)
+
+    @tf.custom_gradient
+    def bcast(x):
+        def grad(dy):
+            reduced = _allreduce(dy, Average)
+            return reduced if state.rank == root_rank else reduced * 0
+
+        return _broadcast_raw(x, root_rank, name), grad
+
+    return bcast(t)
+
+
+def broadcast(tensor, root_rank: int = 0, name: str | None = None, ignore_name_scope: bool = False,
+              process_set=global_process_set):
+    """``tensor`` as it is on ``root_rank``, on every rank (same shape and dtype everywhere)."""
+    require_init()
+    _check_process_set(process_set)
+    _check_root(root_rank)
+    tensor = _tensor(tensor, "broadcast")
+    ops.check_dtype(tensor.dtype.name, None, "broadcast")
+    return _broadcast(tensor, root_rank, name)
+
+
+def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set) -> None:
+    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype."""
+    require_init()
+    tf = _tf()
+    _check_process_set(process_set)
+    variables = list(variables)
+    _check_root(root_rank)
+    if state.size == 1 or not variables:
+        return
+    values = [tf.convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
+    for v, value in zip(variables, _fused(values, lambda flat: _broadcast_raw(flat, root_rank))):
+        v.assign(value)
+
+
+def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_set=global_process_set):
+    """Broadcast in place: every variable takes its value on ``root_rank``; returns the variables
+    (a single variable when given one), as Horovod's ``broadcast_``."""
+    single = not isinstance(variables, (list, tuple))
+    items = [variables] if single else list(variables)
+    for v in items:
+        if not hasattr(v, "assign"):
+            raise InvalidArgumentError(f"broadcast_ assigns variables in place; got a {type(v).__name__}. Use "
+                                       "broadcast() for tensors")
+    broadcast_variables(items, root_rank, process_set=process_set)
+    return items[0] if single else items
+
+
+# -- reducescatter -----------------------------------------------------------------------------
+
+def _reducescatter_raw(t, op: str, name=None):
+    tf = _tf()
+    if state.size == 1:
+        return tf.identity(t)
+    if _native():
+        comm = state.comm
+        out = _native_call(f"reducescatter.{op}", lambda a: hostops.reducescatter(comm, a, op), [t], t.dtype)
+        out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+        return out
+    return _ring_call(f"reducescatter.{op}", _nbytes(t), lambda: ringops.reducescatter(t, op, name=name))
+
+
+def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    tf = _tf()
+
+    def forward(x):
+        return _scale(_reducescatter_raw(_scale(x, prescale_factor), op, name), postscale_factor)
+
+    if not _differentiable(t):
+        return forward(t)
+
+    @tf.custom_gradient
+    def scatter(x):
+        def grad(dy):
+            if op == Sum:
+                dy = dy * tf.cast(state.size, dy.dtype)
+            dy = _scale(_scale(dy, prescale_factor), postscale_factor)
+            return _allgather(dy)
+
+        return forward(x), grad
+
+    return scatter(t)
+
+
+def reducescatter(tensor, device_dense: str = "", compression=Compression.none, op=Average, name: str | None = None,
+                  process_set=global_process_set, ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0):
+    """Reduce ``tensor`` over all ranks, then keep this rank's rows of the result.
+
+    The first dimension is split as evenly as possible, the first ``n % size`` ranks getting
+    one row more, as Horovod does; ops Sum, Average, Min, Max and Product.
+    """
+    require_init()
+    _check_process_set(process_set)
+    ops.check_scale(prescale_factor, postscale_factor)
+    op = ops.check_op(op)
+    if op == ops.Adasum:
+        raise InvalidArgumentError("reducescatter does not support op=Adasum; use Sum or Average")
+    tensor = _tensor(tensor, "reducescatter")
+    if tensor.shape.rank == 0:
+        raise InvalidArgumentError("reducescatter splits the first dimension and cannot take a scalar; reshape it "
+                                   "to [1] or use allreduce")
+    ops.check_dtype(tensor.dtype.name, op, "reducescatter")
+    compressed, ctx = compression.compress(tensor)
+    return compression.decompress(_reducescatter(compressed, op, prescale_factor, postscale_factor, name), ctx)
+
+
+def grouped_reducescatter(tensors: Iterable, device_dense: str = "", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list:
+    """:func:`reducescatter` of each tensor, in order."""
+    return [reducescatter(t, device_dense, compression, op, process_set=process_set, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor) for t in tensors]
+
+
+# -- alltoall ----------------------------------------------------------------------------------
+
+def _alltoall_raw(t, splits):
+    tf = _tf()
+    if state.size == 1:
+        return tf.identity(t), tf.cast(tf.reshape(tf.shape(t)[:1], [1]), tf.int32)
+    if _native():
+        comm = state.comm
+        out, received = _native_call("alltoall", lambda a, s: hostops.alltoall(comm, a, s), [t, splits],
+                                     [t.dtype, tf.int32])
+        out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+        received.set_shape([state.size])
+        return out, received
+    return _ring_call("alltoall", _nbytes(t), lambda: ringops.alltoall(t, splits))
+
+
+def _alltoall(t, splits):
+    tf = _tf()
+    if not _differentiable(t):
+        return _alltoall_raw(t, splits)
+
+    @tf.custom_gradient
+    def exchange(x):
+        out, received = _alltoall_raw(x, splits)
+
+        def grad(dy, _d_received=None):
+            back, _ = _alltoall(dy, received)
+            return back
+
+        return (out, received), grad
+
+    out, received = exchange(t)
+    return out, received
+
+
+def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set=global_process_set):
+    """Send rows of ``tensor`` to every rank and receive theirs: returns ``(received,
+    received_splits)`` as Horovod does.
+
+    ``splits[k]`` rows (in order) go to rank ``k``; without ``splits`` the first dimension is
+    split evenly (it must divide by the size). ``received`` holds the rows from rank 0, then
+    rank 1, ...; ``received_splits[k]`` says how many came from rank ``k``. Rows may be 0.
+    """
+    require_init()
+    tf = _tf()
+    _check_process_set(process_set)
+    tensor = _tensor(tensor, "alltoall")
+    ops.check_dtype(tensor.dtype.name, None, "alltoall")
+    if tensor.shape.rank == 0:
+        raise InvalidArgumentError("alltoall sends rows of the first dimension and cannot take a scalar; reshape it "
+                                   "to [1]")
+    n = tensor.shape[0]
+    if splits is None:
+        if n is None:
+            raise InvalidArgumentError("alltoall without splits needs a known first dimension; pass splits")
+        if n % state.size:
+            raise InvalidArgumentError(f"alltoall without splits splits the first dimension evenly, but {n} rows do "
+                                       f"not divide by {state.size} ranks; pass splits (one count per rank)")
+        splits = [n // state.size] * state.size
+    splits = tf.convert_to_tensor(splits)
+    if splits.dtype not in (tf.int32, tf.int64):
+        raise InvalidArgumentError(f"alltoall splits must be int32 or int64 counts, got {splits.dtype.name}")
+    splits = tf.cast(splits, tf.int32)
+    static = tf.get_static_value(splits)
+    if static is not None:
+        bad = (static.ndim != 1 or static.shape[0] != state.size or (static < 0).any()
+               or (n is not None and int(static.sum()) != n))
+        if bad:
+            raise InvalidArgumentError(f"alltoall splits must be {state.size} non-negative row counts (one per rank) "
+                                       f"summing to the first dimension, {n}; got {static.tolist()}")
+    return _alltoall(tensor, splits)
+
+
+# -- synchronisation ---------------------------------------------------------------------------
+
+def barrier(process_set=global_process_set) -> None:
+    """Wait until every rank gets here."""
+    require_init()
+    _check_process_set(process_set)
+    allreduce(_tf().constant(0, _tf().int32), op=Sum)
+
+
+def join(device: str = "") -> int:
+    """Wait until every rank has joined; returns the rank that joined last (an int32 tensor).
+
+    Horovod's ``join`` lets a rank that ran out of data stop early while the others go on, its
+    missing collectives filled with zeros. sparktrain's ranks must issue the same collectives
+    (``sparktrain.data`` plans the same number of steps for every rank), so here ``join`` is a
+    barrier that also says which rank arrived last, by each rank's wall clock: exact on one
+    host, as good as the hosts' clocks agree across hosts.
+    """
+    import time
+
+    require_init()
+    tf = _tf()
+    arrived = tf.constant([time.time()], tf.float64)
+    every = allgather(arrived)
+    return tf.cast(tf.argmax(every), tf.int32)

@@ -1,0 +1,98 @@
+"""A Chrome-trace timeline of this rank's collectives (Horovod's ``start_timeline``).
+
+Each rank writes its own file, so no rank waits for another to write: rank 0 writes
+``file_path`` itself, rank ``r`` writes ``file_path`` with ``.rank<r>`` before its extension
+(``trace.json``, ``trace.rank1.json``, ...). Every event is a complete event (``"ph": "X"``)
+with the collective's name, its start (``ts``) and duration (``dur``) in microseconds since
+the epoch (so the files of one host line up), ``pid`` the rank, and ``args.bytes`` the bytes the
+rank sent; chrome://tracing and Perfetto (ui.perfetto.dev) open each file, and the files
+concatenate. On the native engine every collective is recorded, eager or inside
+``tf.function``; on TensorFlow's runtime only eager ones (inside a function the ops run
+inside TensorFlow's executor, out of Python's sight).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from ..errors import InvalidArgumentError
+
+
+class _Timeline:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.path: str | None = None
+        self.events: list = []
+        self.mark_cycles = False
+
+
+_timeline = _Timeline()
+
+
+def rank_path(file_path: str, rank: int) -> str:
+    """The file rank ``rank`` writes for ``file_path``."""
+    if rank == 0:
+        return file_path
+    root, ext = os.path.splitext(file_path)
+    return f"{root}.rank{rank}{ext}"
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record this rank's collectives until :func:`stop_timeline`, which writes them to
+    ``file_path`` (rank 0; see the module for the others). ``mark_cycles`` adds an instant
+    event ("CYCLE_START") before each collective: every collective is its own cycle here."""
+    from .. import context as _ctx
+
+    if not isinstance(file_path, (str, os.PathLike)) or not str(file_path):
+        raise InvalidArgumentError(f"start_timeline needs a file path, got {file_path!r}")
+    path = rank_path(os.fspath(file_path), _ctx.rank())
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise InvalidArgumentError(f"start_timeline({file_path!r}): the directory {directory} does not exist; "
+                                   "create it first")
+    with _timeline.lock:
+        _timeline.path = path
+        _timeline.events = [{"name": "process_name", "ph": "M", "pid": _ctx.rank(), "tid": 0,
+                             "args": {"name": f"rank {_ctx.rank()}"}}]
+        _timeline.mark_cycles = bool(mark_cycles)
+
+
+def stop_timeline() -> str | None:
+    """Write the recorded events and stop recording; returns the file written (None when no
+    timeline was started)."""
+    with _timeline.lock:
+        path, events = _timeline.path, _timeline.events
+        _timeline.path, _timeline.events = None, []
+    if path is None:
+        return None
+    with open(path + ".tmp", "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def active() -> bool:
+    return _timeline.path is not None
+
+
+def now_us() -> float:
+    return time.time() * 1e6
+
+
+def record(name: str, nbytes: int, start_us: float, end_us: float) -> None:
+    """Add one collective to the timeline (nothing when none is being recorded)."""
+    if _timeline.path is None:
+        return
+    from .. import context as _ctx
+
+    rank = _ctx.rank()
+    with _timeline.lock:
+        if _timeline.path is None:
+            return
+        if _timeline.mark_cycles:
+            _timeline.events.append({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": start_us, "pid": rank,
+                                     "tid": 0})
+        _timeline.events.append({"name": name, "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us),
+                                 "pid": rank, "tid": 0, "args": {"bytes": int(nbytes)}})
