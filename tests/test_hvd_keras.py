@@ -330,10 +330,11 @@ def test_bad_arguments_are_refused_with_the_value():
     import keras
 
     import sparktrain.keras as hvd
+    import sparktrain.tensorflow
 
     sgd = keras.optimizers.SGD(0.1)
     cases = [
-        (dict(op="Max"), "op must be sparktrain.keras.Average or Sum for gradients, got 'Max'"),
+        (dict(op=sparktrain.tensorflow.Max), "op must be sparktrain.keras.Average or Sum for gradients, got 'max'"),
         (dict(op=hvd.Sum, gradient_predivide_factor=2.0), "gradient_predivide_factor=2.0 needs op=Average"),
         (dict(backward_passes_per_step=0), "backward_passes_per_step must be a whole number of at least 1, got 0"),
         (dict(compression="fp16"), "compression must be Compression.none or Compression.fp16"),

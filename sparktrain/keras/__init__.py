@@ -25,10 +25,12 @@ from .. import tensorflow as _tfc
 from ..errors import SparkTrainError
 from ..localfiles import replaced_atomically
 from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
-from ..context import cross_rank, cross_size  # noqa: F401
-from ..tensorflow import init, is_initialized, local_rank, local_size, rank, size  # noqa: F401
+from ..tensorflow import (Compression, ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,  # noqa: F401
+                          init, is_initialized, local_rank, local_size, rank, reducescatter, remove_process_set,
+                          shutdown, size, start_timeline, stop_timeline)
+from ..tensorflow import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,  # noqa: F401
+                          mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from . import callbacks, elastic  # noqa: F401
-from .compression import Compression  # noqa: F401
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, _distributed_class  # noqa: F401
 from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
@@ -67,10 +69,9 @@ def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compr
     """
     import keras
 
-    from .optimizer import GradientReduction
-    from .compression import check_compression
+    from .optimizer import GradientReduction, _check_arguments
 
-    check_compression(compression)
+    _check_arguments(None, compression, False, 1.0, Average, 1, False, 0, None, None, True)
     custom = {}
     for name in dir(keras.optimizers):
         obj = getattr(keras.optimizers, name)

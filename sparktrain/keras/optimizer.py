@@ -14,8 +14,7 @@ from typing import Any
 
 from .. import tensorflow as _tfc
 from ..errors import SparkTrainError
-from ..tensorflow import Average, Sum
-from .compression import Compression, check_compression
+from ..tensorflow import Average, Compression, Sum, global_process_set
 
 _wrapped_classes: dict[type, type] = {}
 
@@ -49,7 +48,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
                          compression=Compression.none, sparse_as_dense: bool = False,
                          gradient_predivide_factor: float = 1.0, op: str = Average, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
-                         process_set=None, scale_local_gradients: bool = True):
+                         process_set=global_process_set, scale_local_gradients: bool = True):
     """Wrap a Keras 3 optimizer so each update first reduces the gradients over all ranks.
 
     Horovod's arguments and defaults:
@@ -72,7 +71,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
       does.
     - ``name``: the optimizer's name (Keras's ``name``); ``device_dense`` and
       ``device_sparse`` are accepted and ignored (sparktrain places collectives itself).
-    - ``process_set``: only the global set (``None``) exists in sparktrain.
+    - ``process_set``: only ``global_process_set`` exists in sparktrain.
 
     The result keeps the original class's name (``Adam``), so a saved model loads without
     sparktrain. Clipping and weight decay happen after the reduction, as with Horovod.
@@ -103,7 +102,8 @@ def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense
                                 device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
                                 gradient_predivide_factor: float = 1.0, op: str = Average,
                                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                                groups=None, process_set=None, local_layers=None, scale_local_gradients: bool = True):
+                                groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients: bool = True):
     """A :func:`DistributedOptimizer` whose ``local_layers`` (a layer or a list) train on each rank's
     own gradients: their variables' gradients are never reduced.
 
@@ -133,7 +133,9 @@ def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, pas
                      groups, process_set, scale_local) -> GradientReduction:
     if op not in (Average, Sum):
         raise SparkTrainError(f"op must be sparktrain.keras.Average or Sum for gradients, got {op!r}")
-    check_compression(compression)
+    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        raise SparkTrainError(f"compression must be Compression.none or Compression.fp16 (an object with compress "
+                              f"and decompress), got {compression!r}")
     if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
         raise SparkTrainError(f"gradient_predivide_factor must be a positive number, got {predivide!r}")
     if predivide != 1.0 and op != Average:
@@ -153,7 +155,7 @@ def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, pas
             and not (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0):
         raise SparkTrainError(f"groups must be a positive number of groups or a list of lists of variables, "
                               f"got {groups!r}")
-    if process_set is not None:
+    if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
         raise SparkTrainError(f"process_set={process_set!r}: sparktrain reduces over every rank (the global set); "
                               "leave process_set out")
     return GradientReduction(op=op, compression=compression, sparse_as_dense=bool(sparse_as_dense),
@@ -239,7 +241,7 @@ def reduce_gradients(grads: list, variables: list, reduction: GradientReduction)
         # Keras averages the accumulated passes; Horovod's default is their sum.
         scale_after = float(reduction.backward_passes_per_step)
     if shared:
-        reduced = _reduce_shared([grads[i] for i in shared], [variables[i] for i in shared], reduction, size)
+        reduced = _reduce_shared([grads[i] for i in shared], [variables[i] for i in shared], reduction)
         for i, g in zip(shared, reduced):
             out[i] = g
     for i, (g, v) in enumerate(zip(grads, variables)):
@@ -253,62 +255,11 @@ def reduce_gradients(grads: list, variables: list, reduction: GradientReduction)
     return out
 
 
-def _reduce_shared(grads: list, variables: list, reduction: GradientReduction, size: int) -> list:
-    """Reduce every gradient of ``grads`` over the ranks: dense ones in fused groups, sparse ones
-    gathered (or densified with ``sparse_as_dense``)."""
-    import tensorflow as tf
-
-    op, f = reduction.op, reduction.gradient_predivide_factor
-    # Average with a predivide factor f is a sum of g/f, scaled by f/size afterwards.
-    pre, post = (1.0 / f, f / size) if f != 1.0 else (1.0, 1.0)
-    collective_op = Sum if f != 1.0 else op
-    out: list = [None] * len(grads)
-    dense_idx = []
-    for i, g in enumerate(grads):
-        if isinstance(g, tf.IndexedSlices) and reduction.sparse_as_dense:
-            g = tf.convert_to_tensor(g)
-        if isinstance(g, tf.IndexedSlices):
-            values = _tfc.allgather(g.values * tf.cast(pre, g.values.dtype) if pre != 1.0 else g.values)
-            indices = _tfc.allgather(g.indices)
-            if collective_op == Average:
-                values = values / tf.cast(size, values.dtype)
-            if post != 1.0:
-                values = values * tf.cast(post, values.dtype)
-            out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
-        else:
-            out[i] = g
-            dense_idx.append(i)
-    for group in _groups(dense_idx, [variables[i] for i in dense_idx], reduction.groups):
-        compressed, contexts = [], []
-        for i in group:
-            g = tf.convert_to_tensor(out[i])
-            if pre != 1.0:
-                g = g * tf.cast(pre, g.dtype)
-            c, ctx = reduction.compression.compress(g)
-            compressed.append(c)
-            contexts.append(ctx)
-        reduced = _tfc.grouped_allreduce(compressed, op=collective_op)
-        for i, r, ctx in zip(group, reduced, contexts):
-            r = reduction.compression.decompress(r, ctx)
-            out[i] = r * tf.cast(post, r.dtype) if post != 1.0 else r
-    return out
-
-
-def _groups(indices: list[int], variables: list, groups) -> list[list[int]]:
-    """Split the dense gradients' indices into the collectives they are fused into."""
-    if not indices:
-        return []
-    if groups is None:
-        return [indices]
-    if isinstance(groups, int):
-        n = min(groups, len(indices))
-        return [indices[k * len(indices) // n:(k + 1) * len(indices) // n] for k in range(n)]
-    position = {id(v): indices[k] for k, v in enumerate(variables)}
-    out, seen = [], set()
-    for group in groups:
-        members = [position[id(v)] for v in group if id(v) in position and position[id(v)] not in seen]
-        seen.update(members)
-        if members:
-            out.append(members)
-    out.extend([i] for i in indices if i not in seen)  # a variable in no list is a group of its own
-    return out
+def _reduce_shared(grads: list, variables: list, reduction: GradientReduction) -> list:
+    """Reduce every gradient of ``grads`` over the ranks with ``sparktrain.tensorflow.allreduce_gradients``:
+    dense ones in fused groups, sparse ones gathered (or densified with ``sparse_as_dense``)."""
+    f = reduction.gradient_predivide_factor
+    # Horovod's split of the average around the sum: 1/f before, f after (and Average's 1/size).
+    return list(_tfc.allreduce_gradients(grads, variables=variables, op=reduction.op, compression=reduction.compression,
+                                         sparse_as_dense=reduction.sparse_as_dense, prescale_factor=1.0 / f,
+                                         postscale_factor=f, groups=reduction.groups))

@@ -54,18 +54,8 @@ def _tfc():
 
 
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
-    """``obj`` as it is on ``root_rank``, on every rank (pickled; every rank must call it)."""
-    import numpy as np
-    import tensorflow as tf
-
-    tfc = _tfc()
-    data = pickle.dumps(obj) if _ctx.rank() == root_rank else b""
-    length = int(tfc.broadcast(tf.constant([len(data)], tf.int64), root_rank).numpy()[0])
-    padded = (length + 7) // 8 * 8  # int64 words: a dtype every engine broadcasts
-    buffer = np.zeros(padded, np.uint8)
-    buffer[:len(data)] = np.frombuffer(data, np.uint8)
-    words = tfc.broadcast(tf.constant(buffer.view(np.int64)), root_rank).numpy()
-    return pickle.loads(words.view(np.uint8)[:length].tobytes())
+    """``obj`` as it is on ``root_rank``, on every rank (``sparktrain.tensorflow.broadcast_object``)."""
+    return _tfc().broadcast_object(obj, root_rank)
 
 
 def state_url() -> str | None:
