@@ -194,6 +194,26 @@ def schedules_and_best(got, hvd, keras, rank, outdir, x, y, x_test, y_test):
         got["best_saved_digest"] = weights_digest(keras.models.load_model(path).get_weights())
 
 
+def save_and_load(got, hvd, keras, outdir, x, y):
+    """load_model brings the optimizer back distributed, with backward_passes_per_step and compression."""
+    import sparktrain.tensorflow
+
+    model = _dense_model(keras, 0, hidden=8)
+    _fit(model, hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2), x[:200], y[:200],
+         20)
+    path = os.path.join(outdir, "saved.keras")
+    hvd.save_model(model, path)
+    sparktrain.tensorflow.barrier()  # rank 0 has written it
+    loaded = hvd.load_model(path, compression=hvd.Compression.fp16)
+    opt = loaded.optimizer
+    got["loaded"] = [type(opt).__name__, getattr(type(opt), "_sparktrain_distributed", False),
+                     opt.gradient_accumulation_steps, int(opt.iterations.numpy()),
+                     weights_digest(loaded.get_weights()) == weights_digest(model.get_weights())]
+    loaded.fit(x[200:400], y[200:400], batch_size=20, epochs=1, shuffle=False, verbose=0)
+    got["loaded_trained"] = weights_digest(loaded.get_weights())
+    got["loaded_iterations"] = int(opt.iterations.numpy())
+
+
 def hvd_keras_checks(outdir):
     import keras
 
@@ -208,6 +228,7 @@ def hvd_keras_checks(outdir):
     local_layers(got, hvd, keras, r, x, y)
     sync_batch_norm(got, hvd, keras, r)
     schedules_and_best(got, hvd, keras, r, outdir, x, y, x_test, y_test)
+    save_and_load(got, hvd, keras, outdir, x, y)
     record_rank(outdir, got=got)
 
 
@@ -323,6 +344,16 @@ def test_best_model_checkpoint_keeps_the_best_epoch_from_rank_0(ranks):
     assert best != len(losses) - 1, losses  # so the file is not simply the last epoch
     assert got["best_saved_digest"] == got["best_epoch_digests"][best]
     assert same_on_every_rank(ranks, "best_val_losses") == losses  # averaged by MetricAverageCallback
+
+
+@pytest.mark.timeout(400)
+def test_load_model_brings_back_a_distributed_optimizer(ranks):
+    ranks, _ = ranks
+    # Adam, distributed, accumulating 2 passes, 10 passes = 5 updates so far, the saved weights...
+    assert same_on_every_rank(ranks, "loaded") == ["Adam", True, 2, 5, True]
+    # ...and it trains on, reducing over the ranks: equal weights everywhere.
+    same_on_every_rank(ranks, "loaded_trained")
+    assert ranks[0]["loaded_iterations"] == 10
 
 
 @pytest.mark.timeout(120)

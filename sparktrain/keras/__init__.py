@@ -82,7 +82,9 @@ def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compr
     custom.update(custom_objects or {})
     model = keras.models.load_model(filepath, custom_objects=custom, **kwargs)
     if getattr(model, "optimizer", None) is not None and getattr(type(model.optimizer), "_sparktrain_distributed", False):
-        model.optimizer._sparktrain_reduction = GradientReduction(compression=compression)
+        # Keras saved backward_passes_per_step as gradient_accumulation_steps; the rest is Horovod's defaults.
+        model.optimizer._sparktrain_reduction = GradientReduction(
+            compression=compression, backward_passes_per_step=model.optimizer.gradient_accumulation_steps or 1)
     return model
 
 

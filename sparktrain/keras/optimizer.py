@@ -10,6 +10,7 @@ runs.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from .. import tensorflow as _tfc
@@ -74,7 +75,8 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
     - ``process_set``: only ``global_process_set`` exists in sparktrain.
 
     The result keeps the original class's name (``Adam``), so a saved model loads without
-    sparktrain. Clipping and weight decay happen after the reduction, as with Horovod.
+    sparktrain. An optimizer that is already distributed (from :func:`load_model`) comes back
+    as it is. Clipping and weight decay happen after the reduction, as with Horovod.
     """
     import keras
 
@@ -87,7 +89,8 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
                                  process_set, scale_local_gradients)
     base = type(optimizer)
     if getattr(base, "_sparktrain_distributed", False):
-        raise SparkTrainError(f"{base.__name__} is already a DistributedOptimizer; wrap the plain optimizer once")
+        # Already distributed (say, from load_model): reduced once per update, as it is.
+        return optimizer
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
@@ -149,8 +152,10 @@ def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, pas
             f"{optimizer.gradient_accumulation_steps}); set either that or backward_passes_per_step={passes}, not both")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise SparkTrainError(f"num_groups must be a whole number >= 0, got {num_groups!r}")
-    if num_groups and groups is None:
-        groups = num_groups
+    if num_groups:
+        warnings.warn("num_groups is deprecated, as in Horovod: pass groups=", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
     if groups is not None and not (isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups)) \
             and not (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0):
         raise SparkTrainError(f"groups must be a positive number of groups or a list of lists of variables, "
