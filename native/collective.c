@@ -14,9 +14,16 @@
  * step sending to the next leader while receiving from the previous one, and reducing what has
  * arrived while the rest is still in flight.
  *
+ * Before any data moves, the ranks compare what each passed (a descriptor: kind, dtype, shape,
+ * op or root). Within a host every rank publishes its descriptor with the collective's first
+ * step and reads everyone's; across hosts each leader adds its host's verdict, the leaders pass
+ * the verdicts around the ring, and each tells its local ranks the outcome in one more step. So
+ * a disagreement is found by every rank at the same step, with the same message, and leaves the
+ * communicator usable (STC_E_MISMATCH).
+ *
  * Every wait has the collective's deadline. A waiting rank checks the ranks it waits for: a
  * local peer whose process is gone or whose heartbeat stopped, or a socket that closed, fails
- * the collective with the peer's rank in the message.
+ * the collective with the peer's rank in the message, and ends the communicator.
  */
 #define _GNU_SOURCE
 #include "collective.h"
@@ -47,7 +54,26 @@
 #define SMALL_BYTES (32u << 10)
 #define CACHELINE 128
 
-enum kind { K_ALLREDUCE = 1, K_BROADCAST = 2, K_ALLGATHER = 3, K_BARRIER = 4, K_REDUCE_STEP = 5 };
+enum kind { K_ALLREDUCE = 1, K_BROADCAST = 2, K_ALLGATHER = 3, K_BARRIER = 4, K_REDUCESCATTER = 5, K_ALLTOALL = 6 };
+
+/* What a rank passed to a collective: compared between ranks before any data moves. */
+#define DESC_DIMS 8
+typedef struct desc {
+    uint32_t kind, dtype;
+    int32_t arg;    /* the op, the root, or 0 */
+    uint32_t ndim;  /* the true number of dims; those from DESC_DIMS-1 on are folded into the last entry */
+    uint64_t count; /* elements; for allgather and alltoall the bytes of every rank together */
+    int64_t dims[DESC_DIMS];
+} desc;
+
+/* A host's verdict on its local ranks' descriptors: a, the lowest local rank's; when they
+ * disagree, b, the first one that differs from it. Leaders pass these around the ring. */
+typedef struct verdict {
+    int32_t disagree, rank_a, rank_b, pad;
+    desc a, b;
+} verdict;
+
+#define MSG_BYTES 1024
 
 typedef struct rank_state {
     _Atomic uint32_t seq;     /* the last step this rank published (wraps; compared as a difference) */
@@ -55,7 +81,7 @@ typedef struct rank_state {
     _Atomic uint64_t heartbeat_ms;
     _Atomic int32_t pid;
     int32_t rank;
-    uint64_t desc[2][4];
+    desc desc[2]; /* per buffer set, written before the first step of a collective */
 } rank_state;
 
 typedef struct header {
@@ -68,6 +94,10 @@ typedef struct header {
     _Alignas(CACHELINE) _Atomic uint32_t claimed[2];
     _Alignas(CACHELINE) _Atomic uint32_t done[2];
     _Atomic uint32_t done_waiters[2];
+    /* The ring's verdict, per buffer set, from the leader to its local ranks: 0 or STC_E_MISMATCH,
+     * and the message every rank returns. */
+    int32_t verdict_rc[2];
+    char verdict_msg[2][MSG_BYTES];
 } header;
 
 #define STATE_BYTES ((sizeof(rank_state) + CACHELINE - 1) / CACHELINE * CACHELINE)
@@ -86,7 +116,7 @@ struct stc_comm {
     int broken;
     double deadline;      /* of the collective in progress */
     const char *what;     /* its name, for messages */
-    uint64_t desc[4];
+    desc desc;
     /* the ring */
     char *tmp;
     size_t tmp_bytes;
@@ -191,13 +221,89 @@ static int nms_stale(stc_comm *c, rank_state *st) {
 }
 
 static const char *kind_name(uint64_t k) {
-    static const char *names[] = {"?", "allreduce", "broadcast", "allgather", "barrier", "allreduce"};
+    static const char *names[] = {"?", "allreduce", "broadcast", "allgather", "barrier", "reducescatter", "alltoall"};
     return k < sizeof names / sizeof *names ? names[k] : "?";
 }
 
-static const char *dtype_name(uint64_t d) {
-    static const char *names[] = {"float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"};
-    return d < sizeof names / sizeof *names ? names[d] : "?";
+static const char *op_name(int64_t op) {
+    static const char *names[] = {"sum", "average", "min", "max", "product"};
+    return op >= 0 && op < (int64_t)(sizeof names / sizeof *names) ? names[op] : "?";
+}
+
+static void dtype_text(char *out, size_t n, uint64_t d) {
+    static const char *names[] = {"float16", "bfloat16", "float32", "float64", "int32", "int64",
+                                  "uint8",   "int8",     "int16",   "uint16",  "bool"};
+    if (d < sizeof names / sizeof *names) snprintf(out, n, "%s", names[d]);
+    else if (d > STC_OPAQUE) snprintf(out, n, "opaque%llu", (unsigned long long)(d - STC_OPAQUE) * 8);
+    else snprintf(out, n, "dtype%llu", (unsigned long long)d);
+}
+
+static uint64_t fold_dims(const int64_t *dims, int n) { /* FNV-1a over the dims beyond what a desc holds */
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < n; i++) {
+        uint64_t v = (uint64_t)dims[i];
+        for (int b = 0; b < 8; b++, v >>= 8) h = (h ^ (v & 0xff)) * 1099511628211ull;
+    }
+    return h;
+}
+
+static void set_desc(desc *d, uint32_t kind, int dtype, int32_t arg, int ndim, const int64_t *dims, uint64_t count) {
+    memset(d, 0, sizeof *d);
+    d->kind = kind;
+    d->dtype = (uint32_t)dtype;
+    d->arg = arg;
+    d->ndim = ndim > 0 ? (uint32_t)ndim : 0;
+    d->count = count;
+    for (int i = 0; i < ndim && i < DESC_DIMS; i++) d->dims[i] = dims[i];
+    if (ndim > DESC_DIMS) d->dims[DESC_DIMS - 1] = (int64_t)fold_dims(dims + DESC_DIMS - 1, ndim - DESC_DIMS + 1);
+}
+
+/* "float32[3,4] (op sum)": what a rank passed, for messages. */
+static void desc_text(char *out, size_t n, const desc *d) {
+    char dt[32];
+    size_t k = 0;
+    if (d->kind == K_BARRIER) { out[0] = 0; return; }
+    dtype_text(dt, sizeof dt, d->dtype);
+    k += (size_t)snprintf(out + k, n - k, "%s[", dt);
+    for (uint32_t i = 0; i < d->ndim && k < n; i++) {
+        if (i == DESC_DIMS - 1 && d->ndim > DESC_DIMS) {
+            k += (size_t)snprintf(out + k, n - k, ",... (%u more dims)", d->ndim - i);
+            break;
+        }
+        k += (size_t)snprintf(out + k, n - k, "%s%lld", i ? "," : "", (long long)d->dims[i]);
+    }
+    if (k < n) k += (size_t)snprintf(out + k, n - k, "]");
+    if (k >= n) return;
+    if (d->kind == K_ALLREDUCE || d->kind == K_REDUCESCATTER) snprintf(out + k, n - k, " (op %s)", op_name(d->arg));
+    else if (d->kind == K_BROADCAST) snprintf(out + k, n - k, " (root %d)", d->arg);
+}
+
+/* What differs between two ranks' descriptors ("shapes", ...), or NULL when they may go on.
+ * Allgather's and alltoall's first dimension may differ (their total, in count, may not). */
+static const char *desc_differs(const desc *a, const desc *b) {
+    if (a->kind != b->kind) return "collectives";
+    if (a->dtype != b->dtype) return "dtypes";
+    if (a->ndim != b->ndim || a->count != b->count) return "shapes";
+    for (uint32_t i = a->kind == K_ALLGATHER || a->kind == K_ALLTOALL ? 1 : 0; i < a->ndim && i < DESC_DIMS; i++)
+        if (a->dims[i] != b->dims[i]) return "shapes";
+    if (a->arg != b->arg) return a->kind == K_BROADCAST ? "roots" : "ops";
+    return NULL;
+}
+
+/* The message every rank of a disagreement returns: the same text on all of them. */
+static int mismatch(char *err, size_t errlen, const verdict *v) {
+    char ta[256], tb[256];
+    const char *what = desc_differs(&v->a, &v->b);
+    desc_text(ta, sizeof ta, &v->a);
+    desc_text(tb, sizeof tb, &v->b);
+    if (v->a.kind != v->b.kind)
+        return fail(err, errlen, STC_E_MISMATCH,
+                    "%s: rank %d called %s%s%s but rank %d called %s%s%s: the collectives differ (every rank "
+                    "must make the same collective calls in the same order)",
+                    kind_name(v->a.kind), v->rank_a, kind_name(v->a.kind), ta[0] ? " of " : "", ta, v->rank_b,
+                    kind_name(v->b.kind), tb[0] ? " of " : "", tb);
+    return fail(err, errlen, STC_E_MISMATCH, "%s: rank %d passed %s but rank %d passed %s: the %s differ",
+                kind_name(v->a.kind), v->rank_a, ta, v->rank_b, tb, what ? what : "descriptors");
 }
 
 /* Fails when waiting for st can no longer succeed: a rank failed, st is dead or frozen, or the
@@ -272,31 +378,42 @@ static int shm_step(stc_comm *c, char *err, size_t errlen) {
     return STC_OK;
 }
 
-/* The first step of a collective also checks that every local rank called the same one. */
+/* This host's verdict on the descriptors its ranks published for step s. Every local rank reads
+ * the same descriptors in the same order, so every one reaches the same verdict. */
+static void local_verdict(stc_comm *c, uint64_t s, verdict *v) {
+    memset(v, 0, sizeof *v);
+    rank_state *first = state_of(c, 0);
+    v->rank_a = v->rank_b = first->rank;
+    v->a = v->b = first->desc[s % 2];
+    for (int r = 1; r < c->cfg.local_size; r++) {
+        rank_state *st = state_of(c, r);
+        if (desc_differs(&v->a, &st->desc[s % 2])) {
+            v->disagree = 1;
+            v->rank_b = st->rank;
+            v->b = st->desc[s % 2];
+            return;
+        }
+    }
+}
+
+/* The first step of a collective on one host: every local rank publishes its descriptor with the
+ * step (beside whatever data the step carries) and checks everyone's. On a disagreement every
+ * local rank returns STC_E_MISMATCH before using any data, having made the same one step. */
 static int shm_step_checked(stc_comm *c, char *err, size_t errlen) {
     rank_state *me = state_of(c, c->cfg.local_rank);
     uint64_t s = c->seq + 1;
-    memcpy(me->desc[s % 2], c->desc, sizeof c->desc);
+    me->desc[s % 2] = c->desc;
     int rc = shm_step(c, err, errlen);
     if (rc) return rc;
-    for (int r = 0; r < c->cfg.local_size; r++) {
-        rank_state *st = state_of(c, r);
-        if (memcmp(st->desc[s % 2], c->desc, sizeof c->desc) != 0)
-            return fail(err, errlen, STC_E_MISMATCH,
-                        "%s: ranks disagree: rank %d called %s of %llu %s (op/root %llu) but rank %d called %s of "
-                        "%llu %s (op/root %llu); every rank must make the same calls with the same shapes and dtypes",
-                        c->what, c->cfg.rank, kind_name(c->desc[0]), (unsigned long long)c->desc[2],
-                        dtype_name(c->desc[1]), (unsigned long long)c->desc[3], st->rank,
-                        kind_name(st->desc[s % 2][0]), (unsigned long long)st->desc[s % 2][2],
-                        dtype_name(st->desc[s % 2][1]), (unsigned long long)st->desc[s % 2][3]);
-    }
-    return STC_OK;
+    verdict v;
+    local_verdict(c, s, &v);
+    return v.disagree ? mismatch(err, errlen, &v) : STC_OK;
 }
 
 /* Reduce-scatter of one large chunk into the result area: every rank claims shares until none is
  * left, then waits until all are done. Every rank runs this for every large chunk and leaves the
  * claim loop with exactly one claim past the end, so the counters' next bases are known to all. */
-static int reduce_shares(stc_comm *c, uint64_t s, size_t m, int dtype, char *err, size_t errlen) {
+static int reduce_shares(stc_comm *c, uint64_t s, size_t m, int dtype, int op, char *err, size_t errlen) {
     int L = c->cfg.local_size, p = (int)(s % 2);
     size_t esz = stc_dtype_size(dtype);
     uint32_t ns = (uint32_t)(m * esz / SMALL_BYTES);
@@ -308,7 +425,7 @@ static int reduce_shares(stc_comm *c, uint64_t s, size_t m, int dtype, char *err
         if (i >= ns) break;
         size_t lo = m * i / ns, hi = m * (i + 1) / ns;
         for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r) + lo * esz;
-        stc_reduce(result_area(c, s) + lo * esz, srcs, L, hi - lo, dtype);
+        stc_reduce(result_area(c, s) + lo * esz, srcs, L, hi - lo, dtype, op);
         atomic_fetch_add(&c->hdr->done[p], 1);
         if (atomic_load(&c->hdr->done_waiters[p])) futex_wake(&c->hdr->done[p]);
     }
@@ -334,9 +451,12 @@ static int reduce_shares(stc_comm *c, uint64_t s, size_t m, int dtype, char *err
     return STC_OK;
 }
 
-static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *err, size_t errlen) {
+/* checked: the first step is the collective's first (shm_step_checked); otherwise the ranks have
+ * already agreed (negotiate). */
+static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, int checked, char *err,
+                         size_t errlen) {
     size_t esz = stc_dtype_size(dtype), chunk_elems = c->cfg.chunk_bytes / esz;
-    int L = c->cfg.local_size, lr = c->cfg.local_rank, first = 1;
+    int L = c->cfg.local_size, lr = c->cfg.local_rank, first = checked;
     size_t off = 0;
     do {
         size_t m = count - off < chunk_elems ? count - off : chunk_elems;
@@ -348,9 +468,9 @@ static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *
         const void *srcs[64];
         if (m * esz <= SMALL_BYTES) {
             for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r);
-            stc_reduce(buf + off * esz, srcs, L, m, dtype);
+            stc_reduce(buf + off * esz, srcs, L, m, dtype, op);
         } else {
-            rc = reduce_shares(c, s, m, dtype, err, errlen);
+            rc = reduce_shares(c, s, m, dtype, op, err, errlen);
             if (rc) return rc;
             memcpy(buf + off * esz, result_area(c, s), m * esz);
         }
@@ -359,9 +479,10 @@ static int shm_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *
     return STC_OK;
 }
 
-static int shm_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_lr, char *err, size_t errlen) {
+static int shm_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_lr, int checked, char *err,
+                         size_t errlen) {
     size_t off = 0;
-    int first = 1;
+    int first = checked;
     do {
         size_t m = nbytes - off < c->cfg.chunk_bytes ? nbytes - off : c->cfg.chunk_bytes;
         uint64_t s = c->seq + 1;
@@ -375,6 +496,70 @@ static int shm_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_lr, cha
     return STC_OK;
 }
 
+/* A reduce-scatter within one host: as shm_allreduce, except that each rank reduces (small
+ * chunks) or copies out (large ones, reduced in shares by all) only the elements [lo, hi) it
+ * keeps, into out. The collective's first step; buf is only read. */
+static int shm_reducescatter(stc_comm *c, const char *buf, size_t count, int dtype, int op, char *out, size_t lo,
+                             size_t hi, char *err, size_t errlen) {
+    size_t esz = stc_dtype_size(dtype), chunk_elems = c->cfg.chunk_bytes / esz;
+    int L = c->cfg.local_size, lr = c->cfg.local_rank, first = 1;
+    size_t off = 0;
+    do {
+        size_t m = count - off < chunk_elems ? count - off : chunk_elems;
+        uint64_t s = c->seq + 1;
+        if (m) memcpy(slot(c, s, lr), buf + off * esz, m * esz);
+        int rc = first ? shm_step_checked(c, err, errlen) : shm_step(c, err, errlen);
+        if (rc) return rc;
+        first = 0;
+        size_t a = lo > off ? lo : off, b = hi < off + m ? hi : off + m; /* this rank's part of the chunk */
+        if (m * esz <= SMALL_BYTES) {
+            if (a < b) {
+                const void *srcs[64];
+                for (int r = 0; r < L; r++) srcs[r] = slot(c, s, r) + (a - off) * esz;
+                stc_reduce(out + (a - lo) * esz, srcs, L, b - a, dtype, op);
+            }
+        } else {
+            rc = reduce_shares(c, s, m, dtype, op, err, errlen);
+            if (rc) return rc;
+            if (a < b) memcpy(out + (a - lo) * esz, result_area(c, s) + (a - off) * esz, (b - a) * esz);
+        }
+        off += m;
+    } while (off < count);
+    return STC_OK;
+}
+
+/* An alltoall within one host. sends[i * size + j] is how many bytes rank i sends rank j (the
+ * same matrix on every rank). In each step every rank copies the next chunk of its whole send
+ * buffer into its slot, and each reads from every slot what of it is addressed to it: one copy
+ * in, one copy out. The collective's first step. */
+static int shm_alltoallv(stc_comm *c, const char *in, char *out, const uint64_t *sends, char *err, size_t errlen) {
+    int n = c->cfg.size, me = c->cfg.rank;
+    size_t chunk = c->cfg.chunk_bytes, longest = 0, mine = 0;
+    for (int i = 0; i < n; i++) {
+        size_t total = 0;
+        for (int j = 0; j < n; j++) total += sends[(size_t)i * n + j];
+        if (total > longest) longest = total;
+        if (i == me) mine = total;
+    }
+    size_t steps = longest ? (longest + chunk - 1) / chunk : 1;
+    for (size_t k = 0; k < steps; k++) {
+        size_t base = k * chunk;
+        uint64_t s = c->seq + 1;
+        if (mine > base) memcpy(slot(c, s, c->cfg.local_rank), in + base, mine - base < chunk ? mine - base : chunk);
+        int rc = k == 0 ? shm_step_checked(c, err, errlen) : shm_step(c, err, errlen);
+        if (rc) return rc;
+        size_t dst = 0;
+        for (int i = 0; i < n; i++) {
+            size_t src = 0, len = sends[(size_t)i * n + me];
+            for (int j = 0; j < me; j++) src += sends[(size_t)i * n + j]; /* where rank i's part for me starts */
+            size_t a = src > base ? src : base, b = src + len < base + chunk ? src + len : base + chunk;
+            if (a < b) memcpy(out + dst + (a - src), slot(c, s, c->rank_local[i]) + (a - base), b - a);
+            dst += len;
+        }
+    }
+    return STC_OK;
+}
+
 /* ------------------------------------------------------------------------------- the ring */
 
 static int next_node_rank(stc_comm *c) { return c->leader_of[(c->cfg.node + 1) % c->cfg.num_nodes]; }
@@ -385,8 +570,8 @@ static int prev_node_rank(stc_comm *c) {
 /* Send sl bytes to the next leader while receiving rl bytes from the previous one. With
  * dtype >= 0 the received bytes are added into acc (through tmp) as whole elements arrive;
  * otherwise they land in rp. With forward set, only bytes already received are sent (a chain). */
-static int ring_xfer(stc_comm *c, const char *sp, size_t sl, char *rp, size_t rl, int dtype, char *acc, int forward,
-                     char *err, size_t errlen) {
+static int ring_xfer(stc_comm *c, const char *sp, size_t sl, char *rp, size_t rl, int dtype, int op, char *acc,
+                     int forward, char *err, size_t errlen) {
     size_t sent = 0, got = 0, reduced = 0, esz = dtype >= 0 ? stc_dtype_size(dtype) : 1;
     char *dst = rp;
     if (dtype >= 0) {
@@ -424,7 +609,7 @@ static int ring_xfer(stc_comm *c, const char *sp, size_t sl, char *rp, size_t rl
             if (dtype >= 0) {
                 size_t whole = got / esz * esz;
                 if (whole - reduced >= (64u << 10) || whole == rl) {
-                    stc_accumulate(acc + reduced, c->tmp + reduced, (whole - reduced) / esz, dtype);
+                    stc_accumulate(acc + reduced, c->tmp + reduced, (whole - reduced) / esz, dtype, op);
                     reduced = whole;
                 }
             }
@@ -443,35 +628,55 @@ static int ring_xfer(stc_comm *c, const char *sp, size_t sl, char *rp, size_t rl
     return STC_OK;
 }
 
-static int ring_check(stc_comm *c, char *err, size_t errlen) {
-    uint64_t theirs[4];
-    int rc = ring_xfer(c, (const char *)c->desc, sizeof c->desc, (char *)theirs, sizeof theirs, -1, NULL, 0, err, errlen);
-    if (rc) return rc;
-    if (memcmp(theirs, c->desc, sizeof theirs) != 0)
-        return fail(err, errlen, STC_E_MISMATCH,
-                    "%s: ranks disagree: rank %d called %s of %llu %s (op/root %llu) but rank %d called %s of %llu "
-                    "%s (op/root %llu); every rank must make the same calls with the same shapes and dtypes",
-                    c->what, c->cfg.rank, kind_name(c->desc[0]), (unsigned long long)c->desc[2], dtype_name(c->desc[1]),
-                    (unsigned long long)c->desc[3], prev_node_rank(c), kind_name(theirs[0]),
-                    (unsigned long long)theirs[2], dtype_name(theirs[1]), (unsigned long long)theirs[3]);
+/* Every leader's verdict to every leader: m-1 steps, each passing on the record received in the
+ * step before, so all leaders hold all records in host order and decide alike. The first host
+ * whose own ranks disagree decides the message; otherwise the first host whose descriptor
+ * differs from host 0's. */
+static int ring_verdict(stc_comm *c, verdict *mine, char *err, size_t errlen) {
+    int m = c->cfg.num_nodes, pos = c->cfg.node;
+    if ((size_t)m * sizeof(verdict) > c->tmp_bytes) {
+        free(c->tmp);
+        c->tmp = malloc((size_t)m * sizeof(verdict));
+        c->tmp_bytes = c->tmp ? (size_t)m * sizeof(verdict) : 0;
+        if (!c->tmp) return fail(err, errlen, STC_E_SYS, "%s: out of memory", c->what);
+    }
+    verdict *all = (verdict *)c->tmp;
+    all[pos] = *mine;
+    for (int k = 0; k < m - 1; k++) {
+        int si = ((pos - k) % m + m) % m, ri = ((pos - k - 1) % m + m) % m;
+        int rc = ring_xfer(c, (const char *)&all[si], sizeof(verdict), (char *)&all[ri], sizeof(verdict), -1, 0, NULL,
+                           0, err, errlen);
+        if (rc) return rc;
+    }
+    for (int h = 0; h < m; h++)
+        if (all[h].disagree) { *mine = all[h]; return STC_OK; }
+    *mine = all[0];
+    for (int h = 1; h < m; h++) {
+        if (desc_differs(&all[0].a, &all[h].a)) {
+            mine->disagree = 1;
+            mine->rank_b = all[h].rank_a;
+            mine->b = all[h].a;
+            break;
+        }
+    }
     return STC_OK;
 }
 
-static int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char *err, size_t errlen) {
+static int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
     int m = c->cfg.num_nodes, pos = c->cfg.node;
     size_t esz = stc_dtype_size(dtype);
 #define SEG_LO(i) (count * (size_t)(i) / (size_t)m)
 #define SEG_LEN(i) (SEG_LO((i) + 1) - SEG_LO(i))
     for (int k = 0; k < m - 1; k++) {
         int si = ((pos - k) % m + m) % m, ri = ((pos - k - 1) % m + m) % m;
-        int rc = ring_xfer(c, buf + SEG_LO(si) * esz, SEG_LEN(si) * esz, NULL, SEG_LEN(ri) * esz, dtype,
+        int rc = ring_xfer(c, buf + SEG_LO(si) * esz, SEG_LEN(si) * esz, NULL, SEG_LEN(ri) * esz, dtype, op,
                            buf + SEG_LO(ri) * esz, 0, err, errlen);
         if (rc) return rc;
     }
     for (int k = 0; k < m - 1; k++) {
         int si = ((pos + 1 - k) % m + m) % m, ri = ((pos - k) % m + m) % m;
         int rc = ring_xfer(c, buf + SEG_LO(si) * esz, SEG_LEN(si) * esz, buf + SEG_LO(ri) * esz, SEG_LEN(ri) * esz,
-                           -1, NULL, 0, err, errlen);
+                           -1, 0, NULL, 0, err, errlen);
         if (rc) return rc;
     }
 #undef SEG_LO
@@ -483,98 +688,257 @@ static int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, char 
 static int ring_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_node, char *err, size_t errlen) {
     int m = c->cfg.num_nodes, pos = c->cfg.node;
     int last = (root_node + m - 1) % m;
-    if (pos == root_node) return ring_xfer(c, buf, nbytes, NULL, 0, -1, NULL, 0, err, errlen);
-    if (pos == last) return ring_xfer(c, NULL, 0, buf, nbytes, -1, NULL, 0, err, errlen);
-    return ring_xfer(c, buf, nbytes, buf, nbytes, -1, NULL, 1, err, errlen);
+    if (pos == root_node) return ring_xfer(c, buf, nbytes, NULL, 0, -1, 0, NULL, 0, err, errlen);
+    if (pos == last) return ring_xfer(c, NULL, 0, buf, nbytes, -1, 0, NULL, 0, err, errlen);
+    return ring_xfer(c, buf, nbytes, buf, nbytes, -1, 0, NULL, 1, err, errlen);
 }
 
 /* ------------------------------------------------------------------------------ the ABI */
 
 int stc_abi_version(void) { return STC_ABI_VERSION; }
 
-static int begin(stc_comm *c, const char *what, uint64_t kind, uint64_t dtype, uint64_t count, uint64_t arg,
+static int begin(stc_comm *c, uint32_t kind, int dtype, int32_t arg, int ndim, const int64_t *dims, uint64_t count,
                  char *err, size_t errlen) {
+    const char *what = kind_name(kind);
     if (!c) return fail(err, errlen, STC_E_ARG, "%s: no communicator", what);
     if (c->broken)
         return fail(err, errlen, STC_E_BROKEN,
                     "%s: an earlier collective failed on this rank, so its communicator cannot be used again", what);
+    if (ndim < 0 || (ndim > 0 && !dims)) return fail(err, errlen, STC_E_ARG, "%s: bad shape (ndim %d)", what, ndim);
     c->what = what;
     c->deadline = now_s() + c->cfg.timeout_s;
-    c->desc[0] = kind; c->desc[1] = dtype; c->desc[2] = count; c->desc[3] = arg;
+    set_desc(&c->desc, kind, dtype, arg, ndim, dims, count);
     return STC_OK;
 }
 
+/* A disagreement leaves the communicator as it was (every rank made the same steps); anything
+ * else may have left peers mid-collective, so the communicator is done. */
 static int finish(stc_comm *c, int rc) {
-    if (rc) mark_failed(c);
+    if (rc && rc != STC_E_MISMATCH) mark_failed(c);
     return rc;
 }
 
-int stc_allreduce(stc_comm *c, void *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
-    int rc = begin(c, "allreduce", K_ALLREDUCE, (uint64_t)dtype, count, (uint64_t)op, err, errlen);
-    if (rc) return rc;
-    if (stc_dtype_size(dtype) == 0 || (op != STC_SUM && op != STC_AVERAGE) || (count && !buf))
-        return fail(err, errlen, STC_E_ARG, "allreduce: bad dtype %d or op %d", dtype, op);
-    if (c->cfg.local_size > 1) {
-        rc = shm_allreduce(c, buf, count, dtype, err, errlen);
-        if (rc) return finish(c, rc);
+/* Where the ring is involved, the ranks agree before any data moves: each host's ranks compare
+ * descriptors in one shared-memory step, the leaders pass their hosts' verdicts around the ring,
+ * and each leader hands the ring's verdict to its local ranks in one more step. Every rank of
+ * every host then returns the same STC_E_MISMATCH, or all go on. (Over shared memory alone the
+ * check rides on the collective's first step instead: shm_step_checked.) */
+static int negotiate(stc_comm *c, char *err, size_t errlen) {
+    verdict v;
+    int L = c->cfg.local_size, rc;
+    if (L > 1) {
+        uint64_t s = c->seq + 1;
+        state_of(c, c->cfg.local_rank)->desc[s % 2] = c->desc;
+        rc = shm_step(c, err, errlen);
+        if (rc) return rc;
+        local_verdict(c, s, &v);
+    } else {
+        memset(&v, 0, sizeof v);
+        v.rank_a = v.rank_b = c->cfg.rank;
+        v.a = v.b = c->desc;
     }
-    if (c->cfg.num_nodes > 1) {
+    if (c->cfg.local_rank == 0) {
+        rc = ring_verdict(c, &v, err, errlen);
+        if (rc) return rc;
+    }
+    if (L > 1) {
+        uint64_t s = c->seq + 1;
         if (c->cfg.local_rank == 0) {
-            rc = ring_check(c, err, errlen);
-            if (!rc) rc = ring_allreduce(c, buf, count, dtype, err, errlen);
-            if (rc) return finish(c, rc);
+            c->hdr->verdict_rc[s % 2] = v.disagree ? STC_E_MISMATCH : STC_OK;
+            if (v.disagree) mismatch(c->hdr->verdict_msg[s % 2], MSG_BYTES, &v);
+        }
+        rc = shm_step(c, err, errlen);
+        if (rc) return rc;
+        rc = c->hdr->verdict_rc[s % 2];
+        if (rc) return fail(err, errlen, rc, "%s", c->hdr->verdict_msg[s % 2]);
+        return STC_OK;
+    }
+    return v.disagree ? mismatch(err, errlen, &v) : STC_OK;
+}
+
+static uint64_t elements(int ndim, const int64_t *dims) {
+    uint64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= dims[i] > 0 ? (uint64_t)dims[i] : 0;
+    return n;
+}
+
+/* The reduction of every rank's buf into buf; the caller has begun the collective. */
+static int reduce_all(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
+    int rc, multi = c->cfg.num_nodes > 1;
+    if (multi) {
+        rc = negotiate(c, err, errlen);
+        if (rc) return rc;
+    }
+    if (c->cfg.local_size > 1) {
+        rc = shm_allreduce(c, buf, count, dtype, op, !multi, err, errlen);
+        if (rc) return rc;
+    }
+    if (multi) {
+        if (c->cfg.local_rank == 0) {
+            rc = ring_allreduce(c, buf, count, dtype, op, err, errlen);
+            if (rc) return rc;
         }
         if (c->cfg.local_size > 1) {
-            c->desc[0] = K_REDUCE_STEP;
-            rc = shm_broadcast(c, buf, count * stc_dtype_size(dtype), 0, err, errlen);
-            if (rc) return finish(c, rc);
+            rc = shm_broadcast(c, buf, count * stc_dtype_size(dtype), 0, 0, err, errlen);
+            if (rc) return rc;
         }
     }
     if (op == STC_AVERAGE) stc_divide(buf, count, dtype, c->cfg.size);
     return STC_OK;
 }
 
-int stc_broadcast(stc_comm *c, void *buf, size_t nbytes, int root, char *err, size_t errlen) {
-    int rc = begin(c, "broadcast", K_BROADCAST, 0, nbytes, (uint64_t)root, err, errlen);
+static int check_reduction(stc_comm *c, size_t count, const void *buf, int dtype, int op, char *err, size_t errlen) {
+    char dt[32];
+    dtype_text(dt, sizeof dt, (uint64_t)dtype);
+    if (!stc_dtype_reducible(dtype)) return fail(err, errlen, STC_E_ARG, "%s: cannot reduce dtype %s", c->what, dt);
+    if (op < STC_SUM || op > STC_PRODUCT) return fail(err, errlen, STC_E_ARG, "%s: no op %d", c->what, op);
+    if (dtype == STC_BOOL && op == STC_AVERAGE)
+        return fail(err, errlen, STC_E_ARG, "%s: bool has no average: use sum (or), min (and), max or product",
+                    c->what);
+    if (count && !buf) return fail(err, errlen, STC_E_ARG, "%s: no buffer", c->what);
+    return STC_OK;
+}
+
+int stc_allreduce(stc_comm *c, void *buf, int dtype, int op, int ndim, const int64_t *dims, char *err, size_t errlen) {
+    uint64_t count = ndim >= 0 && (ndim == 0 || dims) ? elements(ndim, dims) : 0;
+    int rc = begin(c, K_ALLREDUCE, dtype, op, ndim, dims, count, err, errlen);
+    if (!rc) rc = check_reduction(c, count, buf, dtype, op, err, errlen);
     if (rc) return rc;
-    if (root < 0 || root >= c->cfg.size || (nbytes && !buf))
-        return fail(err, errlen, STC_E_ARG, "broadcast: root %d is not a rank", root);
-    int root_node = c->rank_node[root];
-    if (c->cfg.local_size > 1 && c->cfg.node == root_node) {
-        rc = shm_broadcast(c, buf, nbytes, c->rank_local[root], err, errlen);
+    return finish(c, reduce_all(c, buf, count, dtype, op, err, errlen));
+}
+
+int stc_reducescatter(stc_comm *c, void *buf, void *out, int dtype, int op, int ndim, const int64_t *dims, char *err,
+                      size_t errlen) {
+    uint64_t count = ndim >= 0 && (ndim == 0 || dims) ? elements(ndim, dims) : 0;
+    int rc = begin(c, K_REDUCESCATTER, dtype, op, ndim, dims, count, err, errlen);
+    if (!rc) rc = check_reduction(c, count, buf, dtype, op, err, errlen);
+    if (rc) return rc;
+    if (ndim < 1) { /* refused after the ranks have compared, so that all refuse it together */
+        rc = reduce_all(c, buf, count, dtype, op, err, errlen);
+        if (rc) return finish(c, rc);
+        return fail(err, errlen, STC_E_ARG, "reducescatter: a scalar has no rows to scatter; pass an array of at "
+                    "least one dimension");
+    }
+    /* Horovod's split: rows / size each, one more for the first rows % size ranks. */
+    uint64_t rows = (uint64_t)(dims[0] > 0 ? dims[0] : 0), size = (uint64_t)c->cfg.size, r = (uint64_t)c->cfg.rank;
+    uint64_t row_elems = rows ? count / rows : 0, extra = rows % size;
+    uint64_t first = r * (rows / size) + (r < extra ? r : extra), mine = rows / size + (r < extra ? 1 : 0);
+    if (mine && !out) return fail(err, errlen, STC_E_ARG, "reducescatter: no output buffer");
+    size_t esz = stc_dtype_size(dtype);
+    if (c->cfg.num_nodes == 1 && c->cfg.local_size > 1) {
+        rc = shm_reducescatter(c, buf, count, dtype, op, out, first * row_elems, (first + mine) * row_elems, err,
+                               errlen);
+        if (rc) return finish(c, rc);
+        if (op == STC_AVERAGE) stc_divide(out, mine * row_elems, dtype, c->cfg.size);
+        return STC_OK;
+    }
+    /* Across hosts (and for one rank): the whole reduction, then this rank's rows. */
+    rc = reduce_all(c, buf, count, dtype, op, err, errlen);
+    if (rc) return finish(c, rc);
+    if (mine) memcpy(out, (char *)buf + first * row_elems * esz, mine * row_elems * esz);
+    return STC_OK;
+}
+
+int stc_broadcast(stc_comm *c, void *buf, int dtype, int ndim, const int64_t *dims, int root, char *err,
+                  size_t errlen) {
+    uint64_t count = ndim >= 0 && (ndim == 0 || dims) ? elements(ndim, dims) : 0;
+    int rc = begin(c, K_BROADCAST, dtype, root, ndim, dims, count, err, errlen);
+    if (rc) return rc;
+    size_t nbytes = count * stc_dtype_size(dtype);
+    if (stc_dtype_size(dtype) == 0) return fail(err, errlen, STC_E_ARG, "broadcast: bad dtype %d", dtype);
+    if (root < 0 || root >= c->cfg.size) return fail(err, errlen, STC_E_ARG, "broadcast: root %d is not a rank", root);
+    if (nbytes && !buf) return fail(err, errlen, STC_E_ARG, "broadcast: no buffer");
+    int root_node = c->rank_node[root], multi = c->cfg.num_nodes > 1;
+    if (multi) {
+        rc = negotiate(c, err, errlen);
         if (rc) return finish(c, rc);
     }
-    if (c->cfg.num_nodes > 1) {
+    if (c->cfg.local_size > 1 && c->cfg.node == root_node) {
+        rc = shm_broadcast(c, buf, nbytes, c->rank_local[root], !multi, err, errlen);
+        if (rc) return finish(c, rc);
+    }
+    if (multi) {
         if (c->cfg.local_rank == 0) {
-            rc = ring_check(c, err, errlen);
-            if (!rc) rc = ring_broadcast(c, buf, nbytes, root_node, err, errlen);
+            rc = ring_broadcast(c, buf, nbytes, root_node, err, errlen);
             if (rc) return finish(c, rc);
         }
         if (c->cfg.local_size > 1 && c->cfg.node != root_node) {
-            rc = shm_broadcast(c, buf, nbytes, 0, err, errlen);
+            rc = shm_broadcast(c, buf, nbytes, 0, 0, err, errlen);
             if (rc) return finish(c, rc);
         }
     }
     return STC_OK;
 }
 
-int stc_allgatherv(stc_comm *c, const void *in, void *out, const uint64_t *counts, char *err, size_t errlen) {
+int stc_allgatherv(stc_comm *c, const void *in, void *out, const uint64_t *counts, int dtype, int ndim,
+                   const int64_t *dims, char *err, size_t errlen) {
     if (!c || !counts) return fail(err, errlen, STC_E_ARG, "allgather: no communicator or counts");
     uint64_t total = 0, mine = 0;
     for (int r = 0; r < c->cfg.size; r++) {
         if (r == c->cfg.rank) mine = total;
         total += counts[r];
     }
+    int rc = begin(c, K_ALLGATHER, dtype, 0, ndim, dims, total, err, errlen);
+    if (rc) return rc;
+    if (stc_dtype_size(dtype) == 0) return fail(err, errlen, STC_E_ARG, "allgather: bad dtype %d", dtype);
     if ((total && !out) || (counts[c->cfg.rank] && !in))
         return fail(err, errlen, STC_E_ARG, "allgather: missing buffer");
     /* Every byte has exactly one contributor, so a byte-wise sum with zeros elsewhere is exact. */
     if (total) memset(out, 0, total);
     if (counts[c->cfg.rank]) memcpy((char *)out + mine, in, counts[c->cfg.rank]);
-    int rc = stc_allreduce(c, out, total, STC_UINT8, STC_SUM, err, errlen);
-    return rc;
+    return finish(c, reduce_all(c, out, total, STC_UINT8, STC_SUM, err, errlen));
 }
 
-int stc_barrier(stc_comm *c, char *err, size_t errlen) { return stc_allreduce(c, NULL, 0, STC_UINT8, STC_SUM, err, errlen); }
+int stc_alltoallv(stc_comm *c, const void *in, void *out, const uint64_t *sends, int dtype, int ndim,
+                  const int64_t *dims, char *err, size_t errlen) {
+    if (!c || !sends) return fail(err, errlen, STC_E_ARG, "alltoall: no communicator or sends");
+    int n = c->cfg.size, me = c->cfg.rank;
+    uint64_t total = 0, mine = 0, got = 0;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) {
+            total += sends[(size_t)i * n + j];
+            if (i == me) mine += sends[(size_t)i * n + j];
+            if (j == me) got += sends[(size_t)i * n + j];
+        }
+    int rc = begin(c, K_ALLTOALL, dtype, 0, ndim, dims, total, err, errlen);
+    if (rc) return rc;
+    if (stc_dtype_size(dtype) == 0) return fail(err, errlen, STC_E_ARG, "alltoall: bad dtype %d", dtype);
+    if ((mine && !in) || (got && !out)) return fail(err, errlen, STC_E_ARG, "alltoall: missing buffer");
+    if (c->cfg.num_nodes == 1 && c->cfg.local_size > 1) return finish(c, shm_alltoallv(c, in, out, sends, err, errlen));
+    if (n == 1) {
+        if (mine) memcpy(out, in, mine);
+        return STC_OK;
+    }
+    /* Across hosts: every rank's whole send buffer to every rank (a byte-wise sum over zeros, as
+     * allgather), of which each keeps its parts. Simple, at n times the traffic of a true alltoall. */
+    char *all = total ? malloc(total) : NULL;
+    if (total && !all) return fail(err, errlen, STC_E_SYS, "alltoall: out of memory for %llu bytes",
+                                   (unsigned long long)total);
+    uint64_t at = 0;
+    for (int i = 0; i < me; i++)
+        for (int j = 0; j < n; j++) at += sends[(size_t)i * n + j];
+    if (total) memset(all, 0, total);
+    if (mine) memcpy(all + at, in, mine);
+    rc = reduce_all(c, all, total, STC_UINT8, STC_SUM, err, errlen);
+    if (!rc) {
+        uint64_t start = 0, dst = 0;
+        for (int i = 0; i < n; i++) {
+            uint64_t src = start, len = sends[(size_t)i * n + me];
+            for (int j = 0; j < me; j++) src += sends[(size_t)i * n + j];
+            if (len) memcpy((char *)out + dst, all + src, len);
+            dst += len;
+            for (int j = 0; j < n; j++) start += sends[(size_t)i * n + j];
+        }
+    }
+    free(all);
+    return finish(c, rc);
+}
+
+int stc_barrier(stc_comm *c, char *err, size_t errlen) {
+    int rc = begin(c, K_BARRIER, STC_UINT8, 0, 0, NULL, 0, err, errlen);
+    if (rc) return rc;
+    return finish(c, reduce_all(c, NULL, 0, STC_UINT8, STC_SUM, err, errlen));
+}
 
 /* --------------------------------------------------------------------------- set up */
 

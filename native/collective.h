@@ -16,7 +16,10 @@
 extern "C" {
 #endif
 
-#define STC_ABI_VERSION 1
+/* 2: every collective carries its dtype and shape (so a disagreement names both and leaves the
+ * communicator usable); min, max and product; int8, int16, uint16 and bool; reduce-scatter and
+ * alltoall. */
+#define STC_ABI_VERSION 2
 
 enum stc_dtype {
     STC_FLOAT16 = 0,
@@ -25,19 +28,31 @@ enum stc_dtype {
     STC_FLOAT64 = 3,
     STC_INT32 = 4,
     STC_INT64 = 5,
-    STC_UINT8 = 6
+    STC_UINT8 = 6,
+    STC_INT8 = 7,
+    STC_INT16 = 8,
+    STC_UINT16 = 9,
+    STC_BOOL = 10 /* one byte, 0 or 1 */
 };
+/* Elements of k bytes (1 <= k <= STC_OPAQUE_MAX) that are moved but never reduced (broadcast,
+ * allgather): dtype STC_OPAQUE + k. */
+#define STC_OPAQUE 256
+#define STC_OPAQUE_MAX 1024
 
-enum stc_op { STC_SUM = 0, STC_AVERAGE = 1 };
+/* Every op reduces in one fixed order (rank order), so every rank gets the same bits. STC_AVERAGE
+ * is the sum divided by the number of ranks (integers truncate toward zero; bool is refused).
+ * For bool, STC_SUM and STC_MAX are a logical or, STC_MIN and STC_PRODUCT a logical and. */
+enum stc_op { STC_SUM = 0, STC_AVERAGE = 1, STC_MIN = 2, STC_MAX = 3, STC_PRODUCT = 4 };
 
 enum stc_status {
     STC_OK = 0,
     STC_E_ARG = -1,      /* a bad argument */
     STC_E_TIMEOUT = -2,  /* a wait passed its deadline */
     STC_E_PEER = -3,     /* a peer died or closed its connection */
-    STC_E_MISMATCH = -4, /* ranks called different collectives, dtypes or sizes */
+    STC_E_MISMATCH = -4, /* ranks called different collectives, dtypes, shapes, ops or roots; every
+                            rank gets it and the communicator stays usable */
     STC_E_SYS = -5,      /* a system call failed */
-    STC_E_BROKEN = -6    /* an earlier failure left the communicator unusable */
+    STC_E_BROKEN = -6    /* an earlier failure (not a mismatch) left the communicator unusable */
 };
 
 typedef struct stc_config {
@@ -63,13 +78,33 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen);
 /* Unmaps, unlinks if still linked, closes the sockets. Safe on NULL. */
 void stc_destroy(stc_comm *comm);
 
-/* buf is reduced in place; count elements of dtype. */
-int stc_allreduce(stc_comm *comm, void *buf, size_t count, int dtype, int op, char *err, size_t errlen);
-/* nbytes of buf from root to every rank. */
-int stc_broadcast(stc_comm *comm, void *buf, size_t nbytes, int root, char *err, size_t errlen);
-/* out receives every rank's bytes in rank order; counts[r] is rank r's byte count, the same
- * array on every rank; in holds counts[rank] bytes. */
-int stc_allgatherv(stc_comm *comm, const void *in, void *out, const uint64_t *counts, char *err, size_t errlen);
+/* Every collective takes the caller's tensor as dtype plus shape (ndim dims; any ndim, the
+ * shape is compared exactly up to 8 dims and through a hash beyond). Before any data moves the
+ * ranks compare them; where they disagree every rank returns STC_E_MISMATCH, with the same
+ * message naming two ranks and what differs, and the communicator stays usable. */
+
+/* buf (the shape's elements) is reduced in place over every rank. */
+int stc_allreduce(stc_comm *comm, void *buf, int dtype, int op, int ndim, const int64_t *dims, char *err,
+                  size_t errlen);
+/* buf (the same shape on every rank, ndim >= 1) is reduced over every rank, and out receives this
+ * rank's rows of it: rows split as evenly as possible, the first rows % size ranks one more. buf
+ * is scratch: its contents are unspecified afterwards. */
+int stc_reducescatter(stc_comm *comm, void *buf, void *out, int dtype, int op, int ndim, const int64_t *dims,
+                      char *err, size_t errlen);
+/* buf (the shape's elements) from root to every rank. */
+int stc_broadcast(stc_comm *comm, void *buf, int dtype, int ndim, const int64_t *dims, int root, char *err,
+                  size_t errlen);
+/* out receives every rank's bytes in rank order; counts[r] is rank r's byte count, the same array
+ * on every rank; in holds counts[rank] bytes, this rank's tensor of the given shape. Only the
+ * first dimension may differ between ranks. */
+int stc_allgatherv(stc_comm *comm, const void *in, void *out, const uint64_t *counts, int dtype, int ndim,
+                   const int64_t *dims, char *err, size_t errlen);
+/* sends[i * size + j] is how many bytes rank i sends rank j: the same matrix on every rank. in
+ * holds this rank's sends in rank order of their destinations (this rank's tensor of the given
+ * shape); out receives what every rank sent this one, in rank order. Only the first dimension
+ * may differ between ranks. */
+int stc_alltoallv(stc_comm *comm, const void *in, void *out, const uint64_t *sends, int dtype, int ndim,
+                  const int64_t *dims, char *err, size_t errlen);
 int stc_barrier(stc_comm *comm, char *err, size_t errlen);
 
 #ifdef __cplusplus

@@ -10,7 +10,13 @@ Pure of Spark and TensorFlow: it needs numpy only, so tests run ranks as plain p
 
     comm = Communicator(rank=r, size=3, hosts=["h"] * 3, ports=[p0, p1, p2], secret=key, name=run)
     total = comm.allreduce(np.arange(4.0), op="sum")
+    mine = comm.reducescatter(np.ones((7, 2), np.float32), op="max")   # rows 3, 2 and 2
+    got, got_splits = comm.alltoall(np.arange(6), splits=[1, 2, 3])
     comm.close()
+
+Ranks that pass different shapes, dtypes, ops or roots, or call different collectives, all get
+the same :class:`CollectiveError` (code :data:`MISMATCH`), and the communicator goes on working;
+a dead peer or a timeout (:data:`PEER`, :data:`TIMEOUT`) ends it (:data:`BROKEN` after).
 """
 from __future__ import annotations
 
@@ -35,11 +41,19 @@ LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"
 #: The file holding the run's collective key; ``run`` writes it into the rank's work directory.
 KEY_FILE_ENV = worker_env.COLLECTIVE_KEY_FILE
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _ERRLEN = 1024
 _HELLO = b"STC1"
-_OPS = {"sum": 0, "average": 1}
-_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4, "int64": 5, "uint8": 6}
+
+#: The reductions, by the names every reducing call takes (``op=``); codes of ``enum stc_op``.
+OPS = ("sum", "average", "min", "max", "product")
+#: The dtypes the engine reduces (numpy names; bfloat16 is ml_dtypes'); codes of ``enum stc_dtype``.
+#: Broadcast, allgather and alltoall also move any other fixed-size dtype, as opaque bytes.
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8", "int16", "uint16", "bool")
+_OP_CODES = {name: code for code, name in enumerate(OPS)}
+_DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
+_OPAQUE, _OPAQUE_MAX = 256, 1024  # STC_OPAQUE + itemsize: moved, never reduced
+_MAX_DIMS = 64  # numpy's limit
 
 
 #: The library's return codes (``native/collective.h``), by name.
@@ -113,12 +127,14 @@ def library():
         lib.stc_create.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(ctypes.c_void_p), err, ctypes.c_size_t]
         lib.stc_destroy.argtypes = [ctypes.c_void_p]
         lib.stc_destroy.restype = None
-        lib.stc_allreduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                      err, ctypes.c_size_t]
-        lib.stc_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, err,
+        i64p, vp, i = ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p, ctypes.c_int
+        lib.stc_allreduce.argtypes = [vp, vp, i, i, i, i64p, err, ctypes.c_size_t]
+        lib.stc_reducescatter.argtypes = [vp, vp, vp, i, i, i, i64p, err, ctypes.c_size_t]
+        lib.stc_broadcast.argtypes = [vp, vp, i, i, i64p, i, err, ctypes.c_size_t]
+        lib.stc_allgatherv.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_uint64), i, i, i64p, err,
+                                       ctypes.c_size_t]
+        lib.stc_alltoallv.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_uint64), i, i, i64p, err,
                                       ctypes.c_size_t]
-        lib.stc_allgatherv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.POINTER(ctypes.c_uint64), err, ctypes.c_size_t]
         lib.stc_barrier.argtypes = [ctypes.c_void_p, err, ctypes.c_size_t]
         _lib = lib
         return _lib
@@ -260,11 +276,49 @@ def _connect_ring(listener: socket.socket, next_addr: tuple[str, int], key: byte
 
 # -- the communicator --------------------------------------------------------------------------
 
-def _dtype_code(dtype) -> int:
-    code = _DTYPES.get(str(dtype))
+def _op_code(op, what: str) -> int:
+    code = _OP_CODES.get(op) if isinstance(op, str) else None
     if code is None:
-        raise CollectiveError(f"the native engine reduces {', '.join(sorted(_DTYPES))}; got {dtype}")
+        raise CollectiveError(f"{what}: op must be one of {', '.join(OPS)}; got {op!r}")
     return code
+
+
+def _reduce_code(dtype, op: str, what: str) -> int:
+    """The engine's code for a dtype it reduces with ``op``; a CollectiveError naming the choices else."""
+    code = _DTYPE_CODES.get(str(dtype))
+    if code is None:
+        raise CollectiveError(f"{what}: the native engine reduces {', '.join(DTYPES)}; got dtype {dtype} "
+                              "(cast the array to one of them)")
+    if str(dtype) == "bool" and op == "average":
+        raise CollectiveError(f"{what}: bool has no average; use op 'sum' or 'max' (logical or), or 'min' or "
+                              "'product' (logical and)")
+    return code
+
+
+def _move_code(dtype) -> int:
+    """The engine's code for a dtype it only moves: its own where it has one, else opaque bytes."""
+    code = _DTYPE_CODES.get(str(dtype))
+    if code is not None:
+        return code
+    if dtype.hasobject or not 0 < dtype.itemsize <= _OPAQUE_MAX:
+        raise CollectiveError(f"the native engine moves fixed-size dtypes of at most {_OPAQUE_MAX} bytes; got {dtype}")
+    return _OPAQUE + dtype.itemsize
+
+
+def _dims(shape):
+    """A shape as the engine's (ndim, int64 array) arguments; the array must outlive the call."""
+    arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+    return len(shape), arr
+
+
+def split_rows(rows: int, size: int) -> list[int]:
+    """How many rows of ``rows`` each of ``size`` ranks keeps in a reducescatter, as Horovod splits
+    them: ``rows // size`` each, one more for the first ``rows % size`` ranks.
+
+    >>> split_rows(7, 3)
+    [3, 2, 2]
+    """
+    return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
 
 
 class Communicator:
@@ -344,6 +398,7 @@ class Communicator:
         self._cfg = cfg  # keeps the arrays alive for as long as the handle
         self._cfg.timeout_s = self.timeout
         self._err = err
+        self._args_seen: dict = {}
 
     # -- calls -------------------------------------------------------------------------------
     def _call(self, fn, *args) -> None:
@@ -360,70 +415,184 @@ class Communicator:
             raise CollectiveError("the communicator is closed")
         return self._handle
 
-    def allreduce(self, array, op: str = "average"):
-        """A new array: ``array`` reduced over every rank (``"sum"`` or ``"average"``).
+    def _reduce_args(self, dtype, shape, op, what: str):
+        """(dtype code, op code, ndim, dims) for a reduction, checked; remembered per dtype, shape
+        and op, since a training step makes the same calls every time and small ones are
+        dominated by this."""
+        key = (dtype, shape, op, what) if isinstance(op, str) else None
+        args = self._args_seen.get(key) if key else None
+        if args is None:
+            code = _op_code(op, what)
+            args = (_reduce_code(dtype, op, what), code) + _dims(shape)
+            if len(self._args_seen) >= 1024:
+                self._args_seen.clear()
+            self._args_seen[key] = args
+        return args
 
-        Averaged integers are divided with truncation toward zero.
+    def allreduce(self, array, op: str = "average"):
+        """A new array: ``array`` reduced over every rank with ``op`` (one of :data:`OPS`).
+
+        Every rank must pass the same shape and dtype (one of :data:`DTYPES`). Averaged integers
+        are divided with truncation toward zero; bool has no average.
         """
         import numpy as np
 
-        if op not in _OPS:
-            raise CollectiveError(f"op must be 'sum' or 'average', got {op!r}")
         out = np.array(array, order="C", copy=True)
-        code = _dtype_code(out.dtype)
-        self._call(self._lib.stc_allreduce, out.ctypes.data, out.size, code, _OPS[op])
+        self._call(self._lib.stc_allreduce, out.ctypes.data, *self._reduce_args(out.dtype, out.shape, op, "allreduce"))
         return out
 
     def allreduce_(self, out, op: str = "average") -> None:
-        """Reduce the C-contiguous, writable ``out`` in place."""
-        if op not in _OPS:
-            raise CollectiveError(f"op must be 'sum' or 'average', got {op!r}")
+        """Reduce the C-contiguous, writable ``out`` in place (as :meth:`allreduce`)."""
+        args = self._reduce_args(out.dtype, out.shape, op, "allreduce")
         if not (out.flags.c_contiguous and out.flags.writeable):
             raise CollectiveError("allreduce_ needs a C-contiguous, writable array")
-        self._call(self._lib.stc_allreduce, out.ctypes.data, out.size, _dtype_code(out.dtype), _OPS[op])
+        self._call(self._lib.stc_allreduce, out.ctypes.data, *args)
+
+    def reducescatter(self, array, op: str = "average"):
+        """``array`` reduced over every rank, of which this rank keeps its rows of axis 0.
+
+        As Horovod splits them (:func:`split_rows`): ``rows // size`` rows each, one more for the
+        first ``rows % size`` ranks, so with fewer rows than ranks the last ranks get none. Every
+        rank passes the same shape (at least one dimension) and dtype.
+        """
+        import numpy as np
+
+        code = _op_code(op, "reducescatter")
+        a = np.array(array, order="C", copy=True)  # the engine's scratch
+        dtype = _reduce_code(a.dtype, op, "reducescatter")
+        rows = split_rows(a.shape[0], self.size) if a.ndim else [0] * self.size
+        out = np.empty((rows[self.rank],) + a.shape[1:], a.dtype)
+        ndim, dims = _dims(a.shape)
+        self._call(self._lib.stc_reducescatter, a.ctypes.data, out.ctypes.data, dtype, code, ndim, dims)
+        return out
 
     def broadcast(self, array, root: int = 0):
         """A new array holding ``array`` as it is on ``root`` (same shape and dtype on every rank)."""
         import numpy as np
 
         out = np.array(array, order="C", copy=True)
-        self._call(self._lib.stc_broadcast, out.ctypes.data, out.nbytes, int(root))
+        ndim, dims = _dims(out.shape)
+        self._call(self._lib.stc_broadcast, out.ctypes.data, _move_code(out.dtype), ndim, dims, int(root))
         return out
+
+    def _gather_meta(self, meta):
+        """Every rank's int64 vector ``meta`` (the same length on every rank), one row per rank."""
+        import numpy as np
+
+        meta = np.ascontiguousarray(meta, np.int64)
+        return self._gatherv(meta.view(np.uint8), [meta.nbytes] * self.size, _DTYPE_CODES["int64"],
+                             (meta.size,)).view(np.int64).reshape(self.size, meta.size)
+
+    @staticmethod
+    def _shape_text(meta_row) -> str:
+        ndim, code = int(meta_row[0]), int(meta_row[1])
+        name = DTYPES[code] if 0 <= code < len(DTYPES) else f"opaque{(code - _OPAQUE) * 8}"
+        return f"{name}[{','.join(str(int(d)) for d in meta_row[2:2 + ndim])}]"
+
+    def _meta_of(self, a, extra=()):
+        """[ndim, dtype code, dims (padded to 64), *extra]: what a ragged collective compares."""
+        import numpy as np
+
+        meta = np.zeros(2 + _MAX_DIMS + len(extra), np.int64)
+        meta[0], meta[1] = a.ndim, _move_code(a.dtype)
+        meta[2:2 + a.ndim] = a.shape
+        meta[2 + _MAX_DIMS:] = extra
+        return meta
+
+    def _check_ragged(self, what: str, metas) -> None:
+        """The same verdict on every rank (each rank against rank 0): trailing dims and dtype agree."""
+        for r in range(1, self.size):
+            if metas[r, 0] != metas[0, 0] or metas[r, 1] != metas[0, 1] or \
+                    (metas[r, 3:2 + _MAX_DIMS] != metas[0, 3:2 + _MAX_DIMS]).any():
+                differ = "dtypes" if metas[r, 1] != metas[0, 1] else "shapes"
+                raise CollectiveError(
+                    f"rank {self.rank}: {what}: rank 0 passed {self._shape_text(metas[0])} but rank {r} passed "
+                    f"{self._shape_text(metas[r])}: the {differ} differ (only the first dimension may differ)")
 
     def allgather(self, array):
         """Every rank's ``array`` concatenated along the first axis, in rank order.
 
-        The first dimension may differ between ranks; the others and the dtype must match.
+        The first dimension may differ between ranks; the others and the dtype must match, else
+        every rank raises the same :data:`MISMATCH` error and the communicator stays usable.
         """
         import numpy as np
 
         a = np.ascontiguousarray(array)
         if a.ndim == 0:
             a = a.reshape(1)
-        if a.ndim > 30:
-            raise CollectiveError("allgather takes arrays of at most 30 dimensions")
         # First every rank's shape and dtype, so a mismatch is an error and never garbage.
-        meta = np.zeros(32, np.int64)
-        meta[0], meta[1] = a.ndim, _dtype_code(a.dtype) if str(a.dtype) in _DTYPES else 100 + a.dtype.itemsize
-        meta[2:2 + a.ndim] = a.shape
-        metas = self._gatherv(meta.view(np.uint8), [meta.nbytes] * self.size).view(np.int64).reshape(self.size, 32)
-        for r in range(self.size):
-            if metas[r, 0] != a.ndim or metas[r, 1] != meta[1] or (metas[r, 3:2 + a.ndim] != meta[3:2 + a.ndim]).any():
-                raise CollectiveError(
-                    f"rank {self.rank}: allgather: rank {r} sent shape {tuple(metas[r, 2:2 + metas[r, 0]])} "
-                    f"(dtype code {metas[r, 1]}) but this rank sent {a.shape} {a.dtype}; only the first "
-                    "dimension may differ")
+        metas = self._gather_meta(self._meta_of(a))
+        self._check_ragged("allgather", metas)
         row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
         counts = [int(metas[r, 2]) * row for r in range(self.size)]
-        flat = self._gatherv(a.reshape(-1).view(np.uint8), counts)
+        flat = self._gatherv(a.reshape(-1).view(np.uint8), counts, _move_code(a.dtype), a.shape)
         return flat.view(a.dtype).reshape((int(metas[:, 2].sum()),) + a.shape[1:])
 
-    def _gatherv(self, data, counts: list[int]):
+    def alltoall(self, array, splits=None):
+        """Send ``splits[i]`` rows of ``array``'s axis 0 to rank i; ``(received, received_splits)``.
+
+        ``splits`` defaults to equal parts (the rows must then divide evenly over the ranks) and
+        must sum to the rows; empty parts are fine. ``received`` is what every rank sent this one,
+        concatenated in rank order; ``received_splits[i]`` is how many rows came from rank i. The
+        trailing dims and the dtype must agree between ranks; a disagreement or bad splits on any
+        rank is the same :data:`MISMATCH` error on every rank, and the communicator stays usable.
+        """
+        import numpy as np
+
+        a = np.ascontiguousarray(array)
+        n = self.size
+        rows = a.shape[0] if a.ndim else 0
+        # A problem with this rank's own splits is told to every rank (the meta carries it), so
+        # that all of them raise instead of some waiting for the others.
+        problem, given = 0, np.zeros(n, np.int64)
+        if a.ndim == 0:
+            problem = 1
+        elif splits is None:
+            if rows % n:
+                problem = 2
+            else:
+                given[:] = rows // n
+        else:
+            sp = np.asarray(splits).reshape(-1)
+            if sp.size != n or (sp.size and not np.issubdtype(sp.dtype, np.integer)):
+                problem = 3
+            elif (sp < 0).any():
+                problem, given[:] = 4, sp
+            elif int(sp.sum()) != rows:
+                problem, given[:] = 5, sp
+            else:
+                given[:] = sp
+        metas = self._gather_meta(self._meta_of(a, [problem, np.asarray(splits).size if splits is not None else n,
+                                                    *given]))
+        for r in range(n):
+            p = int(metas[r, 2 + _MAX_DIMS])
+            if p:
+                shape = self._shape_text(metas[r])
+                got = metas[r, 4 + _MAX_DIMS:].tolist()
+                why = {1: "a scalar has no rows to send; pass an array of at least one dimension",
+                       2: f"its {int(metas[r, 2])} rows do not split evenly over {n} ranks; pass splits",
+                       3: f"splits must be {n} integers, one per rank (it passed {int(metas[r, 3 + _MAX_DIMS])} "
+                          "values, or values that are not integers)",
+                       4: f"splits {got} are negative",
+                       5: f"splits {got} sum to {sum(got)}, not to its {int(metas[r, 2])} rows"}[p]
+                raise CollectiveError(f"rank {self.rank}: alltoall: rank {r} passed {shape}: {why}")
+        self._check_ragged("alltoall", metas)
+        sent = metas[:, 4 + _MAX_DIMS:]  # sent[i][j]: rows from rank i to rank j
+        row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        received_splits = sent[:, self.rank].astype(np.int64)
+        out = np.empty((int(received_splits.sum()),) + a.shape[1:], a.dtype)
+        sends = (ctypes.c_uint64 * (n * n))(*(sent.reshape(-1) * row).tolist())
+        ndim, dims = _dims(a.shape)
+        self._call(self._lib.stc_alltoallv, a.ctypes.data, out.ctypes.data, sends, _move_code(a.dtype), ndim, dims)
+        return out, received_splits
+
+    def _gatherv(self, data, counts: list[int], dtype: int, shape):
         import numpy as np
 
         out = np.empty(sum(counts), np.uint8)
         arr = (ctypes.c_uint64 * self.size)(*counts)
-        self._call(self._lib.stc_allgatherv, data.ctypes.data, out.ctypes.data, arr)
+        ndim, dims = _dims(shape)
+        self._call(self._lib.stc_allgatherv, data.ctypes.data, out.ctypes.data, arr, dtype, ndim, dims)
         return out
 
     def barrier(self) -> None:

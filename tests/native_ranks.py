@@ -198,3 +198,198 @@ def one_rank_never_comes(comm, late, arrived):
 
 def gather_mismatched_shapes(comm):
     return comm.allgather(np.zeros((2, 3 + comm.rank), np.float32))
+
+
+# -- every op and dtype, reducescatter, alltoall, disagreements ----------------------------------
+
+ALL_DTYPES = native.DTYPES
+UNSIGNED = ("uint8", "uint16")
+
+
+def op_inputs(size: int, rank: int, dtype: str, op: str):
+    """Values whose reduction is exact in every dtype, in any order: small, and tiny for products."""
+    i = np.arange(size, dtype=np.int64) * 7 + rank * 3
+    if dtype == "bool":
+        return (i % 5) < 2
+    if op == "product":
+        v = i % 4 if dtype in UNSIGNED else (i % 5) - 2
+    else:
+        v = i % 11 if dtype in UNSIGNED else (i % 11) - 5
+    return v.astype(np_dtype(dtype))
+
+
+def op_expected(arrays: list, dtype: str, op: str):
+    """What numpy says, element-wise over ``arrays`` in rank order, in the dtype (integers wrap)."""
+    import functools
+
+    dt = np_dtype(dtype)
+    if dtype == "bool":
+        fn = np.logical_or if op in ("sum", "max") else np.logical_and
+        return functools.reduce(fn, arrays).astype(bool)
+    if op == "average":
+        total = functools.reduce(np.add, [a.astype(np.int64) for a in arrays])
+        n = len(arrays)
+        if dt.kind in "iu":
+            return (np.sign(total) * (np.abs(total) // n)).astype(dt)  # truncation toward zero
+        if dtype in ("float16", "bfloat16"):
+            return (total.astype(np.float32) / np.float32(n)).astype(dt)
+        return (total.astype(dt) / np.array(n, dt)).astype(dt)
+    fn = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+    if dt.kind == "f" or dtype == "bfloat16":  # exact in float64 for these inputs; rounded once
+        return functools.reduce(fn, [a.astype(np.float64) for a in arrays]).astype(dt)
+    with np.errstate(over="ignore"):
+        return functools.reduce(fn, arrays).astype(dt)
+
+
+def _compare(bad: list, label: str, got, want) -> None:
+    if got.dtype != want.dtype or got.shape != want.shape:
+        bad.append(f"{label}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
+    elif not np.array_equal(got.view(np.uint8), want.view(np.uint8)):  # bit for bit
+        differs = (got.reshape(-1).view(np.uint8).reshape(got.size, -1) !=
+                   want.reshape(-1).view(np.uint8).reshape(want.size, -1)).any(axis=1)
+        first = int(np.flatnonzero(differs)[0])
+        bad.append(f"{label}: element {first}: got {got.reshape(-1)[first]}, want {want.reshape(-1)[first]}")
+
+
+def every_op(comm, sizes, dtypes=ALL_DTYPES):
+    """Every op of every dtype at each size, against numpy; integer sums and products that wrap."""
+    n, r = comm.size, comm.rank
+    bad, digests = [], {}
+    for dtype in dtypes:
+        for op in native.OPS:
+            if dtype == "bool" and op == "average":
+                continue
+            for size in sizes:
+                got = comm.allreduce(op_inputs(size, r, dtype, op), op)
+                want = op_expected([op_inputs(size, k, dtype, op) for k in range(n)], dtype, op)
+                _compare(bad, f"{op} {dtype}[{size}]", got, want)
+                digests[f"{op}-{dtype}-{size}"] = digest(got)
+        dt = np_dtype(dtype)
+        if dt.kind in "iu":  # wrapping: the largest value summed, 100 + rank multiplied
+            big = [np.full(5, np.iinfo(dt).max - k, dt) for k in range(n)]
+            _compare(bad, f"sum wraps {dtype}", comm.allreduce(big[r], "sum"), op_expected(big, dtype, "sum"))
+            prod = [np.full(5, 100 + k, dt) for k in range(n)]
+            _compare(bad, f"product wraps {dtype}", comm.allreduce(prod[r], "product"),
+                     op_expected(prod, dtype, "product"))
+    # In place, and shaped: the shape travels with the call, the result keeps it.
+    x = op_inputs(12, r, "float32", "max").reshape(3, 4)
+    comm.allreduce_(x, "max")
+    _compare(bad, "allreduce_ max float32[3,4]", x,
+             op_expected([op_inputs(12, k, "float32", "max").reshape(3, 4) for k in range(n)], "float32", "max"))
+    rng = np.random.default_rng(r)
+    for op in ("min", "max", "product"):
+        digests[f"random-{op}"] = digest(comm.allreduce(rng.standard_normal(50_003).astype(np.float16), op))
+    return {"bad": bad, "digests": digests}
+
+
+def reducescatter_cases(comm):
+    """Reducescatter against numpy: rows the ranks do not divide, fewer rows than ranks, no rows."""
+    n, r = comm.size, comm.rank
+    bad = []
+    for rows in sorted({0, 1, max(0, n - 1), n, 7, 2 * n + 1}):
+        for trailing in ((), (3,)):
+            for dtype, op in (("float32", "sum"), ("int32", "average"), ("int16", "max"), ("float16", "min"),
+                              ("bool", "sum")):
+                def make(k, rows=rows, trailing=trailing, dtype=dtype, op=op):
+                    size = rows * int(np.prod(trailing, dtype=np.int64))
+                    return op_inputs(size, k, dtype, op).reshape((rows,) + trailing)
+
+                got = comm.reducescatter(make(r), op)
+                full = op_expected([make(k) for k in range(n)], dtype, op)
+                lo = sum(native.split_rows(rows, n)[:r])
+                _compare(bad, f"reducescatter {op} {dtype}{(rows,) + trailing}", got,
+                         full[lo:lo + native.split_rows(rows, n)[r]])
+    try:  # a scalar has no rows: refused on every rank together, and the communicator goes on
+        comm.reducescatter(np.float32(r), "sum")
+        bad.append("reducescatter of a scalar: no error")
+    except native.CollectiveError as e:
+        if "scalar" not in str(e):
+            bad.append(f"reducescatter of a scalar: {e}")
+    # Over the 256 KiB shared-memory chunk: two large chunks; a large one and then a small one.
+    for big in (40_003, 22_700):
+        got = comm.reducescatter(np.arange(big * 3, dtype=np.float32).reshape(big, 3) * (r + 1), "average")
+        full = np.arange(big * 3, dtype=np.float32).reshape(big, 3) * np.float32(n * (n + 1) // 2) / np.float32(n)
+        lo = sum(native.split_rows(big, n)[:r])
+        _compare(bad, f"reducescatter big {big}", got, full[lo:lo + native.split_rows(big, n)[r]])
+    return bad
+
+
+def _a2a_send(rank: int, n: int, case: str):
+    """What ``rank`` sends in ``case``: (array, splits or None)."""
+    if case == "even":
+        return np.arange(2 * n * 3, dtype=np.float32).reshape(2 * n, 3) + 100 * rank, None
+    if case == "ragged":
+        splits = [(rank + j) % 3 for j in range(n)]
+    elif case == "empty_send":  # rank 0 sends nothing at all
+        splits = [0 if rank == 0 else j + 1 for j in range(n)]
+    elif case == "empty_receive":  # nobody sends to the last rank
+        splits = [0 if j == n - 1 else rank + 1 for j in range(n)]
+    elif case == "no_rows":
+        splits = [0] * n
+    elif case == "big":  # over the shared-memory chunk
+        splits = [20_000 + 7 * j + rank for j in range(n)]
+    else:
+        raise ValueError(case)
+    rows = sum(splits)
+    dtype = np.int16 if case == "ragged" else np.float64
+    return (np.arange(rows * 2, dtype=np.int64).reshape(rows, 2) + 1000 * rank).astype(dtype), splits
+
+
+A2A_CASES = ("even", "ragged", "empty_send", "empty_receive", "no_rows", "big")
+
+
+def alltoall_cases(comm):
+    """Alltoall against what every rank sent, computed here from the same rule."""
+    n, r = comm.size, comm.rank
+    bad = []
+    for case in A2A_CASES:
+        got, got_splits = comm.alltoall(*_a2a_send(r, n, case))
+        parts, want_splits = [], []
+        for k in range(n):
+            a, splits = _a2a_send(k, n, case)
+            splits = splits or [a.shape[0] // n] * n
+            lo = sum(splits[:r])
+            parts.append(a[lo:lo + splits[r]])
+            want_splits.append(splits[r])
+        _compare(bad, f"alltoall {case}", got, np.concatenate(parts))
+        if list(got_splits) != want_splits:
+            bad.append(f"alltoall {case}: received splits {list(got_splits)}, want {want_splits}")
+    return bad
+
+
+def _expect_mismatch(comm, label: str, call, out: dict) -> None:
+    """Run ``call``; record the MISMATCH message (without this rank's prefix), then whether the
+    communicator still sums right."""
+    try:
+        call()
+        out[label] = "no error"
+    except native.CollectiveError as e:
+        text = str(e)
+        prefix = f"rank {comm.rank}: "
+        out[label] = (e.code, text[len(prefix):] if text.startswith(prefix) else text)
+    after = comm.allreduce(np.ones(3, np.float32), "sum")
+    out[label + " then"] = after.tolist()
+
+
+def disagreements(comm, deviants):
+    """Each kind of disagreement, made by the ranks in ``deviants``; every rank should get the same
+    MISMATCH, and the allreduce after each should still be right."""
+    odd = comm.rank in deviants
+    out: dict = {}
+    f32 = np.float32
+    _expect_mismatch(comm, "shape", lambda: comm.allreduce(np.ones(5 if odd else (3, 4), f32), "sum"), out)
+    _expect_mismatch(comm, "dtype", lambda: comm.allreduce(np.ones(4, np.int32 if odd else f32), "sum"), out)
+    _expect_mismatch(comm, "op", lambda: comm.allreduce(np.ones(4, f32), "max" if odd else "sum"), out)
+    _expect_mismatch(comm, "root", lambda: comm.broadcast(np.ones(4, f32), root=1 if odd else 0), out)
+    _expect_mismatch(comm, "kind", lambda: (comm.broadcast(np.ones(4, f32)) if odd else
+                                           comm.allreduce(np.ones(4, f32), "sum")), out)
+    _expect_mismatch(comm, "big shape", lambda: comm.allreduce(np.ones(200_000 + odd, f32), "sum"), out)
+    _expect_mismatch(comm, "many dims", lambda: comm.allreduce(np.ones((1,) * 9 + (2 + odd,), f32), "sum"), out)
+    _expect_mismatch(comm, "reducescatter", lambda: comm.reducescatter(np.ones((4, 2 + odd), f32), "sum"), out)
+    _expect_mismatch(comm, "allgather", lambda: comm.allgather(np.ones((2, 3 + odd), f32)), out)
+    _expect_mismatch(comm, "alltoall splits", lambda: comm.alltoall(np.ones((comm.size, 2), f32),
+                                                                     [2] + [1] * (comm.size - 1) if odd else None), out)
+    _expect_mismatch(comm, "alltoall dtype", lambda: comm.alltoall(np.ones((comm.size, 2), np.int64 if odd else f32)),
+                     out)
+    _expect_mismatch(comm, "barrier", lambda: comm.barrier() if odd else comm.allreduce(np.ones(1, f32), "sum"), out)
+    return out

@@ -1,11 +1,19 @@
 """Run by tests/test_native_sanitizer.py under an ASan+UBSan build of the engine: the correctness
-cases over shared memory, the forced TCP ring and two hosts, plus the other collectives and a
-disagreement. Exits 0 when every rank got the right answer."""
+cases over shared memory, the forced TCP ring and two hosts (every op of every dtype included),
+the other collectives (reducescatter and alltoall too), and disagreements with the collectives
+that follow them. Exits 0 when every rank got the right answer."""
 from __future__ import annotations
 
 import sys
 
 import native_ranks as nr
+
+
+TWO_HOSTS = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+
+
+def _scatter_and_alltoall(comm):
+    return {"bad": nr.reducescatter_cases(comm) + nr.alltoall_cases(comm)}
 
 
 def main() -> int:
@@ -16,6 +24,12 @@ def main() -> int:
         (4, {"hosts": ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]}, nr.correctness, ((0, 7, 100_003),)),
         (3, {}, nr.other_ops, ()),
         (3, {"tcp": True}, nr.other_ops, ()),
+        (3, {}, nr.every_op, ((0, 7, 1003),)),
+        (3, {"tcp": True}, nr.every_op, ((0, 7, 1003),)),
+        (4, {"hosts": TWO_HOSTS}, nr.every_op, ((0, 7),)),
+        (3, {}, _scatter_and_alltoall, ()),
+        (3, {"tcp": True}, _scatter_and_alltoall, ()),
+        (4, {"hosts": TWO_HOSTS}, _scatter_and_alltoall, ()),
     ]
     for n, kw, fn, args in cases:
         results = nr.run_ranks(n, fn, *args, **kw)
@@ -24,8 +38,15 @@ def main() -> int:
             failures.append(f"{fn.__name__} n={n} {kw}: reported {sorted(results)}, bad {bad}")
     for tcp in (False, True):
         results = nr.run_ranks(2, nr.mismatched, tcp=tcp, timeout=30)
-        if sorted(results) != [0, 1] or any(s != "error" or "disagree" not in v for s, v in results.values()):
+        if sorted(results) != [0, 1] or any(s != "error" or "the shapes differ" not in v for s, v in results.values()):
             failures.append(f"mismatch tcp={tcp}: {results}")
+    for n, deviants, kw in ((3, {2}, {}), (3, {1}, {"tcp": True}), (4, {3}, {"hosts": TWO_HOSTS}),
+                            (4, {2, 3}, {"hosts": TWO_HOSTS})):
+        results = nr.run_ranks(n, nr.disagreements, deviants, timeout=30, **kw)
+        values = [v for s, v in results.values() if s == "ok"]
+        if len(values) != n or any(v != values[0] for v in values) or \
+                any(v.get(k) != [float(n)] * 3 for v in values for k in v if k.endswith(" then")):
+            failures.append(f"disagreements {kw} {deviants}: {results}")
     for f in failures:
         print("FAILED:", f)
     return 1 if failures else 0

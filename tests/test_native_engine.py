@@ -76,4 +76,82 @@ def test_ranks_that_disagree_get_an_error_not_numbers(tcp):
     results = nr.run_ranks(2, nr.mismatched, tcp=tcp, timeout=30)
     assert sorted(results) == [0, 1]
     for r, (status, text) in results.items():
-        assert status == "error" and "disagree" in text, (r, text)
+        assert status == "error" and "the shapes differ" in text, (r, text)
+
+
+# -- every op and dtype; reducescatter and alltoall; disagreements --------------------------------
+
+TWO_HOSTS_OF_TWO = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+OP_SIZES = (0, 1, 7, 1024, 1003)  # 4 KiB of float32; 1003 no rank count divides
+
+
+@pytest.mark.parametrize("n, tcp, hosts", [
+    (1, False, None), (2, False, None), (3, False, None), (4, False, None),
+    (2, True, None), (3, True, None), (4, True, None), (4, False, TWO_HOSTS_OF_TWO),
+], ids=["shm1", "shm2", "shm3", "shm4", "tcp2", "tcp3", "tcp4", "hosts2x2"])
+def test_every_op_of_every_dtype_matches_numpy(n, tcp, hosts):
+    check_correct(nr.run_ranks(n, nr.every_op, OP_SIZES, tcp=tcp, hosts=hosts), n)
+
+
+@pytest.mark.parametrize("n, tcp, hosts", [
+    (1, False, None), (2, False, None), (3, False, None), (4, False, None), (3, True, None),
+    (4, False, TWO_HOSTS_OF_TWO),
+], ids=["shm1", "shm2", "shm3", "shm4", "tcp3", "hosts2x2"])
+def test_reducescatter_and_alltoall_match_numpy(n, tcp, hosts):
+    def both(comm):
+        return nr.reducescatter_cases(comm) + nr.alltoall_cases(comm)
+
+    values = nr.all_ok(nr.run_ranks(n, both, tcp=tcp, hosts=hosts), n)
+    for r, bad in values.items():
+        assert bad == [], (r, bad)
+
+
+# What each disagreement's message must say.
+SAYS = {"shape": "the shapes differ", "dtype": "the dtypes differ", "op": "the ops differ",
+        "root": "the roots differ", "kind": "the collectives differ", "big shape": "the shapes differ",
+        "many dims": "the shapes differ", "reducescatter": "reducescatter: rank",
+        "allgather": "only the first dimension may differ", "alltoall splits": "sum to",
+        "alltoall dtype": "the dtypes differ", "barrier": "the collectives differ"}
+
+
+@pytest.mark.parametrize("n, deviants, tcp, hosts", [
+    (2, {1}, False, None), (3, {2}, False, None), (3, {0}, True, None), (3, {1}, True, None),
+    (4, {3}, False, TWO_HOSTS_OF_TWO),      # a disagreement within the second host
+    (4, {2, 3}, False, TWO_HOSTS_OF_TWO),   # the second host against the first: the ring finds it
+    (4, {1}, False, TWO_HOSTS_OF_TWO),      # a non-leader of the first host
+    (3, {1}, False, ["127.0.0.1", "127.0.0.2", "127.0.0.1"]),
+], ids=["shm2", "shm3", "tcp3-leader0", "tcp3", "hosts-within", "hosts-between", "hosts-first", "hosts-uneven"])
+def test_a_disagreement_is_the_same_error_on_every_rank_and_the_communicator_goes_on(n, deviants, tcp, hosts):
+    values = nr.all_ok(nr.run_ranks(n, nr.disagreements, deviants, tcp=tcp, hosts=hosts, timeout=30), n)
+    for r, v in values.items():
+        assert v == values[0], (r, v, values[0])  # the same message on every rank, word for word
+    v = values[0]
+    for label, says in SAYS.items():
+        code, text = v[label]
+        assert code == native.MISMATCH, (label, v[label])
+        assert says in text, (label, text)
+        assert any(f"rank {d}" in text for d in deviants), (label, text)
+        assert v[label + " then"] == [float(n)] * 3, (label, v[label + " then"])
+    assert "float32[3,4] (op sum)" in v["shape"][1] and "float32[5] (op sum)" in v["shape"][1], v["shape"]
+
+
+def test_a_bad_op_or_dtype_is_refused_before_the_call_naming_the_choices():
+    import numpy as np
+
+    with native.Communicator(0, 1, ["127.0.0.1"], [0], b"k", "refuse") as comm:
+        with pytest.raises(native.CollectiveError, match=r"op must be one of sum, average, min, max, product; "
+                                                         r"got 'mean'"):
+            comm.allreduce(np.ones(3, np.float32), "mean")
+        with pytest.raises(native.CollectiveError, match=r"reduces float16, .*bool; got dtype complex64"):
+            comm.allreduce(np.ones(3, np.complex64), "sum")
+        with pytest.raises(native.CollectiveError, match="bool has no average"):
+            comm.reducescatter(np.ones(3, bool), "average")
+        with pytest.raises(native.CollectiveError, match="op must be one of"):
+            comm.allreduce_(np.ones(3, np.float32), None)
+        # None of that reached the engine: the communicator works.
+        assert comm.allreduce(np.ones(3, bool), "sum").tolist() == [True] * 3
+        assert comm.broadcast(np.ones(2, np.complex64)).tolist() == [1, 1]  # moved as opaque bytes
+        assert comm.allgather(np.array(["ab", "c"])).tolist() == ["ab", "c"]
+    assert native.OPS == ("sum", "average", "min", "max", "product")
+    assert set(native.DTYPES) >= {"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+                                  "uint8", "uint16", "bool"}

@@ -96,7 +96,8 @@ def allgather(tensor, name=None):
     # Gather every rank's length, pad to the longest, gather, then cut the padding out.
     n = tf.shape(tensor, out_type=tf.int64)[:1]
     lengths = _gather_equal(n)
-    longest = tf.reduce_max(lengths)
+    # At least one row: TensorFlow's gather crashes the process on empty tensors.
+    longest = tf.maximum(tf.reduce_max(lengths), 1)
     pad = tf.concat([[[0, longest - n[0]]], tf.zeros([tf.rank(tensor) - 1, 2], tf.int64)], axis=0)
     gathered = _gather_equal(tf.pad(tensor, pad), name=name)
     mask = tf.sequence_mask(lengths, longest)

@@ -1,0 +1,282 @@
+"""Horovod's ``horovod.tensorflow`` collectives in ``sparktrain.tensorflow``, against numpy: every
+op and dtype, ragged and empty inputs, eagerly and inside tf.function, on 2 and 3 ranks, on the
+native engine and on TensorFlow's ring. One run per configuration checks everything and records
+it; the tests assert per case."""
+from __future__ import annotations
+
+import json
+import sys
+import os
+
+import numpy as np
+import pytest
+
+import sparktrain
+from helpers import read_ranks, record_rank
+from sparktrain import native
+
+pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.timeout(300)
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
+RING = {"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow", "PYTHONFAULTHANDLER": "1"}
+DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool")
+OPS = ("Sum", "Average", "Min", "Max", "Product")
+
+
+def inputs(r: int, dtype: str, n: int = 6) -> np.ndarray:
+    """Rank ``r``'s input: small values every dtype holds exactly (negatives for signed types)."""
+    base = np.arange(n) % 3 + r
+    if dtype == "bool":
+        return (np.arange(n) + r) % 2 == 0
+    if dtype.startswith("uint"):
+        return base.astype(np.int64)
+    return (base - 2).astype(np.int64) if "int" in dtype else (base - 1.5)
+
+
+def plain(a) -> list:
+    a = np.asarray(a)
+    if a.dtype == bool:
+        return a.tolist()
+    return a.astype(np.float64).tolist()
+
+
+def expected_reduce(op: str, dtype: str, size: int, n: int = 6):
+    stack = np.stack([inputs(r, dtype, n) for r in range(size)])
+    if dtype == "bool":
+        return (np.any(stack, 0) if op in ("Sum", "Max") else np.all(stack, 0)).tolist()
+    if op == "Sum":
+        out = stack.sum(0)
+    elif op == "Min":
+        out = stack.min(0)
+    elif op == "Max":
+        out = stack.max(0)
+    elif op == "Product":
+        out = stack.prod(0)
+    else:
+        out = stack.sum(0) / size
+        if dtype not in ("float16", "bfloat16", "float32", "float64"):
+            out = np.trunc(out)
+    return out.astype(np.float64).tolist()
+
+
+def adasum(parts):
+    level = [np.asarray(p, np.float64) for p in parts]
+    while len(level) > 1:
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2]):
+            dot = a @ b
+            nxt.append((1 - dot / (2 * (a @ a))) * a + (1 - dot / (2 * (b @ b))) * b)
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0]
+
+
+def everything(outdir):
+    """Every collective this rank can run, recorded as {case: value or error}."""
+    import tensorflow as tf
+
+    import sparktrain.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    got: dict = {}
+
+    def put(case, fn):
+        try:
+            value = fn()
+            if isinstance(value, (list, tuple)):
+                got[case] = [plain(v.numpy()) if hasattr(v, "numpy") else v for v in value]
+            else:
+                got[case] = plain(value.numpy()) if hasattr(value, "numpy") else value
+        except Exception as e:  # noqa: BLE001 - recorded, asserted by the test
+            got[case] = f"ERROR {type(e).__name__}: {e}"
+            print(f"rank {r} {case}: {got[case][:300]}", file=sys.stderr)  # in the rank's output if the run fails
+
+    def t(dtype, rows=6, rank=None):
+        return tf.cast(tf.constant(inputs(r if rank is None else rank, dtype, rows)), dtype)
+
+    for dtype in DTYPES:
+        for op in OPS:
+            if dtype == "bool" and op == "Average":
+                continue
+            put(f"allreduce/{op}/{dtype}", lambda: hvd.allreduce(t(dtype), op=getattr(hvd, op)))
+        put(f"allgather/{dtype}", lambda: hvd.allgather(tf.reshape(t(dtype, 2 * (r + 1)), [r + 1, 2])))
+        put(f"broadcast/{dtype}", lambda: hvd.broadcast(t(dtype), root_rank=1))
+        put(f"alltoall/{dtype}", lambda: hvd.alltoall(t(dtype, n * r), splits=[r] * n))
+    for dtype in ("float32", "float64"):
+        put(f"allreduce/Adasum/{dtype}", lambda: hvd.allreduce(t(dtype), op=hvd.Adasum))
+    for dtype in ("float32", "int32", "uint8", "bool"):
+        for op in ("Sum", "Average", "Max"):
+            if dtype == "bool" and op == "Average":
+                continue
+            put(f"reducescatter/{op}/{dtype}", lambda: hvd.reducescatter(tf.reshape(t(dtype, 10), [5, 2]),
+                                                                        op=getattr(hvd, op)))
+    put("reducescatter/short", lambda: hvd.reducescatter(tf.ones([2, 3]), op=hvd.Sum))  # fewer rows than ranks
+    put("allgather/empty", lambda: hvd.allgather(tf.zeros([0 if r == 1 else 2, 3])))
+    put("allgather/scalar", lambda: hvd.allgather(tf.constant(float(r))))
+    put("alltoall/even", lambda: hvd.alltoall(tf.range(2 * n) + 10 * r))
+    put("alltoall/zero", lambda: hvd.alltoall(tf.zeros([0, 2]), splits=[0] * n))
+    put("grouped_allreduce", lambda: hvd.grouped_allreduce([t("float32"), t("int32"), t("float64", 2)], op=hvd.Sum))
+    put("grouped_allgather", lambda: hvd.grouped_allgather([t("float32", r), t("int8", 1)]))
+    put("grouped_reducescatter", lambda: hvd.grouped_reducescatter([tf.ones([n, 2]) * r, tf.ones([n]) * r], op=hvd.Sum))
+    put("scaled", lambda: hvd.allreduce(t("float32"), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5 / n))
+    put("average_true", lambda: hvd.allreduce(t("float32"), average=True))
+    put("average_false", lambda: hvd.allreduce(t("float32"), average=False))
+    put("fp16", lambda: hvd.allreduce(t("float64"), op=hvd.Sum, compression=hvd.Compression.fp16))
+    put("fp16_dtype", lambda: hvd.Compression.fp16.compress(t("float64"))[0].dtype.name)
+
+    def sparse():
+        s = hvd.allreduce(tf.IndexedSlices(tf.fill([1, 2], tf.constant(r + 1.0, tf.float64)), tf.constant([r]), tf.constant([n, 2])))
+        return [s.values, s.indices, tf.convert_to_tensor(s)]
+    put("sparse", sparse)
+
+    @tf.function
+    def in_graph(x, b):
+        return (hvd.allreduce(x, op=hvd.Max), hvd.allreduce(b, op=hvd.Min), hvd.allgather(x),
+                hvd.broadcast(b, root_rank=2 % n), hvd.reducescatter(x, op=hvd.Sum),
+                hvd.alltoall(x, splits=[2] + [1] * (n - 2) + [6 - n])[0], hvd.allreduce(x, op=hvd.Adasum))
+
+    for step in range(2):  # the traced function runs again with its fixed keys
+        put(f"graph/{step}", lambda: in_graph(t("float32"), t("bool")))
+    v = tf.Variable(t("float32"))
+    put("broadcast_", lambda: hvd.broadcast_([v], root_rank=1)[0])
+    put("broadcast_object", lambda: hvd.broadcast_object({"from": r, "x": [1, 2]} if r == 1 else None, root_rank=1))
+    put("broadcast_object_fn", lambda: hvd.broadcast_object_fn(root_rank=0)(f"rank{r}"))
+    put("allgather_object", lambda: hvd.allgather_object({"r": r, "s": "x" * r}))
+    put("ids", lambda: [int(hvd.rank_op()), int(hvd.size_op()), int(hvd.local_rank_op()), int(hvd.local_size_op()),
+                        hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()])
+    put("built", lambda: [hvd.mpi_built(), hvd.gloo_built(), hvd.mpi_enabled(), hvd.gloo_enabled(),
+                          hvd.mpi_threads_supported(), hvd.ddl_built(), hvd.ccl_built(), hvd.nccl_built(),
+                          hvd.cuda_built(), hvd.rocm_built()])
+    put("join", lambda: int(hvd.join()))
+    # Bad input: clear errors naming the value.
+    put("bad/op", lambda: hvd.allreduce(t("float32"), op="mean"))
+    put("bad/both", lambda: hvd.allreduce(t("float32"), op=hvd.Sum, average=True))
+    put("bad/root", lambda: hvd.broadcast(t("float32"), root_rank=n))
+    put("bad/splits", lambda: hvd.alltoall(t("float32"), splits=[1] * n))
+    put("bad/bool_average", lambda: hvd.allreduce(t("bool")))
+    put("bad/adasum_int", lambda: hvd.allreduce(t("int32"), op=hvd.Adasum))
+    put("bad/init_comm", lambda: hvd.init(comm=[0, 1]))
+    # Timeline: every collective between start and stop, one event each.
+    timeline = os.path.join(outdir, "timeline.json")
+    hvd.start_timeline(timeline)
+    hvd.allreduce(t("float32"), op=hvd.Sum)
+    hvd.allgather(t("int32"))
+    hvd.broadcast(t("float64"), root_rank=0)
+    got["timeline"] = hvd.stop_timeline()
+    # shutdown closes the engine; init brings it up again.
+    hvd.shutdown()
+    got["after_shutdown"] = hvd.is_initialized()
+    hvd.init()
+    put("reinit", lambda: hvd.allreduce(tf.constant([float(r)]), op=hvd.Sum))
+    record_rank(outdir, got=got, engine=hvd.collective_engine())
+
+
+def run_all(tmp_path, num_proc, env):
+    sparktrain.run(everything, args=(str(tmp_path),), num_proc=-num_proc, env={**ENV, **env}, verbose=0)
+    ranks = read_ranks(str(tmp_path))
+    assert sorted(ranks) == list(range(num_proc))
+    return {r: info["got"] for r, info in ranks.items()}, {info["engine"] for info in ranks.values()}
+
+
+def check_everything(got: dict, n: int, tmp_path) -> list:
+    """Every case against numpy; returns the failures (case, rank, got, expected)."""
+    bad = []
+
+    def expect(case, r, value):
+        if got[r][case] != value:
+            bad.append((case, r, got[r][case], value))
+
+    for r in range(n):
+        for dtype in DTYPES:
+            for op in OPS:
+                if dtype == "bool" and op == "Average":
+                    continue
+                expect(f"allreduce/{op}/{dtype}", r, expected_reduce(op, dtype, n))
+            gathered = np.concatenate([inputs(k, dtype, 2 * (k + 1)).reshape(k + 1, 2) for k in range(n)])
+            expect(f"allgather/{dtype}", r, plain(gathered))
+            expect(f"broadcast/{dtype}", r, plain(inputs(1, dtype)))
+            # Rank k sends k rows to every rank: rows k*r .. k*r+k of its input come here.
+            rows = np.concatenate([inputs(k, dtype, n * k)[k * r:k * r + k] for k in range(n)])
+            expect(f"alltoall/{dtype}", r, [plain(rows), [float(k) for k in range(n)]])
+        for dtype in ("float32", "float64"):
+            want = adasum([inputs(k, dtype) for k in range(n)])
+            assert np.allclose(got[r][f"allreduce/Adasum/{dtype}"], want, rtol=1e-5), (r, dtype)
+        split = [5 // n + (1 if k < 5 % n else 0) for k in range(n)]
+        start = sum(split[:r])
+        for dtype in ("float32", "int32", "uint8", "bool"):
+            for op in ("Sum", "Average", "Max"):
+                if dtype == "bool" and op == "Average":
+                    continue
+                full = np.array(expected_reduce(op, dtype, n, 10)).reshape(5, 2)
+                expect(f"reducescatter/{op}/{dtype}", r, full[start:start + split[r]].tolist())
+        short = [2 // n + (1 if k < 2 % n else 0) for k in range(n)]
+        expect("reducescatter/short", r, [[float(n)] * 3] * short[r])
+        expect("allgather/empty", r, [[0.0] * 3] * (2 * (n - 1)))
+        expect("allgather/scalar", r, [float(k) for k in range(n)])
+        expect("alltoall/even", r, [[float(10 * k + 2 * r + j) for k in range(n) for j in range(2)], [2.0] * n])
+        expect("alltoall/zero", r, [[], [0.0] * n])
+        expect("grouped_allreduce", r, [expected_reduce("Sum", "float32", n), expected_reduce("Sum", "int32", n),
+                                        expected_reduce("Sum", "float64", n, 2)])
+        expect("grouped_allgather", r, [plain(np.concatenate([inputs(k, "float32", k) for k in range(n)])),
+                                        plain(np.concatenate([inputs(k, "int8", 1) for k in range(n)]))])
+        total = float(sum(range(n)))
+        expect("grouped_reducescatter", r, [[[total] * 2], [total]])
+        assert np.allclose(got[r]["scaled"], np.array(expected_reduce("Sum", "float32", n)) / n), r
+        expect("average_true", r, expected_reduce("Average", "float32", n))
+        expect("average_false", r, expected_reduce("Sum", "float32", n))
+        expect("fp16", r, expected_reduce("Sum", "float64", n))
+        expect("fp16_dtype", r, "float16")
+        values = [[float(k + 1) / n] * 2 for k in range(n)]
+        dense = [[float(k + 1) / n] * 2 for k in range(n)]
+        expect("sparse", r, [values, [float(k) for k in range(n)], dense])
+        x = [inputs(k, "float32") for k in range(n)]
+        b = [inputs(k, "bool") for k in range(n)]
+        splits = [2] + [1] * (n - 2) + [6 - n]
+        starts = np.cumsum([0] + splits)
+        mine = np.concatenate([x[k][starts[r]:starts[r] + splits[r]] for k in range(n)])
+        rs = [6 // n + (1 if k < 6 % n else 0) for k in range(n)]
+        for step in range(2):
+            g = got[r][f"graph/{step}"]
+            assert g[:6] == [plain(np.max(x, 0)), plain(np.all(b, 0)), plain(np.concatenate(x)), plain(b[2 % n]),
+                             plain(np.sum(x, 0)[sum(rs[:r]):sum(rs[:r + 1])]), plain(mine)], (r, step, g)
+            assert np.allclose(g[6], adasum(x), rtol=1e-5), (r, step)
+        expect("broadcast_", r, plain(inputs(1, "float32")))
+        expect("broadcast_object", r, {"from": 1, "x": [1, 2]})
+        expect("broadcast_object_fn", r, "rank0")
+        expect("allgather_object", r, [{"r": k, "s": "x" * k} for k in range(n)])
+        expect("ids", r, [r, n, r, n, 0, 1, True])
+        expect("built", r, [False] * 7 + [got[r]["built"][8]] * 2 + [False])
+        assert got[r]["join"] in range(n), got[r]["join"]
+        for case, words in {"bad/op": ["'mean'", "Average, Sum"], "bad/both": ["op supersedes", "average=True"],
+                            "bad/root": [f"0..{n - 1}", f"got {n}"], "bad/splits": ["splits", "[1, 1"],
+                            "bad/bool_average": ["bool", "Average"], "bad/adasum_int": ["Adasum", "int32"],
+                            "bad/init_comm": ["comm=[0, 1]", "without comm"]}.items():
+            assert got[r][case].startswith("ERROR InvalidArgumentError") and all(w in got[r][case] for w in words), \
+                (case, got[r][case])
+        path = got[r]["timeline"]
+        assert path == str(tmp_path / ("timeline.json" if r == 0 else f"timeline.rank{r}.json"))
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        assert [e["name"] for e in events] == ["allreduce.sum", "allgather", "broadcast"], events
+        assert [e["args"]["bytes"] for e in events] == [24, 24, 48] and all(e["pid"] == r for e in events)
+        assert all(e["dur"] >= 0 and e["ts"] > 1.6e15 for e in events)
+        expect("after_shutdown", r, False)
+        expect("reinit", r, [total])
+    return bad
+
+
+@pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+@pytest.mark.parametrize("num_proc", [3, 2])
+def test_every_collective_op_and_dtype_on_the_native_engine(tmp_path, num_proc):
+    got, engines = run_all(tmp_path, num_proc, {})
+    assert engines == {"native"}
+    assert check_everything(got, num_proc, tmp_path) == []
+
+
+def test_every_collective_op_and_dtype_on_tensorflows_ring(tmp_path):
+    got, engines = run_all(tmp_path, 3, RING)
+    assert engines == {"tensorflow"}
+    assert check_everything(got, 3, tmp_path) == []
