@@ -214,6 +214,25 @@ def save_and_load(got, hvd, keras, outdir, x, y):
     got["loaded_iterations"] = int(opt.iterations.numpy())
 
 
+def loss_scale(got, hvd, keras, rank):
+    """Mixed precision: one rank's gradients overflow, and every rank skips the step and lowers the scale."""
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, dtype="mixed_float16"),
+                              keras.layers.Dense(1, dtype="float32")])
+    opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)))
+    model.compile(optimizer=opt, loss="mse")
+    before = weights_digest(model.get_weights())
+    x = np.full((4, 4), 3000.0 if rank == 1 else 0.01, np.float32)  # rank 1's float16 gradients overflow
+    model.fit(x, np.zeros((4, 1), np.float32), batch_size=4, epochs=1, verbose=0)
+    got["loss_scale"] = [type(opt).__name__, type(opt.inner_optimizer).__name__,
+                         weights_digest(model.get_weights()) == before, float(opt.dynamic_scale.numpy())]
+    model.fit(np.full((4, 4), 0.01, np.float32), np.ones((4, 1), np.float32), batch_size=4, epochs=1, verbose=0)
+    got["loss_scale_after"] = [weights_digest(model.get_weights()) == before,
+                               weights_digest(model.get_weights())]
+
+
 def hvd_keras_checks(outdir):
     import keras
 
@@ -229,6 +248,7 @@ def hvd_keras_checks(outdir):
     sync_batch_norm(got, hvd, keras, r)
     schedules_and_best(got, hvd, keras, r, outdir, x, y, x_test, y_test)
     save_and_load(got, hvd, keras, outdir, x, y)
+    loss_scale(got, hvd, keras, r)
     record_rank(outdir, got=got)
 
 
@@ -354,6 +374,15 @@ def test_load_model_brings_back_a_distributed_optimizer(ranks):
     # ...and it trains on, reducing over the ranks: equal weights everywhere.
     same_on_every_rank(ranks, "loaded_trained")
     assert ranks[0]["loaded_iterations"] == 10
+
+
+@pytest.mark.timeout(400)
+def test_ranks_skip_an_overflowing_mixed_precision_step_together(ranks):
+    ranks, _ = ranks
+    # Rank 1 alone overflowed, yet no rank updated, and every rank halved the scale (2 ** 15 -> 2 ** 14)...
+    assert same_on_every_rank(ranks, "loss_scale") == ["LossScaleOptimizer", "SGD", True, 2.0 ** 14]
+    # ...then a finite step updates everyone alike.
+    assert same_on_every_rank(ranks, "loss_scale_after")[0] is False
 
 
 @pytest.mark.timeout(120)

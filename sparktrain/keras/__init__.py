@@ -15,13 +15,18 @@ Inside ``train_fn``::
 
 Gradients are averaged across ranks inside ``model.fit``'s compiled train step, in one fused
 collective per dtype. Keras 3 runs without any tf.distribute strategy scope.
+
+By role: ``optimizer`` (``DistributedOptimizer``, ``PartialDistributedOptimizer``),
+``callbacks`` (broadcast, metric averaging, learning-rate warm-up and schedule, checkpoints),
+``sync_batch_norm`` (``SyncBatchNormalization``), ``elastic`` (state that outlives a failed
+attempt) and ``tracking`` (MLflow, TensorBoard); the collectives and ``Compression`` are
+``sparktrain.tensorflow``'s.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Mapping
 
-from .. import tensorflow as _tfc
 from ..errors import SparkTrainError
 from ..localfiles import replaced_atomically
 from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
@@ -33,7 +38,6 @@ from ..tensorflow import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_ena
 from . import callbacks, elastic  # noqa: F401
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, _distributed_class  # noqa: F401
 from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
-
 
 
 def broadcast_global_variables(root_rank: int) -> None:

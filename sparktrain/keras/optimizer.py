@@ -18,6 +18,8 @@ from ..errors import SparkTrainError
 from ..tensorflow import Average, Compression, Sum, global_process_set
 
 _wrapped_classes: dict[type, type] = {}
+#: The one LossScaleOptimizer subclass whose ranks agree on overflow (see _AgreeingLossScale).
+_agreeing_loss_scale: list[type] = []
 
 
 @dataclasses.dataclass
@@ -74,6 +76,11 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
       ``device_sparse`` are accepted and ignored (sparktrain places collectives itself).
     - ``process_set``: only ``global_process_set`` exists in sparktrain.
 
+    A ``keras.optimizers.LossScaleOptimizer`` (mixed precision) is rebuilt around the
+    distributed inner optimizer, with an overflow check every rank agrees on, so the ranks skip
+    a step together. Pass it wrapped yourself under a ``mixed_float16`` policy:
+    ``model.compile`` adds a plain one, whose ranks would decide alone.
+
     The result keeps the original class's name (``Adam``), so a saved model loads without
     sparktrain. An optimizer that is already distributed (from :func:`load_model`) comes back
     as it is. Clipping and weight decay happen after the reduction, as with Horovod.
@@ -84,6 +91,17 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
         raise SparkTrainError(
             f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
             "for tf_keras use sparktrain.tensorflow.strategy()")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if getattr(type(optimizer), "_sparktrain_distributed", False):
+            return optimizer
+        # The inner optimizer reduces; the loss-scale wrapper makes the ranks agree on skipping a step.
+        inner = DistributedOptimizer(optimizer.inner_optimizer, None, device_dense, device_sparse, compression,
+                                     sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
+                                     average_aggregated_gradients, num_groups, groups, process_set,
+                                     scale_local_gradients)
+        return _AgreeingLossScale()(inner, initial_scale=optimizer.initial_scale,
+                                    dynamic_growth_steps=optimizer.dynamic_growth_steps,
+                                    name=name or optimizer.name)
     reduction = _check_arguments(optimizer, compression, sparse_as_dense, gradient_predivide_factor, op,
                                  backward_passes_per_step, average_aggregated_gradients, num_groups, groups,
                                  process_set, scale_local_gradients)
@@ -169,7 +187,42 @@ def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, pas
                              scale_local_gradients=bool(scale_local))
 
 
+def _AgreeingLossScale() -> type:  # noqa: N802 - returns a class
+    """``keras.optimizers.LossScaleOptimizer`` whose overflow check is every rank's together.
+
+    The plain one checks each rank's own gradients for inf/NaN and skips the update where they
+    are not finite; a rank that overflowed alone would then skip the gradient collective the
+    others wait in. Here a step is skipped (and the scale lowered) on every rank or on none.
+    """
+    import keras
+
+    cls = _agreeing_loss_scale[0] if _agreeing_loss_scale else None
+    if cls is None:
+        def check_finite(self, grads):
+            import tensorflow as tf
+
+            finite = keras.optimizers.LossScaleOptimizer.check_finite(self, grads)
+            if _tfc.size() == 1:
+                return finite
+            return _tfc.allreduce(tf.cast(finite, tf.int32), op=_tfc.Min) > 0
+
+        cls = type("LossScaleOptimizer", (keras.optimizers.LossScaleOptimizer,), {
+            "check_finite": check_finite,
+            "_sparktrain_distributed": True,
+            "__module__": keras.optimizers.LossScaleOptimizer.__module__,
+            "__doc__": _AgreeingLossScale.__doc__,
+        })
+        _agreeing_loss_scale.append(cls)
+    return cls
+
+
 def _distributed_class(base: type) -> type:
+    """The DistributedOptimizer subclass of ``base``; for a LossScaleOptimizer, the one whose
+    ranks agree on overflow (its inner optimizer does the reducing)."""
+    import keras
+
+    if issubclass(base, keras.optimizers.LossScaleOptimizer):
+        return _AgreeingLossScale()
     cls = _wrapped_classes.get(base)
     if cls is None:
         cls = type(base.__name__, (base,), {
