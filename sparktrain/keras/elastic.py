@@ -58,8 +58,12 @@ class CommitStateCallback(keras.callbacks.Callback):
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):
-    """Keep ``state.batch`` at the last finished batch of the epoch (0 after the epoch), and run
-    only the epoch's remaining steps after a resume, as Horovod does."""
+    """Keep ``state.batch`` at the last finished batch of the epoch (0 after the epoch).
+
+    Horovod also lowers ``params["steps"]`` so a resumed epoch runs only its remaining batches;
+    this does the same, but Keras 3 takes the number of steps from its data iterator, not from
+    ``params``, so a resumed epoch runs in full (from the committed weights).
+    """
 
     def __init__(self, state: State):
         super().__init__()
