@@ -165,6 +165,7 @@ def everything(outdir):
     hvd.allreduce(t("float32"), op=hvd.Sum)
     hvd.allgather(t("int32"))
     hvd.broadcast(t("float64"), root_rank=0)
+    tf.function(lambda x: hvd.allreduce(x, op=hvd.Max))(t("int8"))  # recorded on the native engine only
     got["timeline"] = hvd.stop_timeline()
     # shutdown closes the engine; init brings it up again.
     hvd.shutdown()
@@ -181,7 +182,7 @@ def run_all(tmp_path, num_proc, env):
     return {r: info["got"] for r, info in ranks.items()}, {info["engine"] for info in ranks.values()}
 
 
-def check_everything(got: dict, n: int, tmp_path) -> list:
+def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
     """Every case against numpy; returns the failures (case, rank, got, expected)."""
     bad = []
 
@@ -260,8 +261,10 @@ def check_everything(got: dict, n: int, tmp_path) -> list:
         assert path == str(tmp_path / ("timeline.json" if r == 0 else f"timeline.rank{r}.json"))
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
-        assert [e["name"] for e in events] == ["allreduce.sum", "allgather", "broadcast"], events
-        assert [e["args"]["bytes"] for e in events] == [24, 24, 48] and all(e["pid"] == r for e in events)
+        in_function = [("allreduce.max", 6)] if engine == "native" else []
+        assert [(e["name"], e["args"]["bytes"]) for e in events] == \
+            [("allreduce.sum", 24), ("allgather", 24), ("broadcast", 48)] + in_function, events
+        assert all(e["pid"] == r for e in events)
         assert all(e["dur"] >= 0 and e["ts"] > 1.6e15 for e in events)
         expect("after_shutdown", r, False)
         expect("reinit", r, [total])
@@ -273,10 +276,10 @@ def check_everything(got: dict, n: int, tmp_path) -> list:
 def test_every_collective_op_and_dtype_on_the_native_engine(tmp_path, num_proc):
     got, engines = run_all(tmp_path, num_proc, {})
     assert engines == {"native"}
-    assert check_everything(got, num_proc, tmp_path) == []
+    assert check_everything(got, num_proc, tmp_path, "native") == []
 
 
 def test_every_collective_op_and_dtype_on_tensorflows_ring(tmp_path):
     got, engines = run_all(tmp_path, 3, RING)
     assert engines == {"tensorflow"}
-    assert check_everything(got, 3, tmp_path) == []
+    assert check_everything(got, 3, tmp_path, "tensorflow") == []
