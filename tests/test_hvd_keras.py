@@ -232,6 +232,24 @@ def loss_scale(got, hvd, keras, rank):
     got["loss_scale_after"] = [weights_digest(model.get_weights()) == before,
                                weights_digest(model.get_weights())]
 
+    # The LossScaleOptimizer model.compile adds under a mixed_float16 policy agrees too, once the
+    # broadcast callback has seen it.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    before = weights_digest(model.get_weights())
+    model.fit(x, np.zeros((4, 1), np.float32), batch_size=4, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    got["compile_loss_scale"] = [type(model.optimizer).__name__,
+                                 getattr(type(model.optimizer), "_sparktrain_distributed", False),
+                                 weights_digest(model.get_weights()) == before,
+                                 float(model.optimizer.dynamic_scale.numpy())]
+
 
 def hvd_keras_checks(outdir):
     import keras
@@ -383,6 +401,7 @@ def test_ranks_skip_an_overflowing_mixed_precision_step_together(ranks):
     assert same_on_every_rank(ranks, "loss_scale") == ["LossScaleOptimizer", "SGD", True, 2.0 ** 14]
     # ...then a finite step updates everyone alike.
     assert same_on_every_rank(ranks, "loss_scale_after")[0] is False
+    assert same_on_every_rank(ranks, "compile_loss_scale") == ["LossScaleOptimizer", True, True, 2.0 ** 14]
 
 
 @pytest.mark.timeout(120)

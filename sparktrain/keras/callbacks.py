@@ -42,6 +42,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     or a list), those given to :meth:`register_local_var`, and those the model's
     ``DistributedOptimizer`` keeps local (``register_local_var``, ``PartialDistributedOptimizer``'s
     ``local_layers``). ``device`` is accepted for Horovod's signature and ignored.
+
+    Under a ``mixed_float16`` policy, the ``LossScaleOptimizer`` that ``model.compile`` put around
+    a DistributedOptimizer is made to skip overflowing steps on every rank together (see
+    ``DistributedOptimizer``).
     """
 
     def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
@@ -74,8 +78,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         return [v for v in variables if id(v) not in local]
 
     def on_train_begin(self, logs=None):
+        from .optimizer import agree_on_overflow
+
         _tfc.init()
         check_equal_steps(self.params.get("steps") if self.params else None)
+        agree_on_overflow(self.model)
         _tfc.broadcast_variables(self._global(self.model.variables), self.root_rank)
         self._done_first_batch = False
 

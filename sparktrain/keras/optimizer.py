@@ -216,6 +216,21 @@ def _AgreeingLossScale() -> type:  # noqa: N802 - returns a class
     return cls
 
 
+def agree_on_overflow(model) -> bool:
+    """Make the plain ``LossScaleOptimizer`` that ``model.compile`` wrapped around a
+    DistributedOptimizer (under a ``mixed_float16`` policy) skip overflowing steps on every rank
+    together. Call before the train step is traced; returns whether it changed anything.
+    """
+    import keras
+
+    opt = getattr(model, "optimizer", None)
+    if type(opt) is keras.optimizers.LossScaleOptimizer and \
+            getattr(type(opt.inner_optimizer), "_sparktrain_distributed", False):
+        opt.__class__ = _AgreeingLossScale()  # a subclass overriding one method, with no state of its own
+        return True
+    return False
+
+
 def _distributed_class(base: type) -> type:
     """The DistributedOptimizer subclass of ``base``; for a LossScaleOptimizer, the one whose
     ranks agree on overflow (its inner optimizer does the reducing)."""
