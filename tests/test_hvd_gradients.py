@@ -96,6 +96,15 @@ def gradients(outdir, mismatches):
     tape = hvd.PartialDistributedGradientTape(tape, local_layers=[layer])
     dk, dv = tape.gradient(loss, [layer.kernel, v])
     got["partial"] = [tf.convert_to_tensor(dk).numpy().ravel().tolist(), dv.numpy().tolist()]
+    # horovod.tensorflow's DistributedOptimizer, for a Keras optimizer: the gradients averaged.
+    u = keras.Variable([0.0, 0.0])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum)
+    opt.apply([tf.constant([w, 2 * w])], [u])
+    got["optimizer"] = [u.numpy().tolist(), type(opt).__name__]
+    try:
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    except ValueError as err:
+        got["bad_optimizer"] = str(err)
     try:
         hvd.DistributedGradientTape(tape, op=hvd.Sum, gradient_predivide_factor=2.0)
     except ValueError as err:
@@ -162,6 +171,8 @@ def check(got):
         assert np.allclose(dk, [(r + 1) / n, 2 * (r + 1) / n])  # local: not reduced, divided by the size
         assert np.allclose(dv, [total / n] * 2)
         assert "gradient_predivide_factor=2.0" in g["bad_predivide"] and "Average" in g["bad_predivide"]
+        assert g["optimizer"] == [[-total, -2.0 * total], "SGD"]  # one SGD step on the summed gradient
+        assert "GradientDescentOptimizer" in g["bad_optimizer"] and "Keras optimizer" in g["bad_optimizer"]
 
 
 @pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))

@@ -22,12 +22,14 @@ reductions), ``compression``, ``collectives`` (tensor collectives and their grad
 from __future__ import annotations
 
 from .collectives import (ProcessSet, add_process_set, allgather, allreduce, alltoall, barrier, broadcast, broadcast_,
-                          broadcast_variables, global_process_set, grouped_allgather, grouped_allreduce,
+                          broadcast_global_variables, broadcast_variables, global_process_set, grouped_allgather, grouped_allreduce,
                           grouped_reducescatter, join, reducescatter, remove_process_set)
 from .compression import Compression
-from .gradients import DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients, average_gradients
+from .gradients import (DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape, allreduce_gradients,
+                        average_gradients)
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
-from .ops import Adasum, Average, Max, Min, Product, Sum, check_op
+from .ops import (Adasum, Average, Max, Min, Product, Sum, check_num_rank_power_of_2, check_op,
+                  handle_average_backwards_compatibility)
 from .runtime import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_TIMEOUT, ccl_built, collective_engine, cross_rank, cross_size,
                       cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
                       local_rank_op, local_size, local_size_op, mpi_built, mpi_enabled, mpi_threads_supported,
@@ -37,14 +39,28 @@ from .runtime import cpu_engine as _cpu_engine  # noqa: F401 - the settings test
 from .timeline import start_timeline, stop_timeline
 
 __all__ = [
-    "Adasum", "Average", "COLLECTIVE_TIMEOUT_ENV", "Compression", "DEFAULT_TIMEOUT", "DistributedGradientTape", "Max",
+    "Adasum", "Average", "COLLECTIVE_TIMEOUT_ENV", "Compression", "DEFAULT_TIMEOUT", "DistributedGradientTape",
+    "DistributedOptimizer", "Max",
     "Min", "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
     "allgather_object", "allreduce", "allreduce_gradients", "alltoall", "average_gradients", "barrier", "broadcast",
-    "broadcast_", "broadcast_object", "broadcast_object_fn", "broadcast_variables", "ccl_built", "check_op",
+    "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "broadcast_variables", "ccl_built", "check_num_rank_power_of_2", "check_op",
     "collective_engine", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
-    "global_process_set", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init",
+    "global_process_set", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "handle_average_backwards_compatibility", "init",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size", "local_size_op",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",
     "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline",
     "stop_timeline", "strategy",
 ]
+
+
+def __getattr__(name):
+    # Horovod exports SyncBatchNormalization here too; it is a Keras layer, so it lives in
+    # sparktrain.keras (which builds on this package) and is fetched when first asked for.
+    if name == "SyncBatchNormalization":
+        from .. import keras as _keras
+
+        try:
+            return _keras.SyncBatchNormalization
+        except AttributeError:
+            pass
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -160,10 +160,10 @@ def _allreduce_raw(t, op: str, name=None):
         return tf.identity(t)
     if _native():
         comm = state.comm
-        out = _native_call(f"allreduce.{op}", lambda a: hostops.allreduce(comm, a, op), [t], t.dtype)
+        out = _native_call(name or f"allreduce.{op}", lambda a: hostops.allreduce(comm, a, op), [t], t.dtype)
         out.set_shape(t.shape)
         return out
-    return _ring_call(f"allreduce.{op}", _nbytes(t), lambda: ringops.allreduce(t, op, name=name))
+    return _ring_call(name or f"allreduce.{op}", _nbytes(t), lambda: ringops.allreduce(t, op, name=name))
 
 
 def _allreduce(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
@@ -291,7 +291,8 @@ def _grouped_raw(tensors: list, op: str) -> list:
         return [tf.identity(t) for t in tensors]
     if _native():
         comm = state.comm
-        outs = _native_call(f"grouped_allreduce.{op}", lambda *arrays: hostops.grouped_allreduce(comm, list(arrays), op),
+        outs = _native_call(f"grouped_allreduce.{op}",
+                            lambda *arrays: hostops.grouped_allreduce(comm, list(arrays), op),
                             tensors, [t.dtype for t in tensors])
         if not isinstance(outs, (list, tuple)):  # TensorFlow unwraps a list of one
             outs = [outs]
@@ -331,10 +332,10 @@ def _allgather_raw(t, name=None):
         return tf.identity(t)
     if _native():
         comm = state.comm
-        out = _native_call("allgather", lambda a: hostops.allgather(comm, a), [t], t.dtype)
+        out = _native_call(name or "allgather", lambda a: hostops.allgather(comm, a), [t], t.dtype)
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         return out
-    return _ring_call("allgather", _nbytes(t), lambda: ringops.allgather(t, name=name))
+    return _ring_call(name or "allgather", _nbytes(t), lambda: ringops.allgather(t, name=name))
 
 
 def _allgather(t, name=None):
@@ -388,10 +389,10 @@ def _broadcast_raw(t, root_rank: int, name=None):
         return tf.identity(t)
     if _native():
         comm = state.comm
-        out = _native_call("broadcast", lambda a: hostops.broadcast(comm, a, root_rank), [t], t.dtype)
+        out = _native_call(name or "broadcast", lambda a: hostops.broadcast(comm, a, root_rank), [t], t.dtype)
         out.set_shape(t.shape)
         return out
-    return _ring_call("broadcast", _nbytes(t), lambda: ringops.broadcast(t, root_rank, name=name))
+    return _ring_call(name or "broadcast", _nbytes(t), lambda: ringops.broadcast(t, root_rank, name=name))
 
 
 def _broadcast(t, root_rank: int, name=None):
@@ -421,8 +422,12 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None, ignore_name_s
     return _broadcast(tensor, root_rank, name)
 
 
-def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set) -> None:
-    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype."""
+def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set,
+                        inplace: bool = False) -> None:
+    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype.
+
+    The assignment is always in place; ``inplace`` (Horovod's memory-saving variant) is accepted.
+    """
     require_init()
     tf = _tf()
     _check_process_set(process_set)
@@ -435,9 +440,17 @@ def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=glo
         v.assign(value)
 
 
+def broadcast_global_variables(root_rank: int = 0):
+    """Horovod's TensorFlow 1 call, which has no global variables to find in TensorFlow 2's eager
+    mode (Horovod refuses it there too): an error naming what to call instead."""
+    raise InvalidArgumentError(f"broadcast_global_variables({root_rank!r}) needs TensorFlow 1 global variables; "
+                               "call broadcast_variables(model.variables, root_rank) (or the Keras callback "
+                               "BroadcastGlobalVariablesCallback) instead")
+
+
 def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_set=global_process_set):
-    """Broadcast in place: every variable takes its value on ``root_rank``; returns the variables
-    (a single variable when given one), as Horovod's ``broadcast_``."""
+    """Broadcast in place: every variable takes its value on ``root_rank``; returns their new
+    values (tensors, in order; one tensor when given one variable), as Horovod's ``broadcast_``."""
     single = not isinstance(variables, (list, tuple))
     items = [variables] if single else list(variables)
     for v in items:
@@ -445,7 +458,8 @@ def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_s
             raise InvalidArgumentError(f"broadcast_ assigns variables in place; got a {type(v).__name__}. Use "
                                        "broadcast() for tensors")
     broadcast_variables(items, root_rank, process_set=process_set)
-    return items[0] if single else items
+    values = [_tf().convert_to_tensor(v) for v in items]
+    return values[0] if single else values
 
 
 # -- reducescatter -----------------------------------------------------------------------------
@@ -456,10 +470,10 @@ def _reducescatter_raw(t, op: str, name=None):
         return tf.identity(t)
     if _native():
         comm = state.comm
-        out = _native_call(f"reducescatter.{op}", lambda a: hostops.reducescatter(comm, a, op), [t], t.dtype)
+        out = _native_call(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(comm, a, op), [t], t.dtype)
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         return out
-    return _ring_call(f"reducescatter.{op}", _nbytes(t), lambda: ringops.reducescatter(t, op, name=name))
+    return _ring_call(name or f"reducescatter.{op}", _nbytes(t), lambda: ringops.reducescatter(t, op, name=name))
 
 
 def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
@@ -607,10 +621,7 @@ def join(device: str = "") -> int:
     barrier that also says which rank arrived last, by each rank's wall clock: exact on one
     host, as good as the hosts' clocks agree across hosts.
     """
-    import time
-
     require_init()
     tf = _tf()
-    arrived = tf.constant([time.time()], tf.float64)
-    every = allgather(arrived)
+    every = allgather(tf.reshape(tf.timestamp(), [1]))  # when it runs, eagerly or in a function
     return tf.cast(tf.argmax(every), tf.int32)

@@ -64,3 +64,13 @@ def check_scale(prescale_factor, postscale_factor) -> None:
 
 def name_of(op: str) -> str:
     return _NAMES[op]
+
+
+def handle_average_backwards_compatibility(op, average) -> str:
+    """Horovod's helper of that name: the op that ``op`` and the deprecated ``average`` mean."""
+    return resolve(op, average)
+
+
+def check_num_rank_power_of_2(num_rank: int) -> bool:
+    """Whether ``num_rank`` is a power of two (Horovod's helper; its Adasum needs one, sparktrain's does not)."""
+    return num_rank > 0 and (num_rank & (num_rank - 1)) == 0

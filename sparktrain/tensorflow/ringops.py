@@ -4,7 +4,10 @@ ring on CPU, NCCL on GPU.
 TensorFlow's collectives take fewer dtypes than Horovod's: the rest travel widened (8- and
 16-bit integers and bool as int32; bfloat16, and float16 on CPU, as float32) and come back
 narrowed to their own dtype, exactly for every value they can hold. Reducescatter and alltoall
-are built on allreduce and allgather, so they work on CPU and GPU alike.
+are built on allreduce and allgather, so they work on CPU and GPU alike: TensorFlow's
+``CollectiveReduceScatterV2`` and ``CollectiveAllToAllV2`` have no CPU implementation (TensorFlow
+2.21: "CollectiveRegistry::Lookup did not find collective implementation"), and they split rows
+evenly only, where Horovod's reducescatter gives the first ranks one row more.
 """
 from __future__ import annotations
 

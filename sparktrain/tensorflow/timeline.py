@@ -1,6 +1,8 @@
 """A Chrome-trace timeline of this rank's collectives (Horovod's ``start_timeline``).
 
-Each rank writes its own file, so no rank waits for another to write: rank 0 writes
+An event is named by the collective's ``name=`` where one was given, else by its kind
+(``allreduce.sum``, ``allgather``, ...). A timeline still running when the process exits is
+written then. Each rank writes its own file, so no rank waits for another to write: rank 0 writes
 ``file_path`` itself, rank ``r`` writes ``file_path`` with ``.rank<r>`` before its extension
 (``trace.json``, ``trace.rank1.json``, ...). Every event is a complete event (``"ph": "X"``)
 with the collective's name, its start (``ts``) and duration (``dur``) in microseconds since
@@ -12,6 +14,7 @@ inside TensorFlow's executor, out of Python's sight).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -26,6 +29,7 @@ class _Timeline:
         self.path: str | None = None
         self.events: list = []
         self.mark_cycles = False
+        self.exit_hook = False
 
 
 _timeline = _Timeline()
@@ -53,6 +57,9 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         raise InvalidArgumentError(f"start_timeline({file_path!r}): the directory {directory} does not exist; "
                                    "create it first")
     with _timeline.lock:
+        if _timeline.path is None and not _timeline.exit_hook:
+            atexit.register(stop_timeline)  # a script that never stops it still gets its file
+            _timeline.exit_hook = True
         _timeline.path = path
         _timeline.events = [{"name": "process_name", "ph": "M", "pid": _ctx.rank(), "tid": 0,
                              "args": {"name": f"rank {_ctx.rank()}"}}]
