@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from ..errors import SparkTrainError
+from ..errors import InvalidArgumentError
 from ..localfiles import replaced_atomically
 from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
 from ..tensorflow import (Compression, ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,  # noqa: F401
@@ -44,7 +44,7 @@ def broadcast_global_variables(root_rank: int) -> None:
     """Horovod's TF1 call, which TensorFlow 2 has no meaning for: there is no global collection of
     variables to broadcast. As Horovod does under TensorFlow 2, this raises and names what to use.
     """
-    raise SparkTrainError(
+    raise InvalidArgumentError(
         f"broadcast_global_variables({root_rank!r}) has no meaning in TensorFlow 2 (there are no global "
         "variables); use callbacks.BroadcastGlobalVariablesCallback(root_rank) with model.fit, or "
         "broadcast_variables(model.variables + optimizer.variables, root_rank) in a custom loop")

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 import keras
 
 from .. import tensorflow as _tfc
-from ..errors import SparkTrainError
+from ..errors import InvalidArgumentError, SparkTrainError
 
 
 def check_equal_steps(steps) -> None:
@@ -59,7 +59,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         local_variables = list(local_variables)
         bad = [type(v).__name__ for v in local_variables if not _is_variable(v)]
         if bad:
-            raise SparkTrainError(f"local_variables must be variables (keras.Variable or tf.Variable), got "
+            raise InvalidArgumentError(f"local_variables must be variables (keras.Variable or tf.Variable), got "
                                   f"{', '.join(bad)}; pass layer.weights for a whole layer")
         self._local_vars = {id(v): v for v in local_variables}
         self._done_first_batch = False
@@ -67,7 +67,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def register_local_var(self, var) -> None:
         """Never broadcast ``var``: it stays each rank's own."""
         if not _is_variable(var):
-            raise SparkTrainError(f"register_local_var takes a variable, got {type(var).__name__}")
+            raise InvalidArgumentError(f"register_local_var takes a variable, got {type(var).__name__}")
         self._local_vars[id(var)] = var
 
     def _global(self, variables) -> list:
@@ -150,14 +150,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         super().__init__()
         if initial_lr is None or isinstance(initial_lr, bool) or not isinstance(initial_lr, (int, float)) \
                 or not initial_lr > 0:
-            raise SparkTrainError(f"initial_lr must be a positive number (the scaled rate), got {initial_lr!r}")
+            raise InvalidArgumentError(f"initial_lr must be a positive number (the scaled rate), got {initial_lr!r}")
         if not callable(multiplier):
             if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)):
-                raise SparkTrainError(f"multiplier must be a number or a function of the epoch, got {multiplier!r}")
+                raise InvalidArgumentError(f"multiplier must be a number or a function of the epoch, got {multiplier!r}")
             factor = float(multiplier)
             multiplier = lambda epoch: factor ** (epoch - start_epoch)  # noqa: E731 - Horovod's exponential decay
         if end_epoch is not None and end_epoch <= start_epoch:
-            raise SparkTrainError(f"end_epoch ({end_epoch}) must be after start_epoch ({start_epoch}), or None")
+            raise InvalidArgumentError(f"end_epoch ({end_epoch}) must be after start_epoch ({start_epoch}), or None")
         self.initial_lr = float(initial_lr)
         self.multiplier = multiplier
         self.start_epoch = start_epoch
@@ -171,7 +171,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if not self.staircase and not self.steps_per_epoch:
             self.steps_per_epoch = (self.params or {}).get("steps")
             if not self.steps_per_epoch:
-                raise SparkTrainError(f"{type(self).__name__} needs steps_per_epoch= when model.fit does not know "
+                raise InvalidArgumentError(f"{type(self).__name__} needs steps_per_epoch= when model.fit does not know "
                                       "the number of steps (a dataset of unknown length)")
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -193,7 +193,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         rate = optimizer._learning_rate if hasattr(optimizer, "_learning_rate") else optimizer.learning_rate
         if not hasattr(rate, "assign"):
-            raise SparkTrainError(f"{type(self).__name__} sets the learning rate, but the optimizer's is a "
+            raise InvalidArgumentError(f"{type(self).__name__} sets the learning rate, but the optimizer's is a "
                                   f"{type(rate).__name__}; give the optimizer a number instead")
         old = float(keras.ops.convert_to_numpy(rate))
         new = self.initial_lr * self.multiplier(epoch)
@@ -238,7 +238,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
                  steps_per_epoch: int | None = None, verbose: int = 0):
         if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 1:
-            raise SparkTrainError(f"warmup_epochs must be a whole number of at least 1, got {warmup_epochs!r}")
+            raise InvalidArgumentError(f"warmup_epochs must be a whole number of at least 1, got {warmup_epochs!r}")
 
         def multiplier(epoch: float) -> float:
             size = _tfc.size()
@@ -272,7 +272,7 @@ class BestModelCheckpoint(keras.callbacks.Callback):
                  mode: str = "auto", save_freq="epoch", filepath: str | None = None):
         super().__init__()
         if mode not in ("auto", "min", "max"):
-            raise SparkTrainError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+            raise InvalidArgumentError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
         self.monitor = monitor
         self.verbose = verbose
         self.save_weights_only = save_weights_only
@@ -288,7 +288,7 @@ class BestModelCheckpoint(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         if self.filepath is None:
-            raise SparkTrainError("BestModelCheckpoint has no filepath: pass filepath='best.keras' (or set "
+            raise InvalidArgumentError("BestModelCheckpoint has no filepath: pass filepath='best.keras' (or set "
                                   "callback.filepath) before model.fit")
         if _tfc.rank() != 0:
             return

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import keras
 
-from ..errors import SparkTrainError
+from ..errors import InvalidArgumentError
 from ..tensorflow.elastic import ObjectState, State, TensorFlowKerasState, broadcast_object, run  # noqa: F401
 
 
@@ -39,7 +39,7 @@ class CommitStateCallback(keras.callbacks.Callback):
     def __init__(self, state: State, batches_per_commit: int = 1):
         super().__init__()
         if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) or batches_per_commit < 1:
-            raise SparkTrainError(f"batches_per_commit must be a whole number of at least 1, got {batches_per_commit!r}")
+            raise InvalidArgumentError(f"batches_per_commit must be a whole number of at least 1, got {batches_per_commit!r}")
         self.state = state
         self.batches_per_commit = batches_per_commit
         self.batches_remaining = batches_per_commit

@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from .. import tensorflow as _tfc
-from ..errors import SparkTrainError
+from ..errors import InvalidArgumentError, SparkTrainError
 from ..tensorflow import Average, Compression, Sum, global_process_set
 
 _wrapped_classes: dict[type, type] = {}
@@ -88,7 +88,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
     import keras
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise SparkTrainError(
+        raise InvalidArgumentError(
             f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
             "for tf_keras use sparktrain.tensorflow.strategy()")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -138,7 +138,7 @@ def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense
         else list(local_layers)
     bad = [type(layer).__name__ for layer in layers if not isinstance(layer, keras.layers.Layer)]
     if bad:
-        raise SparkTrainError(f"local_layers must be Keras layers, got {', '.join(bad)}; pass model.layers[i] "
+        raise InvalidArgumentError(f"local_layers must be Keras layers, got {', '.join(bad)}; pass model.layers[i] "
                               "or the layer objects themselves")
     wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
                                    compression=compression, sparse_as_dense=sparse_as_dense,
@@ -153,33 +153,33 @@ def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense
 def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, passes, average_aggregated, num_groups,
                      groups, process_set, scale_local) -> GradientReduction:
     if op not in (Average, Sum):
-        raise SparkTrainError(f"op must be sparktrain.keras.Average or Sum for gradients, got {op!r}")
+        raise InvalidArgumentError(f"op must be sparktrain.keras.Average or Sum for gradients, got {op!r}")
     if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
-        raise SparkTrainError(f"compression must be Compression.none or Compression.fp16 (an object with compress "
+        raise InvalidArgumentError(f"compression must be Compression.none or Compression.fp16 (an object with compress "
                               f"and decompress), got {compression!r}")
     if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
-        raise SparkTrainError(f"gradient_predivide_factor must be a positive number, got {predivide!r}")
+        raise InvalidArgumentError(f"gradient_predivide_factor must be a positive number, got {predivide!r}")
     if predivide != 1.0 and op != Average:
-        raise SparkTrainError(f"gradient_predivide_factor={predivide!r} needs op=Average (it splits the averaging "
+        raise InvalidArgumentError(f"gradient_predivide_factor={predivide!r} needs op=Average (it splits the averaging "
                               f"before and after the sum), got op={op!r}")
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise SparkTrainError(f"backward_passes_per_step must be a whole number of at least 1, got {passes!r}")
+        raise InvalidArgumentError(f"backward_passes_per_step must be a whole number of at least 1, got {passes!r}")
     if passes > 1 and getattr(optimizer, "gradient_accumulation_steps", None):
-        raise SparkTrainError(
+        raise InvalidArgumentError(
             f"the optimizer already accumulates gradients (gradient_accumulation_steps="
             f"{optimizer.gradient_accumulation_steps}); set either that or backward_passes_per_step={passes}, not both")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
-        raise SparkTrainError(f"num_groups must be a whole number >= 0, got {num_groups!r}")
+        raise InvalidArgumentError(f"num_groups must be a whole number >= 0, got {num_groups!r}")
     if num_groups:
         warnings.warn("num_groups is deprecated, as in Horovod: pass groups=", DeprecationWarning, stacklevel=3)
         if groups is None:
             groups = num_groups
     if groups is not None and not (isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups)) \
             and not (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0):
-        raise SparkTrainError(f"groups must be a positive number of groups or a list of lists of variables, "
+        raise InvalidArgumentError(f"groups must be a positive number of groups or a list of lists of variables, "
                               f"got {groups!r}")
     if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
-        raise SparkTrainError(f"process_set={process_set!r}: sparktrain reduces over every rank (the global set); "
+        raise InvalidArgumentError(f"process_set={process_set!r}: sparktrain reduces over every rank (the global set); "
                               "leave process_set out")
     return GradientReduction(op=op, compression=compression, sparse_as_dense=bool(sparse_as_dense),
                              gradient_predivide_factor=float(predivide), backward_passes_per_step=passes,

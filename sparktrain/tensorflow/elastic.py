@@ -41,7 +41,7 @@ from typing import Any, Callable
 from .. import context as _ctx
 from .. import settings
 from .. import worker_env
-from ..errors import SparkTrainError
+from ..errors import InvalidArgumentError, SparkTrainError
 
 _FORMAT = "sparktrain-elastic/1"
 STATE_NAME = "elastic-state.pkl"
@@ -216,12 +216,12 @@ class TensorFlowKerasState(ObjectState):
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
         if not getattr(model, "built", True):
-            raise SparkTrainError("the model must be built before its state is created: call model.build(input_shape) "
+            raise InvalidArgumentError("the model must be built before its state is created: call model.build(input_shape) "
                                   "or run it on a batch first")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         if self.optimizer is None:
-            raise SparkTrainError("TensorFlowKerasState needs an optimizer: compile the model first or pass optimizer=")
+            raise InvalidArgumentError("TensorFlowKerasState needs an optimizer: compile the model first or pass optimizer=")
         self.backend = backend
         self._save_model()
         super().__init__(**kwargs)
@@ -279,10 +279,10 @@ class TensorFlowState(ObjectState):
 
     def __init__(self, variables=None, session=None, **kwargs):
         if variables is None:
-            raise SparkTrainError("TensorFlowState needs variables= (TensorFlow 2 has no global variables to default "
+            raise InvalidArgumentError("TensorFlowState needs variables= (TensorFlow 2 has no global variables to default "
                                   "to); pass model.variables or your tf.Variable list")
         if session is not None:
-            raise SparkTrainError("TensorFlowState(session=...) is TensorFlow 1; leave session out")
+            raise InvalidArgumentError("TensorFlowState(session=...) is TensorFlow 1; leave session out")
         self.variables = list(variables)
         self._saved_variables = _values(self.variables)
         super().__init__(**kwargs)
@@ -320,7 +320,7 @@ def run(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         if not isinstance(state, State):
-            raise SparkTrainError(f"an elastic.run function takes a State first (TensorFlowKerasState, KerasState, "
+            raise InvalidArgumentError(f"an elastic.run function takes a State first (TensorFlowKerasState, KerasState, "
                                   f"TensorFlowState, ObjectState), got {type(state).__name__}")
         _tfc().init()
         attempts = _attempts_allowed()
