@@ -297,6 +297,17 @@ def test_every_collective_op_and_dtype_on_tensorflows_ring(tmp_path, num_proc):
     assert check_everything(got, num_proc, tmp_path, "tensorflow") == []
 
 
+def test_is_homogeneous_reads_every_ranks_host_from_the_rendezvous(monkeypatch):
+    import sparktrain.tensorflow as hvd
+
+    for hosts, want in ((["a", "a", "b"], False), (["a", "b", "a", "b"], True), (["a", "b", "c", "c", "a", "b"], True),
+                        (["a", "b", "b", "c", "c", "c"], False)):
+        workers = [f"{h}:{7000 + i}" for i, h in enumerate(hosts)]
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker",
+                                                                                            "index": 0}}))
+        assert hvd.is_homogeneous() is want, hosts
+
+
 def test_compression_and_horovods_helpers_in_this_process():
     import tensorflow as tf
 

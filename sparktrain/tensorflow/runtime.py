@@ -281,10 +281,20 @@ def is_initialized() -> bool:
 def is_homogeneous() -> bool:
     """Whether every host runs the same number of ranks.
 
-    ``cross_size`` counts the hosts that run a rank with this rank's local rank; when every
-    host runs ``local_size`` ranks, that times ``local_size`` is the whole run.
+    Read from the run's rendezvous (``TF_CONFIG`` lists every rank's host), so every rank gives
+    the same answer; without it (a run of one), from this host's share of the ranks.
     """
-    return cross_size() * local_size() == size()
+    import json
+
+    try:
+        workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+    except (KeyError, ValueError, TypeError):
+        return cross_size() * local_size() == size()
+    per_host: dict = {}
+    for w in workers:
+        host = w.rsplit(":", 1)[0]
+        per_host[host] = per_host.get(host, 0) + 1
+    return len(set(per_host.values())) == 1
 
 
 # What this build has, in Horovod's terms: no MPI, Gloo, DDL, oneCCL or ROCm; NCCL and CUDA are
