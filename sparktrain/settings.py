@@ -85,6 +85,10 @@ SETTINGS = {
         Setting("log_url", "SPARKTRAIN_LOG_URL", "spark.sparktrain.logUrl", None, lambda n, v: _url(n, v),
                 "fsspec URL (a prefix) where ranks also write their output; the driver prints it from there "
                 "when the ranks cannot reach it (Spark Connect); 'none' turns it off"),
+        # Read in the rank; run() passes the Spark conf's value on in the rank's env.
+        Setting("elastic_url", "SPARKTRAIN_ELASTIC_URL", "spark.sparktrain.elasticUrl", None, lambda n, v: _url(n, v),
+                "fsspec URL (a prefix) where elastic state.commit() writes the training state, under the run's id, "
+                "so that a later attempt of the run (max_attempts) resumes from it; 'none' turns it off"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
         # Read in the rank's process, where there is no Spark conf: give it with run(env=...).
@@ -110,7 +114,7 @@ def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:
     {'SPARKTRAIN_CPU_COLLECTIVES': 'tensorflow'}
     """
     out = dict(env)
-    for name in ("cpu_collectives", "cpu_transport"):
+    for name in ("cpu_collectives", "cpu_transport", "elastic_url"):
         s = SETTINGS[name]
         if s.env not in out and conf.get(s.conf) not in (None, ""):
             out[s.env] = str(s.parse(s.conf, conf.get(s.conf)))

@@ -33,6 +33,8 @@ class TaskSpec:
     spill_url: str | None = None
     #: Which attempt of the run this is, 1-based.
     attempt: int = 1
+    #: How many attempts the run has in all.
+    max_attempts: int = 1
     #: The driver's versions (see ``sparktrain.versions``); each rank checks its own against them.
     versions: dict | None = None
     #: ``TF_CPP_MIN_LOG_LEVEL`` for ranks whose environment does not set it (0 shows every C++ line).

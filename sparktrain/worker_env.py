@@ -17,6 +17,8 @@ CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
 RUN_ID = "SPARKTRAIN_RUN_ID"
 #: Which attempt of the run this is, 1-based (see ``run(..., max_attempts=N)``).
 ATTEMPT = "SPARKTRAIN_ATTEMPT"
+#: How many attempts the run has in all (``run(..., max_attempts=N)``); elastic state reads it.
+MAX_ATTEMPTS = "SPARKTRAIN_ATTEMPTS_ALLOWED"
 #: The directory holding this rank's spool of the DataFrames fed with ``run(..., data=...)``.
 DATA_DIR = "SPARKTRAIN_DATA_DIR"
 
@@ -34,7 +36,7 @@ TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
 #: Every variable the contract sets; user ``env`` may not override these.
 RESERVED_VARS = frozenset(
     TOPOLOGY_VARS
-    + (RUN_ID, ATTEMPT, DATA_DIR, COLLECTIVE_KEY_FILE, THREADS, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    + (RUN_ID, ATTEMPT, MAX_ATTEMPTS, DATA_DIR, COLLECTIVE_KEY_FILE, THREADS, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK",
        "LOCAL_WORLD_SIZE",
        "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
 )
@@ -143,6 +145,7 @@ def build_worker_env(
     run_id: str,
     user_env: Mapping[str, str] | None = None,
     attempt: int = 1,
+    max_attempts: int = 1,
     threads: int | None = None,
 ) -> dict[str, str]:
     """The environment one rank's process gets, on top of the executor's own.
@@ -157,6 +160,7 @@ def build_worker_env(
     run_id : the run's id.
     user_env : the ``env`` passed to ``run``; reserved names are refused earlier, on the driver.
     attempt : which attempt of the run this is, 1-based.
+    max_attempts : how many attempts the run has in all, as ``SPARKTRAIN_ATTEMPTS_ALLOWED``.
     threads : the rank's compute threads (:func:`rank_threads`), as ``SPARKTRAIN_THREADS``.
 
     Examples
@@ -181,6 +185,7 @@ def build_worker_env(
         CROSS_SIZE: str(t["cross_size"]),
         RUN_ID: run_id,
         ATTEMPT: str(attempt),
+        MAX_ATTEMPTS: str(max_attempts),
         "TF_CONFIG": json.dumps({
             "cluster": {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]},
             "task": {"type": "worker", "index": rank},

@@ -80,7 +80,7 @@ def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str,
         if number > 1:
             before_retry()
         try:
-            value = Attempt(info, dataclasses.replace(spec, attempt=number), max_attempts, make_job, host).supervise()
+            value = Attempt(info, dataclasses.replace(spec, attempt=number, max_attempts=max_attempts), max_attempts, make_job, host).supervise()
         except SparkTrainError as e:
             out_of_time = info.timeout is not None and info.elapsed() >= info.timeout
             if number == max_attempts or out_of_time or not e.retryable:

@@ -372,7 +372,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             env.update(worker_env.build_worker_env(
                 rank=rank, hosts=hosts, ports=ports, master_port=master_port,
                 gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
-                attempt=spec.attempt, threads=threads,
+                attempt=spec.attempt, max_attempts=spec.max_attempts, threads=threads,
             ))
             env.update(worker_env.thread_defaults(threads, spec.user_env))
             env.update(tracking.rank_env(rank, spec.mlflow, workdir))

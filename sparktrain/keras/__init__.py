@@ -15,60 +15,39 @@ Inside ``train_fn``::
 
 Gradients are averaged across ranks inside ``model.fit``'s compiled train step, in one fused
 collective per dtype. Keras 3 runs without any tf.distribute strategy scope.
+
+By role: ``optimizer`` (``DistributedOptimizer``, ``PartialDistributedOptimizer``),
+``callbacks`` (broadcast, metric averaging, learning-rate warm-up and schedule, checkpoints),
+``sync_batch_norm`` (``SyncBatchNormalization``), ``elastic`` (state that outlives a failed
+attempt) and ``tracking`` (MLflow, TensorBoard); the collectives and ``Compression`` are
+``sparktrain.tensorflow``'s.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Mapping
 
-from .. import tensorflow as _tfc
-from ..errors import SparkTrainError
+from ..errors import InvalidArgumentError
 from ..localfiles import replaced_atomically
 from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
-from ..tensorflow import init, local_rank, local_size, rank, size  # noqa: F401
-from . import callbacks  # noqa: F401
+from ..tensorflow import (Compression, ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,  # noqa: F401
+                          init, is_initialized, local_rank, local_size, rank, reducescatter, remove_process_set,
+                          shutdown, size, start_timeline, stop_timeline)
+from ..tensorflow import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,  # noqa: F401
+                          mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
+from . import callbacks, elastic  # noqa: F401
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, _distributed_class  # noqa: F401
+from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
-_wrapped_classes: dict[type, type] = {}
 
-
-def DistributedOptimizer(optimizer, op: str = Average):  # noqa: N802 - Horovod's name
-    """Wrap a Keras 3 optimizer so every ``apply`` first averages the gradients over all ranks.
-
-    The wrapper is a subclass of the optimizer's own class, built from its config, so
-    learning-rate schedules, clipping and the optimizer's state behave as before. Gradients are
-    reduced before clipping, as with Horovod.
+def broadcast_global_variables(root_rank: int) -> None:
+    """Horovod's TF1 call, which TensorFlow 2 has no meaning for: there is no global collection of
+    variables to broadcast. As Horovod does under TensorFlow 2, this raises and names what to use.
     """
-    import keras
-
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise SparkTrainError(
-            f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
-            "for tf_keras use sparktrain.tensorflow.strategy()")
-    _tfc.check_op(op)
-    base = type(optimizer)
-    if getattr(base, "_sparktrain_distributed", False):
-        return optimizer
-    wrapped = _distributed_class(base).from_config(optimizer.get_config())
-    wrapped._sparktrain_op = op
-    return wrapped
-
-
-def _distributed_class(base: type) -> type:
-    cls = _wrapped_classes.get(base)
-    if cls is None:
-        cls = type(base.__name__, (base,), {
-            "apply": _distributed_apply,
-            "_sparktrain_distributed": True,
-            "__module__": base.__module__,
-            "__doc__": f"{base.__name__} whose gradients are averaged over every sparktrain rank.",
-        })
-        _wrapped_classes[base] = cls
-    return cls
-
-
-def _distributed_apply(self, grads, trainable_variables=None):
-    grads = _tfc.average_gradients(list(grads), getattr(self, "_sparktrain_op", Average))
-    return super(type(self), self).apply(grads, trainable_variables)
+    raise InvalidArgumentError(
+        f"broadcast_global_variables({root_rank!r}) has no meaning in TensorFlow 2 (there are no global "
+        "variables); use callbacks.BroadcastGlobalVariablesCallback(root_rank) with model.fit, or "
+        "broadcast_variables(model.variables + optimizer.variables, root_rank) in a custom loop")
 
 
 def save_model(model, filepath: str, **kwargs) -> str | None:
@@ -85,21 +64,32 @@ def save_model(model, filepath: str, **kwargs) -> str | None:
     return filepath
 
 
-def load_model(filepath: str, **kwargs):
+def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compression=Compression.none, **kwargs):
     """``keras.models.load_model`` whose optimizer comes back distributed, with its state.
 
-    Keras's built-in optimizers are loaded as their DistributedOptimizer subclasses, as Horovod's
-    ``hvd.load_model`` does, so training continues data-parallel where it stopped.
+    Keras's built-in optimizers, and the classes in ``custom_optimizers``, are loaded as their
+    DistributedOptimizer subclasses, as Horovod's ``hvd.load_model`` does, so training continues
+    data-parallel where it stopped; ``compression`` applies to its gradients.
     """
     import keras
 
+    from .optimizer import GradientReduction, _check_arguments
+
+    _check_arguments(None, compression, False, 1.0, Average, 1, False, 0, None, None, True)
     custom = {}
     for name in dir(keras.optimizers):
         obj = getattr(keras.optimizers, name)
         if isinstance(obj, type) and issubclass(obj, keras.optimizers.Optimizer) and obj is not keras.optimizers.Optimizer:
             custom[name] = _distributed_class(obj)
-    custom.update(kwargs.pop("custom_objects", None) or {})
-    return keras.models.load_model(filepath, custom_objects=custom, **kwargs)
+    for cls in custom_optimizers or []:
+        custom[cls.__name__] = _distributed_class(cls)
+    custom.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=custom, **kwargs)
+    if getattr(model, "optimizer", None) is not None and getattr(type(model.optimizer), "_sparktrain_distributed", False):
+        # Keras saved backward_passes_per_step as gradient_accumulation_steps; the rest is Horovod's defaults.
+        model.optimizer._sparktrain_reduction = GradientReduction(
+            compression=compression, backward_passes_per_step=model.optimizer.gradient_accumulation_steps or 1)
+    return model
 
 
 def restore(prefix: str, storage_options: Mapping[str, Any] | None = None):

@@ -1,0 +1,108 @@
+"""Horovod's ``horovod.tensorflow.keras.elastic`` for Keras 3: ``KerasState``, ``run`` and the
+callbacks that keep the state current during ``model.fit``.
+
+How state survives a failure on sparktrain (a later attempt of ``run(..., max_attempts=N)``
+restores the last commit from the ``elastic_url`` setting) is described in
+``sparktrain.tensorflow.elastic``. Example::
+
+    import sparktrain.keras as hvd
+
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        state.model.fit(x, y, epochs=epochs, initial_epoch=state.epoch, callbacks=[
+            hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+            hvd.elastic.CommitStateCallback(state, batches_per_commit=100)])
+
+    train(state)
+"""
+from __future__ import annotations
+
+import keras
+
+from ..errors import InvalidArgumentError
+from ..tensorflow.elastic import ObjectState, State, TensorFlowKerasState, broadcast_object, run  # noqa: F401
+
+
+class KerasState(TensorFlowKerasState):
+    """A Keras 3 model, its optimizer and attributes (``epoch=0, batch=0``...), as Horovod's ``KerasState``."""
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commit ``state`` every ``batches_per_commit`` batches and at the end of every epoch.
+
+    Each commit with the ``elastic_url`` setting writes the model and optimizer (rank 0), so pick
+    ``batches_per_commit`` to make that a small part of the time.
+    """
+
+    def __init__(self, state: State, batches_per_commit: int = 1):
+        super().__init__()
+        if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) or batches_per_commit < 1:
+            raise InvalidArgumentError(f"batches_per_commit must be a whole number of at least 1, got {batches_per_commit!r}")
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_train_begin(self, logs=None):
+        self.batches_remaining = self.batches_per_commit
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keep ``state.batch`` at the last finished batch of the epoch (0 after the epoch).
+
+    Horovod also lowers ``params["steps"]`` so a resumed epoch runs only its remaining batches;
+    this does the same, but Keras 3 takes the number of steps from its data iterator, not from
+    ``params``, so a resumed epoch runs in full (from the committed weights).
+    """
+
+    def __init__(self, state: State):
+        super().__init__()
+        self.state = state
+        self.steps_per_epoch = None
+
+    def on_train_begin(self, logs=None):
+        self.steps_per_epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.params.get("steps"):
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = self.params.get("steps")
+            self.params["steps"] = self.steps_per_epoch - self.state.batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keep ``state.epoch`` at the number of finished epochs, counted across resumes: Keras counts
+    from ``initial_epoch``, or from 0 when it is not given, so the count starts from the state's
+    epoch at the start of training."""
+
+    def __init__(self, state: State):
+        super().__init__()
+        self.state = state
+        self.initial_epoch = state.epoch
+
+    def on_train_begin(self, logs=None):
+        self.initial_epoch = self.state.epoch
+        self._keras_initial = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._keras_initial is None:
+            self._keras_initial = epoch  # fit(initial_epoch=state.epoch) starts Keras's count there
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = self.initial_epoch + (epoch - (self._keras_initial or 0)) + 1

@@ -1,0 +1,338 @@
+"""Horovod's ``DistributedOptimizer`` and ``PartialDistributedOptimizer`` for Keras 3.
+
+The distributed optimizer is a subclass of the user's optimizer class, built from its config,
+whose gradients are reduced over all ranks inside the compiled train step, after Keras has
+unscaled and (with ``backward_passes_per_step``) accumulated them, and before clipping, weight
+decay and the update. Only the applying step reduces: on the other passes the gradients are
+added to local accumulators (Keras 3's own ``gradient_accumulation_steps``) and no collective
+runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from .. import tensorflow as _tfc
+from ..errors import InvalidArgumentError, SparkTrainError
+from ..tensorflow import Average, Compression, Sum, global_process_set
+
+_wrapped_classes: dict[type, type] = {}
+#: The one LossScaleOptimizer subclass whose ranks agree on overflow (see _AgreeingLossScale).
+_agreeing_loss_scale: list[type] = []
+
+
+@dataclasses.dataclass
+class GradientReduction:
+    """How a distributed optimizer reduces its gradients (Horovod's arguments, checked)."""
+
+    op: str = Average
+    compression: Any = Compression.none
+    sparse_as_dense: bool = False
+    gradient_predivide_factor: float = 1.0
+    backward_passes_per_step: int = 1
+    average_aggregated_gradients: bool = False
+    groups: Any = None
+    scale_local_gradients: bool = True
+    #: ``id()`` of each variable registered with ``register_local_var``, and the variables.
+    local_vars: dict = dataclasses.field(default_factory=dict)
+    local_layers: list = dataclasses.field(default_factory=list)
+    #: The variables of the update being applied (see _backend_apply_gradients).
+    pending_variables: list | None = None
+
+    def local_ids(self) -> set[int]:
+        ids = set(self.local_vars)
+        for layer in self.local_layers:
+            ids.update(id(v) for v in layer.weights)
+        return ids
+
+
+def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str = "", device_sparse: str = "",  # noqa: N802
+                         compression=Compression.none, sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, op: str = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
+                         process_set=global_process_set, scale_local_gradients: bool = True):
+    """Wrap a Keras 3 optimizer so each update first reduces the gradients over all ranks.
+
+    Horovod's arguments and defaults:
+
+    - ``compression``: ``Compression.none`` or ``Compression.fp16`` (floating gradients travel
+      as float16 and come back in their own dtype).
+    - ``sparse_as_dense``: reduce ``tf.IndexedSlices`` gradients (embeddings) as dense tensors;
+      by default they are gathered from every rank (values and indices) and stay sparse.
+    - ``gradient_predivide_factor`` f: gradients are scaled by 1/f before the sum and by f/size
+      after it (``op=Average`` only), to keep float16 sums in range.
+    - ``op``: ``Average`` (default) or ``Sum``.
+    - ``backward_passes_per_step`` N: gradients are accumulated locally for N passes, then
+      reduced once and applied; ``average_aggregated_gradients=True`` divides the accumulated
+      sum by N, as one pass over an N times larger batch would. ``optimizer.iterations`` counts
+      the updates, as with Keras's ``gradient_accumulation_steps``, which this uses.
+    - ``num_groups`` / ``groups``: how gradients are fused into collectives (a number of
+      groups, or lists of variables reduced together); the result is the same.
+    - ``scale_local_gradients``: gradients of variables registered with
+      ``register_local_var`` are not reduced; with this they are divided by size, as Horovod
+      does.
+    - ``name``: the optimizer's name (Keras's ``name``); ``device_dense`` and
+      ``device_sparse`` are accepted and ignored (sparktrain places collectives itself).
+    - ``process_set``: only ``global_process_set`` exists in sparktrain.
+
+    A ``keras.optimizers.LossScaleOptimizer`` (mixed precision) is rebuilt around the
+    distributed inner optimizer, with an overflow check every rank agrees on, so the ranks skip
+    a step together. Pass it wrapped yourself under a ``mixed_float16`` policy:
+    ``model.compile`` adds a plain one, whose ranks would decide alone.
+
+    The result keeps the original class's name (``Adam``), so a saved model loads without
+    sparktrain. An optimizer that is already distributed (from :func:`load_model`) comes back
+    as it is. Clipping and weight decay happen after the reduction, as with Horovod.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise InvalidArgumentError(
+            f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
+            "for tf_keras use sparktrain.tensorflow.strategy()")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if getattr(type(optimizer), "_sparktrain_distributed", False):
+            return optimizer
+        # The inner optimizer reduces; the loss-scale wrapper makes the ranks agree on skipping a step.
+        inner = DistributedOptimizer(optimizer.inner_optimizer, None, device_dense, device_sparse, compression,
+                                     sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
+                                     average_aggregated_gradients, num_groups, groups, process_set,
+                                     scale_local_gradients)
+        return _AgreeingLossScale()(inner, initial_scale=optimizer.initial_scale,
+                                    dynamic_growth_steps=optimizer.dynamic_growth_steps,
+                                    name=name or optimizer.name)
+    reduction = _check_arguments(optimizer, compression, sparse_as_dense, gradient_predivide_factor, op,
+                                 backward_passes_per_step, average_aggregated_gradients, num_groups, groups,
+                                 process_set, scale_local_gradients)
+    base = type(optimizer)
+    if getattr(base, "_sparktrain_distributed", False):
+        # Already distributed (say, from load_model): reduced once per update, as it is.
+        return optimizer
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    if backward_passes_per_step > 1:
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    wrapped = _distributed_class(base).from_config(config)
+    wrapped._sparktrain_reduction = reduction
+    return wrapped
+
+
+def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense: str = "",  # noqa: N802
+                                device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: str = Average,
+                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                                groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients: bool = True):
+    """A :func:`DistributedOptimizer` whose ``local_layers`` (a layer or a list) train on each rank's
+    own gradients: their variables' gradients are never reduced.
+
+    Pair it with ``BroadcastGlobalVariablesCallback(0, local_variables=...)`` or leave it to the
+    callback, which skips every variable this optimizer treats as local. The layers may be
+    unbuilt here; their weights are looked up when gradients are first applied.
+    """
+    import keras
+
+    layers = [] if local_layers is None else [local_layers] if isinstance(local_layers, keras.layers.Layer) \
+        else list(local_layers)
+    bad = [type(layer).__name__ for layer in layers if not isinstance(layer, keras.layers.Layer)]
+    if bad:
+        raise InvalidArgumentError(f"local_layers must be Keras layers, got {', '.join(bad)}; pass model.layers[i] "
+                              "or the layer objects themselves")
+    wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                                   compression=compression, sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=gradient_predivide_factor, op=op,
+                                   backward_passes_per_step=backward_passes_per_step,
+                                   average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                                   process_set=process_set, scale_local_gradients=scale_local_gradients)
+    wrapped._sparktrain_reduction.local_layers = layers
+    return wrapped
+
+
+def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, passes, average_aggregated, num_groups,
+                     groups, process_set, scale_local) -> GradientReduction:
+    if op not in (Average, Sum):
+        raise InvalidArgumentError(f"op must be sparktrain.keras.Average or Sum for gradients, got {op!r}")
+    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        raise InvalidArgumentError(f"compression must be Compression.none or Compression.fp16 (an object with compress "
+                              f"and decompress), got {compression!r}")
+    if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
+        raise InvalidArgumentError(f"gradient_predivide_factor must be a positive number, got {predivide!r}")
+    if predivide != 1.0 and op != Average:
+        raise InvalidArgumentError(f"gradient_predivide_factor={predivide!r} needs op=Average (it splits the averaging "
+                              f"before and after the sum), got op={op!r}")
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise InvalidArgumentError(f"backward_passes_per_step must be a whole number of at least 1, got {passes!r}")
+    if passes > 1 and getattr(optimizer, "gradient_accumulation_steps", None):
+        raise InvalidArgumentError(
+            f"the optimizer already accumulates gradients (gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}); set either that or backward_passes_per_step={passes}, not both")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise InvalidArgumentError(f"num_groups must be a whole number >= 0, got {num_groups!r}")
+    if num_groups:
+        warnings.warn("num_groups is deprecated, as in Horovod: pass groups=", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is not None and not (isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups)) \
+            and not (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0):
+        raise InvalidArgumentError(f"groups must be a positive number of groups or a list of lists of variables, "
+                              f"got {groups!r}")
+    if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
+        raise InvalidArgumentError(f"process_set={process_set!r}: sparktrain reduces over every rank (the global set); "
+                              "leave process_set out")
+    return GradientReduction(op=op, compression=compression, sparse_as_dense=bool(sparse_as_dense),
+                             gradient_predivide_factor=float(predivide), backward_passes_per_step=passes,
+                             average_aggregated_gradients=bool(average_aggregated), groups=groups,
+                             scale_local_gradients=bool(scale_local))
+
+
+def _AgreeingLossScale() -> type:  # noqa: N802 - returns a class
+    """``keras.optimizers.LossScaleOptimizer`` whose overflow check is every rank's together.
+
+    The plain one checks each rank's own gradients for inf/NaN and skips the update where they
+    are not finite; a rank that overflowed alone would then skip the gradient collective the
+    others wait in. Here a step is skipped (and the scale lowered) on every rank or on none.
+    """
+    import keras
+
+    cls = _agreeing_loss_scale[0] if _agreeing_loss_scale else None
+    if cls is None:
+        def check_finite(self, grads):
+            import tensorflow as tf
+
+            finite = keras.optimizers.LossScaleOptimizer.check_finite(self, grads)
+            if _tfc.size() == 1:
+                return finite
+            return _tfc.allreduce(tf.cast(finite, tf.int32), op=_tfc.Min) > 0
+
+        cls = type("LossScaleOptimizer", (keras.optimizers.LossScaleOptimizer,), {
+            "check_finite": check_finite,
+            "_sparktrain_distributed": True,
+            "__module__": keras.optimizers.LossScaleOptimizer.__module__,
+            "__doc__": _AgreeingLossScale.__doc__,
+        })
+        _agreeing_loss_scale.append(cls)
+    return cls
+
+
+def agree_on_overflow(model) -> bool:
+    """Make the plain ``LossScaleOptimizer`` that ``model.compile`` wrapped around a
+    DistributedOptimizer (under a ``mixed_float16`` policy) skip overflowing steps on every rank
+    together. Call before the train step is traced; returns whether it changed anything.
+    """
+    import keras
+
+    opt = getattr(model, "optimizer", None)
+    if type(opt) is keras.optimizers.LossScaleOptimizer and \
+            getattr(type(opt.inner_optimizer), "_sparktrain_distributed", False):
+        opt.__class__ = _AgreeingLossScale()  # a subclass overriding one method, with no state of its own
+        return True
+    return False
+
+
+def _distributed_class(base: type) -> type:
+    """The DistributedOptimizer subclass of ``base``; for a LossScaleOptimizer, the one whose
+    ranks agree on overflow (its inner optimizer does the reducing)."""
+    import keras
+
+    if issubclass(base, keras.optimizers.LossScaleOptimizer):
+        return _AgreeingLossScale()
+    cls = _wrapped_classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (base,), {
+            "_backend_apply_gradients": _backend_apply_gradients,
+            "_clip_gradients": _clip_gradients,
+            "register_local_var": register_local_var,
+            "_sparktrain_distributed": True,
+            "__module__": base.__module__,
+            "__doc__": f"{base.__name__} whose gradients are reduced over every sparktrain rank.",
+        })
+        _wrapped_classes[base] = cls
+    return cls
+
+
+def register_local_var(self, var) -> None:
+    """Treat ``var`` as local to this rank: its gradient is not reduced, and
+    ``BroadcastGlobalVariablesCallback`` does not broadcast it. Call it before training."""
+    reduction = _reduction_of(self)
+    reduction.local_vars[id(var)] = var
+
+
+def _reduction_of(optimizer) -> GradientReduction:
+    reduction = getattr(optimizer, "_sparktrain_reduction", None)
+    if reduction is None:  # loaded by load_model: Horovod's defaults
+        reduction = GradientReduction()
+        optimizer._sparktrain_reduction = reduction
+    return reduction
+
+
+def local_variables(optimizer) -> list:
+    """The variables ``optimizer`` keeps local (registered, or in its ``local_layers``); [] for others."""
+    reduction = getattr(optimizer, "_sparktrain_reduction", None)
+    if reduction is None:
+        return []
+    found = dict(reduction.local_vars)
+    for layer in reduction.local_layers:
+        found.update((id(v), v) for v in layer.weights)
+    return list(found.values())
+
+
+def _backend_apply_gradients(self, grads, trainable_variables):
+    # Keras calls _clip_gradients once per update, inside the applying branch when it
+    # accumulates; it does not pass the variables there, so they are kept for that call, on
+    # the reduction settings: a list set on the optimizer itself would be tracked by Keras as
+    # optimizer variables.
+    reduction = _reduction_of(self)
+    reduction.pending_variables = list(trainable_variables)
+    try:
+        return super(type(self), self)._backend_apply_gradients(grads, trainable_variables)
+    finally:
+        reduction.pending_variables = None
+
+
+def _clip_gradients(self, grads):
+    reduction = _reduction_of(self)
+    variables = reduction.pending_variables
+    if variables is None or len(variables) != len(grads):
+        raise SparkTrainError("DistributedOptimizer could not match gradients to variables; this Keras version "
+                              "calls _clip_gradients differently from Keras 3.15")
+    grads = reduce_gradients(list(grads), variables, reduction)
+    return super(type(self), self)._clip_gradients(grads)
+
+
+def reduce_gradients(grads: list, variables: list, reduction: GradientReduction) -> list:
+    """Reduce ``grads`` (one per variable in ``variables``) as ``reduction`` says; None stays None."""
+    import tensorflow as tf
+
+    size = _tfc.size()
+    local = reduction.local_ids()
+    shared = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and id(v) not in local]
+    out = list(grads)
+    scale_after = 1.0
+    if reduction.backward_passes_per_step > 1 and not reduction.average_aggregated_gradients:
+        # Keras averages the accumulated passes; Horovod's default is their sum.
+        scale_after = float(reduction.backward_passes_per_step)
+    if shared:
+        reduced = _reduce_shared([grads[i] for i in shared], [variables[i] for i in shared], reduction)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        factor = scale_after * (1.0 / size if id(v) in local and reduction.scale_local_gradients else 1.0)
+        if factor != 1.0:
+            g = out[i]
+            out[i] = tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape) \
+                if isinstance(g, tf.IndexedSlices) else g * tf.cast(factor, g.dtype)
+    return out
+
+
+def _reduce_shared(grads: list, variables: list, reduction: GradientReduction) -> list:
+    """Reduce every gradient of ``grads`` over the ranks with ``sparktrain.tensorflow.allreduce_gradients``:
+    dense ones in fused groups, sparse ones gathered (or densified with ``sparse_as_dense``)."""
+    f = reduction.gradient_predivide_factor
+    # Horovod's split of the average around the sum: 1/f before, f after (and Average's 1/size).
+    return list(_tfc.allreduce_gradients(grads, variables=variables, op=reduction.op, compression=reduction.compression,
+                                         sparse_as_dense=reduction.sparse_as_dense, prescale_factor=1.0 / f,
+                                         postscale_factor=f, groups=reduction.groups))
