@@ -54,6 +54,11 @@ __all__ = [
 
 
 def __getattr__(name):
+    # ``hvd.elastic`` as in Horovod, without importing it (and storage) for every rank.
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.elastic")
     # Horovod exports SyncBatchNormalization here too; it is a Keras layer, so it lives in
     # sparktrain.keras (which builds on this package) and is fetched when first asked for.
     if name == "SyncBatchNormalization":
