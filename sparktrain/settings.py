@@ -103,6 +103,11 @@ SETTINGS = {
                 lambda n, v: _choice(n, v, ("auto", "tcp")),
                 "how the native engine connects ranks on one host: 'auto' (shared memory) or 'tcp' (the ring "
                 "between hosts, forced; for tests and measurements)"),
+        Setting("pin_cores", "SPARKTRAIN_PIN_CORES", "spark.sparktrain.pinCores", "auto",
+                lambda n, v: _choice(n, v, ("auto", "on", "off")),
+                "keep each rank on cores of its own, the host's cores split among its ranks: 'auto' (where the "
+                "ranks own the machine: local mode and local masters, and only when ranks do not outnumber "
+                "cores), 'on' (on clusters too) or 'off'"),
     ]
 }
 
@@ -114,7 +119,7 @@ def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:
     {'SPARKTRAIN_CPU_COLLECTIVES': 'tensorflow'}
     """
     out = dict(env)
-    for name in ("cpu_collectives", "cpu_transport", "elastic_url"):
+    for name in ("cpu_collectives", "cpu_transport", "elastic_url", "pin_cores"):
         s = SETTINGS[name]
         if s.env not in out and conf.get(s.conf) not in (None, ""):
             out[s.env] = str(s.parse(s.conf, conf.get(s.conf)))

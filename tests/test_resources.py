@@ -3,6 +3,8 @@ arithmetic for a run's own profile, and the threads each rank gets. No Spark ses
 here is in local mode."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import sparktrain
@@ -149,3 +151,39 @@ def report_threads():
 def test_local_mode_threads_follow_resources_cpus():
     assert sparktrain.run(report_threads, num_proc=-1, resources={"cpus": 3}, verbose=0) == {
         "OMP_NUM_THREADS": "3", "TF_NUM_INTRAOP_THREADS": "3", "TF_NUM_INTEROP_THREADS": "3"}
+
+
+def all_ranks_cores(outdir):
+    import json
+    import os
+
+    import sparktrain
+
+    with open(os.path.join(outdir, f"cores-{sparktrain.rank()}.json"), "w") as f:
+        json.dump(sorted(os.sched_getaffinity(0)), f)
+
+
+def cores_of(outdir, n):
+    import json
+
+    return [json.load(open(os.path.join(outdir, f"cores-{r}.json"))) for r in range(n)]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_own_the_machine_keep_to_cores_of_their_own(tmp_path, monkeypatch):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    sparktrain.run(all_ranks_cores, args=(str(tmp_path),), num_proc=-2, verbose=0)
+    first, second = cores_of(str(tmp_path), 2)
+    half = len(allowed) // 2
+    assert first == allowed[:half] and second == allowed[half:2 * half]  # disjoint, one share each
+    # More ranks than cores: the kernel shares them; "off" leaves every rank on every core.
+    sparktrain.run(all_ranks_cores, args=(str(tmp_path),), num_proc=-(len(allowed) + 1), verbose=0)
+    assert all(c == allowed for c in cores_of(str(tmp_path), len(allowed) + 1))
+    monkeypatch.setenv("SPARKTRAIN_PIN_CORES", "off")
+    sparktrain.run(all_ranks_cores, args=(str(tmp_path),), num_proc=-2, verbose=0)
+    assert cores_of(str(tmp_path), 2) == [allowed, allowed]
+    monkeypatch.setenv("SPARKTRAIN_PIN_CORES", "sometimes")
+    with pytest.raises(sparktrain.InvalidArgumentError, match="SPARKTRAIN_PIN_CORES must be one of auto, on, off; got 'sometimes'"):
+        sparktrain.run(all_ranks_cores, args=(str(tmp_path),), num_proc=-2, verbose=0)

@@ -187,6 +187,9 @@ def _upload(result: Any, url: str, storage_options: Mapping[str, Any] | None) ->
 
 def main(argv: list[str]) -> int:
     workdir, parent_pid = argv[0], int(argv[1])
+    cores = os.environ.get(worker_env.CORES)
+    if cores:  # before any thread starts: every thread the rank starts later keeps to them too
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     _install_lifeline(parent_pid, workdir)
     import cloudpickle
 

@@ -23,9 +23,9 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
-from .. import channel, tracking, versions, worker_env
+from .. import channel, settings, tracking, versions, worker_env
 from ..errors import (InvalidArgumentError, RankError, RankFailure, ResultTooLargeError, SparkTrainError,
                       VersionMismatchError, type_name)
 from ..data import layout
@@ -87,6 +87,15 @@ def reserve_port(attempts: int = 8) -> socket.socket:
                 raise
             last = e
     raise OSError(errno.EADDRINUSE, f"no free port after {attempts} attempts: {last}")
+
+
+def _pinned_cores(spec, topo: Mapping[str, int]) -> list[int] | None:
+    """The cores this rank keeps to, or None. By default ("auto") only where the ranks own the
+    machine: local mode and local masters, whose task CPUs are not counted (``spec.task_cpus`` None)."""
+    mode = settings.resolve("pin_cores", environ={**os.environ, **spec.user_env})
+    if mode == "off" or (mode == "auto" and spec.task_cpus is not None) or not hasattr(os, "sched_getaffinity"):
+        return None
+    return worker_env.rank_cores(sorted(os.sched_getaffinity(0)), topo["local_rank"], topo["local_size"])
 
 
 def _child_pythonpath() -> str:
@@ -375,6 +384,9 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 attempt=spec.attempt, max_attempts=spec.max_attempts, threads=threads,
             ))
             env.update(worker_env.thread_defaults(threads, spec.user_env))
+            cores = _pinned_cores(spec, topo)
+            if cores:
+                env[worker_env.CORES] = ",".join(map(str, cores))
             env.update(tracking.rank_env(rank, spec.mlflow, workdir))
             env["PYTHONPATH"] = _child_pythonpath()
             env[worker_env.COLLECTIVE_KEY_FILE] = _write_key(workdir, state.collective_key)
