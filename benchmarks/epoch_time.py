@@ -117,25 +117,8 @@ def pipeline(tf, x, y, batch: int):
             .prefetch(tf.data.AUTOTUNE))
 
 
-def pin_to_one_core(index: int) -> None:
-    """Keep every thread of this process (and those it starts later) on core ``index``."""
-    cores = sorted(os.sched_getaffinity(0))
-    core = {cores[index % len(cores)]}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), core)
-        except OSError:  # a thread that ended meanwhile
-            pass
-
-
 def train_keras3(kind: str, repeat: int, global_batch: int, epochs: int, lr: float, distributed: bool) -> dict:
-    """Keras 3: with DistributedOptimizer on every rank, or the plain optimizer in one process.
-
-    With ``BENCH_PIN_CORES=1`` each rank (and the one process) runs on one core of its own."""
-    import os
-
-    if os.environ.get("BENCH_PIN_CORES") == "1":
-        pin_to_one_core(int(os.environ.get("SPARKTRAIN_RANK", "0")))
+    """Keras 3: with DistributedOptimizer on every rank, or the plain optimizer in one process."""
     import keras
     import tensorflow as tf
 
@@ -225,7 +208,7 @@ def build_scaling(args) -> list[Contender]:
 
     sign = 1 if args.spark else -1
     one, two = common(args.global_batch), common(args.global_batch * 2)
-    base = {**BASE_ENV, **ONE_THREAD, **({"BENCH_PIN_CORES": "1"} if args.pin else {})}
+    base = {**BASE_ENV, **ONE_THREAD, **({} if args.pin else {"SPARKTRAIN_PIN_CORES": "off"})}
     return [
         Contender("one process, 1 thread", train_keras3, (*one, False), sign * 1, base),
         Contender("2 ranks x 1 thread, native engine, same global batch", train_keras3, (*one, True), sign * 2,
@@ -348,8 +331,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
     p.add_argument("--scaling", action="store_true",
                    help="one process with 1 thread against 2 ranks with 1 thread each, native engine and TensorFlow ring")
-    p.add_argument("--pin", action="store_true",
-                   help="with --scaling, run each rank (and the one process) on one core of its own: rank r on core r")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="with --scaling, leave the ranks unpinned (SPARKTRAIN_PIN_CORES=off) instead of sparktrain's "
+                        "default, which gives each rank cores of its own in local mode")
     p.add_argument("--write", metavar="PATH", help="write or replace the epoch-time section of this markdown file")
     args = p.parse_args(argv)
     if args.epochs < 2:
