@@ -26,7 +26,7 @@ def free_port() -> int:
 class ConnectServer:
     """``spark-submit --class ...SparkConnectServer`` on ``master``; ``url`` is its ``sc://`` address."""
 
-    def __init__(self, master: str = "local[3]", timeout: float = 180.0):
+    def __init__(self, master: str = "local[3]", timeout: float = 180.0, conf: dict | None = None):
         import pyspark
 
         self.port = free_port()
@@ -45,7 +45,8 @@ class ConnectServer:
              "--conf", f"spark.connect.grpc.binding.port={self.port}",
              "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
              "--conf", "spark.ui.enabled=false", "--conf", "spark.ui.showConsoleProgress=false",
-             "--conf", f"spark.driver.extraJavaOptions=-Dlog4j2.configurationFile={HERE}/log4j2-test.properties"],
+             "--conf", f"spark.driver.extraJavaOptions=-Dlog4j2.configurationFile={HERE}/log4j2-test.properties",
+             *[arg for k, v in (conf or {}).items() for arg in ("--conf", f"{k}={v}")]],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready(timeout)
 

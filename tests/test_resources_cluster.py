@@ -19,19 +19,19 @@ from sparktrain.worker_env import THREAD_VARS
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 
+GPU_CLUSTER = {
+    "spark.worker.resource.gpu.amount": "3",
+    "spark.worker.resource.gpu.discoveryScript": os.path.join(HERE, "fake_gpu_discovery.sh"),
+    "spark.executor.resource.gpu.amount": "3",
+    # No spark.task.resource.gpu.amount: the application's tasks ask for no GPU.
+    "spark.executorEnv.CUDA_VISIBLE_DEVICES": "5,6,7",
+    "spark.executor.memory": "512m",
+}
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    session = make_spark(
-        "local-cluster[1,3,1024]",
-        **{
-            "spark.worker.resource.gpu.amount": "3",
-            "spark.worker.resource.gpu.discoveryScript": os.path.join(HERE, "fake_gpu_discovery.sh"),
-            "spark.executor.resource.gpu.amount": "3",
-            # No spark.task.resource.gpu.amount: the application's tasks ask for no GPU.
-            "spark.executorEnv.CUDA_VISIBLE_DEVICES": "5,6,7",
-            "spark.executor.memory": "512m",
-        },
-    )
+    session = make_spark("local-cluster[1,3,1024]", **GPU_CLUSTER)
     yield session
     stop_spark(session)
 
@@ -164,3 +164,29 @@ def test_pyspark_35_is_refused_before_any_job(cluster, monkeypatch):
     with pytest.raises(sparktrain.ClusterConfigError, match=r"new in pyspark 4.0; this is pyspark 3.5.3"):
         sparktrain.run(see_resources, args=("/nonexistent",), num_proc=1, use_gpu=True, verbose=0)
     assert _jobs_started(cluster) == before
+
+
+def test_a_gpu_run_over_spark_connect_gets_its_own_profile(tmp_path):
+    # The same cluster behind a Spark Connect server: the client sends the profile with the stage.
+    pytest.importorskip("grpc")
+    from pyspark.sql import SparkSession
+
+    from connect_server import ConnectServer
+
+    server = ConnectServer("local-cluster[1,3,1024]", conf=GPU_CLUSTER)
+    saved = dict(os.environ)
+    try:
+        session = SparkSession.builder.remote(server.url).getOrCreate()
+        try:
+            result = sparktrain.run(see_resources, args=(str(tmp_path),), num_proc=3, use_gpu=True, verbose=0)
+            ranks = read_ranks(str(tmp_path))
+            assert sorted(ranks[r]["visible"] for r in range(3)) == ["5", "6", "7"]  # one GPU each, distinct
+            assert result == ranks[0]["visible"]
+            with pytest.raises(sparktrain.InsufficientResourcesError, match="num_proc=4"):
+                sparktrain.run(see_resources, args=(str(tmp_path),), num_proc=4, use_gpu=True, verbose=0)
+        finally:
+            session.stop()
+    finally:
+        server.stop()
+        os.environ.clear()
+        os.environ.update(saved)

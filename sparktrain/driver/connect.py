@@ -72,6 +72,25 @@ def capacity(conf: Mapping[str, str]) -> Capacity | None:
     return Capacity(int(instances), int(cores), task_cpus, gpu_amount(conf, "executor"), task_gpus)
 
 
+def register_profile(spark, profile) -> None:
+    """Have the server create the run's ResourceProfile now, through ``spark``.
+
+    pyspark creates a Connect profile on the server the first time its id is read, through the
+    reading thread's active session; the stage is planned on the run's job thread, which has none
+    (and a run may be started from a thread that has none either). The id, once read, stays with
+    the profile.
+    """
+    local = getattr(type(spark), "_active_session", None)  # pyspark's per-thread active session
+    previous = getattr(local, "session", None)
+    if local is not None:
+        local.session = spark
+    try:
+        profile.id  # noqa: B018 - reading it creates the profile on the server
+    finally:
+        if local is not None:
+            local.session = previous
+
+
 def client_host(spark) -> str:
     """This client's address on the route to the Connect server: where executors would reach it."""
     server = getattr(getattr(spark, "client", None), "host", None) or "localhost"

@@ -217,6 +217,8 @@ def run(
 
         preflight.check_profile_support(pyspark.__version__)
         profile = cluster.task_profile(sc, stage)  # sc is None over Connect: the server registers it
+        if connected:
+            connect.register_profile(spark, profile)
         log.info("sparktrain: each rank's task asks for %d CPU(s) and %g GPU(s) through its own resource profile",
                  stage.cpus, stage.gpus)
     else:
