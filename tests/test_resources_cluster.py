@@ -166,27 +166,51 @@ def test_pyspark_35_is_refused_before_any_job(cluster, monkeypatch):
     assert _jobs_started(cluster) == before
 
 
+CONNECT_CLIENT = """
+import os, sys
+from pyspark.sql import SparkSession
+import sparktrain
+
+def see(outdir):
+    import os
+    import sparktrain
+    with open(os.path.join(outdir, f"visible-{sparktrain.rank()}"), "w") as f:
+        f.write(os.environ["CUDA_VISIBLE_DEVICES"])
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+url, outdir = sys.argv[1:3]
+spark = SparkSession.builder.remote(url).getOrCreate()
+print("RESULT", sparktrain.run(see, args=(outdir,), num_proc=3, use_gpu=True, verbose=0))
+print("VISIBLE", ",".join(open(os.path.join(outdir, f"visible-{r}")).read() for r in range(3)))
+try:
+    sparktrain.run(see, args=(outdir,), num_proc=4, use_gpu=True, verbose=0)
+except sparktrain.InsufficientResourcesError as e:
+    print("REFUSED", str(e).splitlines()[0])
+spark.stop()
+"""
+
+
 def test_a_gpu_run_over_spark_connect_gets_its_own_profile(tmp_path):
     # The same cluster behind a Spark Connect server: the client sends the profile with the stage.
+    # The client is a process of its own: this one may hold a classic session, which pyspark does
+    # not let a Connect session share a process with.
     pytest.importorskip("grpc")
-    from pyspark.sql import SparkSession
+    import subprocess
+    import sys
 
     from connect_server import ConnectServer
 
     server = ConnectServer("local-cluster[1,3,1024]", conf=GPU_CLUSTER)
-    saved = dict(os.environ)
     try:
-        session = SparkSession.builder.remote(server.url).getOrCreate()
-        try:
-            result = sparktrain.run(see_resources, args=(str(tmp_path),), num_proc=3, use_gpu=True, verbose=0)
-            ranks = read_ranks(str(tmp_path))
-            assert sorted(ranks[r]["visible"] for r in range(3)) == ["5", "6", "7"]  # one GPU each, distinct
-            assert result == ranks[0]["visible"]
-            with pytest.raises(sparktrain.InsufficientResourcesError, match="num_proc=4"):
-                sparktrain.run(see_resources, args=(str(tmp_path),), num_proc=4, use_gpu=True, verbose=0)
-        finally:
-            session.stop()
+        env = {k: v for k, v in os.environ.items() if k != "SPARK_CONNECT_AUTHENTICATE_TOKEN"}
+        proc = subprocess.run([sys.executable, "-c", CONNECT_CLIENT, server.url, str(tmp_path)], capture_output=True,
+                              text=True, timeout=240, env=env)
     finally:
         server.stop()
-        os.environ.clear()
-        os.environ.update(saved)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
+                 ("RESULT", "VISIBLE", "REFUSED"))
+    assert sorted(lines["VISIBLE"].split(",")) == ["5", "6", "7"], proc.stdout  # one GPU each, distinct
+    assert lines["RESULT"] == lines["VISIBLE"].split(",")[0]
+    assert lines["REFUSED"].startswith("num_proc=4 needs 4 GPU task slots at once"), proc.stdout
+    assert "limited by GPUs" in lines["REFUSED"], proc.stdout
