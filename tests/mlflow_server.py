@@ -39,7 +39,8 @@ class MlflowServer:
                  "--backend-store-uri", f"sqlite:///{os.path.join(self.workdir, 'mlflow.db')}",
                  "--artifacts-destination", os.path.join(self.workdir, "artifacts")],
                 cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                # Its job runner (not used here) keeps a queue in a /dev/shm directory that outlives the server.
+                env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"), start_new_session=True)
         self.wait_ready()
 
     def wait_ready(self) -> None:
@@ -79,8 +80,11 @@ class MlflowServer:
 @pytest.fixture(scope="module")
 def mlflow_server():
     pytest.importorskip("mlflow")
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     server = MlflowServer()
     server.start()
     yield server
     server.stop()
     shutil.rmtree(server.workdir, ignore_errors=True)
+    left = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm_before
+    assert not left, f"the mlflow server left {sorted(left)} in /dev/shm"
