@@ -305,34 +305,16 @@ def reduce_gradients(grads: list, variables: list, reduction: GradientReduction)
     """Reduce ``grads`` (one per variable in ``variables``) as ``reduction`` says; None stays None."""
     import tensorflow as tf
 
-    size = _tfc.size()
     local = reduction.local_ids()
-    shared = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and id(v) not in local]
-    out = list(grads)
-    scale_after = 1.0
-    if reduction.backward_passes_per_step > 1 and not reduction.average_aggregated_gradients:
-        # Keras averages the accumulated passes; Horovod's default is their sum.
-        scale_after = float(reduction.backward_passes_per_step)
-    if shared:
-        reduced = _reduce_shared([grads[i] for i in shared], [variables[i] for i in shared], reduction)
-        for i, g in zip(shared, reduced):
-            out[i] = g
-    for i, (g, v) in enumerate(zip(grads, variables)):
-        if g is None:
-            continue
-        factor = scale_after * (1.0 / size if id(v) in local and reduction.scale_local_gradients else 1.0)
-        if factor != 1.0:
-            g = out[i]
-            out[i] = tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape) \
-                if isinstance(g, tf.IndexedSlices) else g * tf.cast(factor, g.dtype)
-    return out
-
-
-def _reduce_shared(grads: list, variables: list, reduction: GradientReduction) -> list:
-    """Reduce every gradient of ``grads`` over the ranks with ``sparktrain.tensorflow.allreduce_gradients``:
-    dense ones in fused groups, sparse ones gathered (or densified with ``sparse_as_dense``)."""
     f = reduction.gradient_predivide_factor
     # Horovod's split of the average around the sum: 1/f before, f after (and Average's 1/size).
-    return list(_tfc.allreduce_gradients(grads, variables=variables, op=reduction.op, compression=reduction.compression,
-                                         sparse_as_dense=reduction.sparse_as_dense, prescale_factor=1.0 / f,
-                                         postscale_factor=f, groups=reduction.groups))
+    out = _tfc.reduce_except_local(grads, variables, lambda v: id(v) in local, reduction.scale_local_gradients,
+                                   op=reduction.op, compression=reduction.compression,
+                                   sparse_as_dense=reduction.sparse_as_dense, prescale_factor=1.0 / f,
+                                   postscale_factor=f, groups=reduction.groups)
+    if reduction.backward_passes_per_step > 1 and not reduction.average_aggregated_gradients:
+        # Keras averages the accumulated passes; Horovod's default is their sum.
+        passes = float(reduction.backward_passes_per_step)
+        out = [g if g is None else tf.IndexedSlices(g.values * passes, g.indices, g.dense_shape)
+               if isinstance(g, tf.IndexedSlices) else g * tf.cast(passes, g.dtype) for g in out]
+    return out

@@ -26,7 +26,7 @@ from .collectives import (ProcessSet, add_process_set, allgather, allreduce, all
                           grouped_reducescatter, join, reducescatter, remove_process_set)
 from .compression import Compression
 from .gradients import (DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape, allreduce_gradients,
-                        average_gradients)
+                        average_gradients, reduce_except_local)
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
 from .ops import (Adasum, Average, Max, Min, Product, Sum, check_num_rank_power_of_2, check_op,
                   handle_average_backwards_compatibility)
@@ -48,7 +48,7 @@ __all__ = [
     "global_process_set", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "handle_average_backwards_compatibility", "init",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size", "local_size_op",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",
-    "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline",
+    "reduce_except_local", "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline",
     "stop_timeline", "strategy",
 ]
 

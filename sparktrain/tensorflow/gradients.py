@@ -91,6 +91,27 @@ def allreduce_gradients(grads, *, variables=None, op=Average, compression=Compre
     return tf.nest.pack_sequence_as(grads, out)
 
 
+def reduce_except_local(grads: list, variables: list, is_local, scale_local: bool, **options) -> list:
+    """Reduce ``grads`` (one per variable of ``variables``) with :func:`allreduce_gradients` and
+    ``options``, except those whose variable ``is_local`` says is this rank's own: they are not
+    reduced and, with ``scale_local`` (Horovod's ``scale_local_gradients``), are divided by the
+    size. None stays None. The gradient tape and the Keras optimizer both reduce this way."""
+    tf = _tf()
+    shared = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and not is_local(v)]
+    out = list(grads)
+    if shared:
+        reduced = allreduce_gradients([grads[i] for i in shared], variables=[variables[i] for i in shared], **options)
+        for i, r in zip(shared, reduced):
+            out[i] = r
+    if scale_local:
+        n = float(collectives.runtime.size())
+        for i, (g, v) in enumerate(zip(out, variables)):
+            if g is not None and is_local(v):
+                out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices) \
+                    else g / n
+    return out
+
+
 def average_gradients(grads, op=Average):
     """Allreduce a (possibly nested) list of gradients in fused collectives; None stays None.
 
@@ -115,22 +136,12 @@ class _DistributedGradientTape:
         grads = super().gradient(target, sources, output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False) if grads is not None else []
-        local = self._sparktrain_local
-        keys = [s.ref() if hasattr(s, "ref") else id(s) for s in flat_sources]
-        shared = [i for i, k in enumerate(keys) if k not in local]
-        reduced = allreduce_gradients([flat_grads[i] for i in shared], variables=[flat_sources[i] for i in shared],
-                                      **self._sparktrain_options)
-        out = list(flat_grads)
-        for i, r in zip(shared, reduced):
-            out[i] = r
-        if self._sparktrain_scale_local and local:
-            n = float(collectives.runtime.size())
-            for i, k in enumerate(keys):
-                if k in local and out[i] is not None:
-                    g = out[i]
-                    out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g / n)
+        out = reduce_except_local(flat_grads, flat_sources, self._is_local, self._sparktrain_scale_local,
+                                  **self._sparktrain_options)
         return tf.nest.pack_sequence_as(grads, out, expand_composites=False)
+
+    def _is_local(self, source) -> bool:
+        return (source.ref() if hasattr(source, "ref") else id(source)) in self._sparktrain_local
 
     def register_local_source(self, source):
         """Keep ``source``'s gradient local: it is not reduced (and, with scale_local_gradients,
@@ -142,7 +153,7 @@ class _DistributedGradientTape:
         grads = self.gradient(target, sources, output_gradients)
         local, shared = [], []
         for s, g in zip(sources, grads):
-            (local if (s.ref() if hasattr(s, "ref") else id(s)) in self._sparktrain_local else shared).append((s, g))
+            (local if self._is_local(s) else shared).append((s, g))
         return local, shared
 
 
