@@ -333,3 +333,78 @@ def test_compression_and_horovods_helpers_in_this_process():
         hvd.add_process_set([0, 1])
     with pytest.raises(AttributeError, match="no_such_name"):
         hvd.no_such_name  # noqa: B018 - the module's lazy lookup still refuses unknown names
+
+
+def _ragged_layout_cases():
+    rng = np.random.default_rng(7)
+    for size in (2, 3):
+        for n in (0, 1, 5, 7):
+            yield size, [rng.standard_normal((n, 3)).astype(np.float32) for _ in range(size)]
+
+
+def test_gpu_reducescatter_layout_gives_horovods_rows_through_an_even_split():
+    """On GPU, reducescatter is NCCL's, which splits rows evenly: the rows are laid out in padded
+    blocks first. Here the layout runs for real, and the even reduce-scatter is numpy's."""
+    import tensorflow as tf
+
+    from sparktrain.tensorflow import ringops
+
+    for size, inputs in _ragged_layout_cases():
+        n = tf.constant(inputs[0].shape[0], tf.int64)
+        counts = tf.stack([ringops.row_split(n, size, r)[1] for r in range(size)])
+        block = int(tf.maximum(counts[0], 1))
+        padded = [ringops.padded_blocks(tf.constant(x), counts, block).numpy() for x in inputs]
+        assert all(p.shape == (size * block, 3) for p in padded)
+        total = np.sum(padded, axis=0)
+        want = np.sum(inputs, axis=0)
+        got = []
+        for r in range(size):
+            start, count = (int(v) for v in ringops.row_split(n, size, r))
+            got.append(total[r * block:(r + 1) * block][:count])
+            np.testing.assert_array_equal(got[-1], want[start:start + count])
+        assert [len(g) for g in got] == [len(a) for a in np.array_split(want, size)], (size, int(n))
+
+
+def test_gpu_alltoall_layout_delivers_ragged_and_empty_parts_through_an_even_exchange():
+    import tensorflow as tf
+
+    from sparktrain.tensorflow import ringops
+
+    rng = np.random.default_rng(11)
+    for size in (2, 3):
+        splits = rng.integers(0, 4, (size, size))
+        splits[0, :] = 0  # rank 0 sends nothing
+        inputs = [rng.standard_normal((int(splits[r].sum()), 2)).astype(np.float32) for r in range(size)]
+        block = max(int(splits.max()), 1)
+        padded = [ringops.padded_blocks(tf.constant(inputs[r]), tf.constant(splits[r], tf.int64), block).numpy()
+                  for r in range(size)]
+        for me in range(size):
+            # An even alltoall: block `me` of every rank's buffer, in rank order.
+            recv = np.stack([padded[r][me * block:(me + 1) * block] for r in range(size)])
+            mask = tf.sequence_mask(splits[:, me], block).numpy()
+            got = recv[mask]
+            want = np.concatenate([inputs[r][splits[r, :me].sum():splits[r, :me + 1].sum()] for r in range(size)])
+            np.testing.assert_array_equal(got, want)
+
+
+def test_on_gpu_reducescatter_and_alltoall_are_tensorflows_nccl_ops(monkeypatch):
+    """No GPU here: the graph a GPU rank builds is traced, not run."""
+    import tensorflow as tf
+
+    from sparktrain.tensorflow import ringops
+    from sparktrain.tensorflow.runtime import state
+
+    monkeypatch.setattr(state, "gpu", True)
+    monkeypatch.setattr(state, "size", 3)
+    monkeypatch.setattr(state, "rank", 1)
+
+    def op_types(fn, *specs):
+        return {op.type for op in tf.function(fn).get_concrete_function(*specs).graph.get_operations()}
+
+    spec = tf.TensorSpec([None, 4], tf.float32)
+    scatter = op_types(lambda t: ringops.reducescatter(t, "max"), spec)
+    assert "CollectiveReduceScatterV2" in scatter and "CollectiveReduceV2" not in scatter
+    exchange = op_types(lambda t, s: ringops.alltoall(t, s), spec, tf.TensorSpec([3], tf.int32))
+    assert "CollectiveAllToAllV2" in exchange
+    monkeypatch.setattr(state, "gpu", False)
+    assert "CollectiveReduceScatterV2" not in op_types(lambda t: ringops.reducescatter(t, "max"), spec)

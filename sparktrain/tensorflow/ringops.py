@@ -3,11 +3,15 @@ ring on CPU, NCCL on GPU.
 
 TensorFlow's collectives take fewer dtypes than Horovod's: the rest travel widened (8- and
 16-bit integers and bool as int32; bfloat16, and float16 on CPU, as float32) and come back
-narrowed to their own dtype, exactly for every value they can hold. Reducescatter and alltoall
-are built on allreduce and allgather, so they work on CPU and GPU alike: TensorFlow's
-``CollectiveReduceScatterV2`` and ``CollectiveAllToAllV2`` have no CPU implementation (TensorFlow
-2.21: "CollectiveRegistry::Lookup did not find collective implementation"), and they split rows
-evenly only, where Horovod's reducescatter gives the first ranks one row more.
+narrowed to their own dtype, exactly for every value they can hold.
+
+Reducescatter and alltoall: on GPU they are TensorFlow's NCCL ``CollectiveReduceScatterV2`` and
+``CollectiveAllToAllV2``. Those split rows evenly only, where Horovod's reducescatter gives the
+first ``n % size`` ranks one row more and alltoall takes ragged splits, so the rows are first laid
+out in equal blocks, one per rank, padded with zeros (``padded_blocks``), and the padding is cut
+off the result. On CPU they are built on allreduce and allgather: TensorFlow has no CPU
+implementation of the two ops (TensorFlow 2.21: "CollectiveRegistry::Lookup did not find
+collective implementation").
 """
 from __future__ import annotations
 
@@ -124,26 +128,65 @@ def broadcast(tensor, root_rank: int, name=None):
     return out
 
 
-def reducescatter(tensor, op: str, name=None):
-    """An allreduce, then this rank's rows: the first ``n % size`` ranks get one row more."""
+def row_split(n, size: int, rank: int):
+    """Horovod's rows of ``n`` (an int64 tensor) for ``rank``: ``(start, count)``; the first
+    ``n % size`` ranks get one row more."""
     tf = _tf()
-    reduced = allreduce(tensor, op, name=name)
+    base, extra = n // size, n % size
+    start = rank * base + tf.minimum(tf.constant(rank, tf.int64), extra)
+    return start, base + tf.cast(rank < extra, tf.int64)
+
+
+def padded_blocks(tensor, counts, block):
+    """``tensor``'s rows cut into ``len(counts)`` consecutive parts of ``counts[k]`` rows, each
+    padded with zero rows to ``block`` rows, one after another: ``[len(counts) * block, ...]``.
+
+    An even split of the result gives part ``k`` to rank ``k``, which is what TensorFlow's
+    collectives need, whatever the parts' own sizes."""
+    tf = _tf()
+    starts = tf.cumsum(counts, exclusive=True)
+    tail = tf.zeros([tf.rank(tensor) - 1, 2], tf.int64)
+    parts = [tf.pad(tensor[starts[k]:starts[k] + counts[k]], tf.concat([[[0, block - counts[k]]], tail], 0))
+             for k in range(int(counts.shape[0]))]
+    return tf.concat(parts, axis=0)
+
+
+def reducescatter(tensor, op: str, name=None):
+    """This rank's rows of the reduction: the first ``n % size`` ranks get one row more."""
+    tf = _tf()
     n = tf.shape(tensor, out_type=tf.int64)[0]
     size, me = state.size, state.rank
-    base, extra = n // size, n % size
-    start = me * base + tf.minimum(tf.constant(me, tf.int64), extra)
-    count = base + tf.cast(me < extra, tf.int64)
-    return reduced[start:start + count]
+    start, count = row_split(n, size, me)
+    if not state.gpu or op == "adasum":
+        return allreduce(tensor, op, name=name)[start:start + count]
+    counts = tf.stack([row_split(n, size, r)[1] for r in range(size)])
+    block = tf.maximum(counts[0], 1)  # rank 0 has the most rows; NCCL moves no empty buffers
+    wide = padded_blocks(_widen(tensor), counts, block)
+    out = tf.raw_ops.CollectiveReduceScatterV2(
+        input=wide, group_size=size, group_key=GROUP_KEY, instance_key=runtime.next_key(), ordering_token=[],
+        merge_op=_MERGE[op], final_op="Div" if op == "average" else "Id", communication_hint=_hint(),
+        timeout_seconds=runtime.op_timeout(), name=name)
+    return _narrow(out[:count], tensor.dtype)
 
 
 def alltoall(tensor, splits):
-    """Every rank's rows for this rank, gathered: an allgather of every rank's splits and data."""
+    """Rows ``splits[k]`` (in order) of ``tensor`` to rank ``k``; returns what this rank received,
+    in rank order, and how many rows came from each rank (int32)."""
     tf = _tf()
-    every = tf.reshape(allgather(tf.reshape(tf.cast(splits, tf.int64), [1, -1])), [state.size, state.size])
+    size, me = state.size, state.rank
+    every = tf.reshape(allgather(tf.reshape(tf.cast(splits, tf.int64), [1, -1])), [size, size])
+    counts = every[:, me]
+    if state.gpu:
+        block = tf.maximum(tf.reduce_max(every), 1)  # NCCL moves no empty buffers
+        wide = padded_blocks(_widen(tensor), every[me], block)
+        out = tf.raw_ops.CollectiveAllToAllV2(
+            input=wide, group_size=size, group_key=GROUP_KEY, instance_key=runtime.next_key(), ordering_token=[],
+            communication_hint=_hint(), timeout_seconds=runtime.op_timeout())
+        shape = tf.concat([[size, block], tf.shape(wide, out_type=tf.int64)[1:]], 0)
+        received = tf.boolean_mask(tf.reshape(out, shape), tf.sequence_mask(counts, block))
+        return _narrow(received, tensor.dtype), tf.cast(counts, tf.int32)
     data = allgather(tensor)
-    me = state.rank
     lengths = tf.reduce_sum(every, axis=1)
     starts = tf.cumsum(lengths, exclusive=True) + tf.reduce_sum(every[:, :me], axis=1)
-    counts = every[:, me]
-    parts = [data[starts[r]:starts[r] + counts[r]] for r in range(state.size)]
+    parts = [data[starts[r]:starts[r] + counts[r]] for r in range(size)]
     return tf.concat(parts, axis=0), tf.cast(counts, tf.int32)
