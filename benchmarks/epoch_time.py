@@ -27,7 +27,9 @@ is discarded; the table shows the median of the rest.
 
     python benchmarks/epoch_time.py [--epochs 6 --repeat-data 10 --rounds 2] [--spark] [--write benchmarks/RESULTS.md]
 
-``--scaling`` measures how CPU training scales instead: one process with 1 thread against 2
+``--scaling`` measures how CPU training scales instead: one process with 1 thread (once free to
+use every core for TensorFlow's inter-op and input threads, once confined to one core, as each
+rank is) against 2
 ranks with 1 thread each (``OMP_NUM_THREADS`` and TensorFlow's intra-op threads 1, its inter-op
 pool 2, as sparktrain's defaults for one CPU per task),
 the gradients averaged by the native engine and, separately, by TensorFlow's ring. Twice: with
@@ -41,6 +43,7 @@ the ratio to the one process::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import statistics
@@ -172,8 +175,9 @@ def train_tf_keras_strategy(kind: str, repeat: int, global_batch: int, epochs: i
 # -- driver side ---------------------------------------------------------------------------------
 
 class Contender:
-    def __init__(self, name: str, fn, args: tuple, num_proc: int, env: dict):
+    def __init__(self, name: str, fn, args: tuple, num_proc: int, env: dict, cores: int | None = None):
         self.name, self.fn, self.args, self.num_proc, self.env = name, fn, args, num_proc, env
+        self.cores = cores  # run confined to this many cores (None: the machine's)
         self.epochs: list[float] = []  # timed epochs, first epoch of every run dropped
         self.first: list[float] = []   # the dropped first epochs
         self.info: dict = {}
@@ -199,7 +203,7 @@ SCALING_END = "<!-- epoch_scaling:end -->"
 # One compute thread; TensorFlow's inter-op pool keeps 2, as sparktrain's thread defaults do.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
 SCALING_HEADER = ["contender", "ranks x batch", "steps/epoch", "timed epochs", "median epoch s", "samples/s",
-                  "x one process", "last loss"]
+                  "x one process", "x one process on 1 core", "last loss"]
 
 
 def build_scaling(args) -> list[Contender]:
@@ -211,6 +215,8 @@ def build_scaling(args) -> list[Contender]:
     base = {**BASE_ENV, **ONE_THREAD, **({} if args.pin else {"SPARKTRAIN_PIN_CORES": "off"})}
     return [
         Contender("one process, 1 thread", train_keras3, (*one, False), sign * 1, base),
+        # Each of the 2 ranks below has one core to itself; so has this one process.
+        Contender("one process, 1 thread, 1 core", train_keras3, (*one, False), sign * 1, base, cores=1),
         Contender("2 ranks x 1 thread, native engine, same global batch", train_keras3, (*one, True), sign * 2,
                   {**base, "SPARKTRAIN_CPU_COLLECTIVES": "native"}),
         Contender("2 ranks x 1 thread, TensorFlow ring, same global batch", train_keras3, (*one, True), sign * 2,
@@ -223,8 +229,10 @@ def build_scaling(args) -> list[Contender]:
 
 
 def scaling_rows(contenders: list[Contender]) -> list[list[str]]:
-    one = contenders[0]
-    one_rate = one.info["steps"] * one.args[2] / one.median() if one.median() else None
+    def rate_of(c):
+        return c.info["steps"] * c.args[2] / c.median() if c.median() else None
+
+    one_rate, core_rate = rate_of(contenders[0]), rate_of(contenders[1])
     rows = []
     for c in contenders:
         med, global_batch = c.median(), c.args[2]
@@ -235,16 +243,41 @@ def scaling_rows(contenders: list[Contender]) -> list[list[str]]:
         steps = c.info["steps"]
         rate = steps * global_batch / med
         rows.append([c.name, shape, str(steps), str(len(c.epochs)), f"{med:.3f}", f"{rate:,.0f}",
-                     f"{rate / one_rate:.2f}x" if one_rate else "n/a", f"{c.info['loss']:.4f}"])
+                     f"{rate / one_rate:.2f}x" if one_rate else "n/a",
+                     f"{rate / core_rate:.2f}x" if core_rate else "n/a", f"{c.info['loss']:.4f}"])
     return rows
+
+
+@contextlib.contextmanager
+def confined(cores: int | None):
+    """Every thread of this process (and so every process it starts) on its first ``cores`` cores."""
+    if not cores:
+        yield
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+
+    def pin(which):
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, which)
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+    pin(allowed[:cores])
+    try:
+        yield
+    finally:
+        pin(allowed)
 
 
 def run_once(c: Contender, timeout: float | None) -> None:
     import sparktrain
 
     started = time.perf_counter()
-    out = sparktrain.run(c.fn, args=c.args, num_proc=c.num_proc, env=c.env, verbose=0, output_ranks=[0],
-                         stdout=sys.stderr, timeout=timeout)
+    with confined(c.cores):
+        out = sparktrain.run(c.fn, args=c.args, num_proc=c.num_proc, env=c.env, verbose=0, output_ranks=[0],
+                             stdout=sys.stderr, timeout=timeout)
     wall = time.perf_counter() - started
     c.first.append(out["epoch_s"][0])
     c.epochs.extend(out["epoch_s"][1:])
@@ -407,8 +440,9 @@ def write_scaling(args, contenders: list[Contender], command: str) -> int:
     if args.write:
         write_section(args.write, markdown_section(
             SCALING_BEGIN, SCALING_END, "CPU scaling: 1 process against 2 ranks, 1 thread each",
-            "Samples per second of the same model and data: one process with one thread, and two ranks with one "
-            "thread each whose gradients are averaged by sparktrain's native engine or by TensorFlow's ring, "
+            "Samples per second of the same model and data: one process with one thread (free to use both cores "
+            "for TensorFlow's inter-op and input threads, then confined to one core, as each rank is: pinned ranks "
+            "get one core each), and two ranks with one thread each whose gradients are averaged by sparktrain's native engine or by TensorFlow's ring, "
             "first with the same global batch (each rank takes half), then with the same batch per rank (the "
             "global batch doubles, as in Horovod's scaling figures). Timed inside rank 0, first epoch of every "
             "run dropped. Written by `benchmarks/epoch_time.py --scaling`.",
