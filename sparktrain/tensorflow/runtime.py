@@ -37,6 +37,8 @@ class _State:
         #: "native", "tensorflow" or "nccl"; the native engine's communicator when native.
         self.engine = None
         self.comm = None
+        #: Whether the native engine's collectives run as TensorFlow kernels (``kernels``).
+        self.kernels = False
 
 
 state = _State()
@@ -97,6 +99,10 @@ def _bring_up(tf, timeout: float) -> None:
         from .. import native
 
         state.comm = native.from_env(state.timeout)
+        state.comm.make_current()  # where the TensorFlow kernels find it
+        from . import kernels
+
+        state.kernels = kernels.load() is not None
     elif state.size > 1 and state.strategy is None:  # after shutdown the server is still up
         if "TF_CONFIG" not in os.environ:
             raise SparkTrainError("TF_CONFIG is not set: sparktrain.tensorflow.init() must run inside sparktrain.run")
@@ -123,8 +129,9 @@ def shutdown() -> None:
     """
     with state.lock:
         if state.comm is not None:
-            state.comm.close()
+            state.comm.close()  # clears the current communicator first, waiting for a kernel in flight
             state.comm = None
+        state.kernels = False
         state.initialized = False
 
 
@@ -151,6 +158,18 @@ def collective_engine() -> str:
     """
     require_init()
     return state.engine
+
+
+def collective_kernels() -> bool:
+    """Whether this rank's collectives run as sparktrain's TensorFlow kernels over the native
+    engine (``sparktrain.tensorflow.kernels``), rather than through ``tf.numpy_function``;
+    False on the other engines.
+
+    >>> hvd.init(); hvd.collective_kernels()  # doctest: +SKIP
+    True
+    """
+    require_init()
+    return bool(state.kernels)
 
 
 def _configure_health_checks(timeout: float) -> None:
