@@ -12,7 +12,8 @@
 // tensor TensorFlow owns), and map the engine's failures to TensorFlow's error codes: ranks
 // that disagree (and a communicator an earlier failure broke) FailedPrecondition, a wait past
 // the deadline DeadlineExceeded, a dead peer Unavailable, each with the engine's message,
-// which names the ranks and what differs.
+// which names the ranks and what differs. The ops are marked distributed-communication ops, or
+// TensorFlow would replace an Unavailable error raised inside a function by an Internal one.
 //
 // While a timeline is on (sparktrain_tk_timeline(1)), every kernel appends one line
 // "label\tbytes\tstart_us\tend_us" to a buffer that sparktrain_tk_timeline_drain() hands over.
@@ -343,6 +344,7 @@ REGISTER_OP("SparktrainAllreduce")
     .Attr("reduce_op: int")
     .Attr("label: string = ''")
     .SetIsStateful()
+    .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
 
 REGISTER_OP("SparktrainGroupedAllreduce")
@@ -353,6 +355,7 @@ REGISTER_OP("SparktrainGroupedAllreduce")
     .Attr("reduce_op: int")
     .Attr("label: string = ''")
     .SetIsStateful()
+    .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn([](shape_inference::InferenceContext *c) {
       for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
       return Status();
@@ -365,6 +368,7 @@ REGISTER_OP("SparktrainBroadcast")
     .Attr("root: int")
     .Attr("label: string = ''")
     .SetIsStateful()
+    .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
 
 REGISTER_OP("SparktrainAllgather")
@@ -373,6 +377,7 @@ REGISTER_OP("SparktrainAllgather")
     .Attr("T: " SPARKTRAIN_REDUCIBLE)
     .Attr("label: string = ''")
     .SetIsStateful()
+    .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn([](shape_inference::InferenceContext *c) {
       shape_inference::ShapeHandle in, rest, out;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));

@@ -111,3 +111,44 @@ def test_turned_off_by_the_setting_without_a_warning(tmp_path):
     assert _lines(out, "FIRST") == ["False"] and "SPARKTRAIN_TF_KERNELS=0" in _lines(out, "WHY")[0]
     assert "TensorFlow kernels" not in err
     assert not os.path.exists(tmp_path / "cache")
+
+
+def fault_inside_a_function(outdir, fault):
+    """Rank 0 runs an allreduce inside a tf.function while rank 1 never calls (``timeout``) or
+    exits (``dead``); rank 0 records the error TensorFlow raised."""
+    import time
+
+    import tensorflow as tf
+
+    import sparktrain.tensorflow as hvd
+    from helpers import record_rank
+
+    hvd.init()
+    step = tf.function(lambda: hvd.allreduce(tf.ones([4]), op=hvd.Sum))
+    got = {"kernels": hvd.collective_kernels(), "warmup": step().numpy().tolist()}
+    if hvd.rank() == 1:
+        if fault == "dead":
+            os._exit(0)  # mid-run, without shutting down: rank 0 is left waiting for it
+        time.sleep(8)  # past rank 0's 2 s collective timeout
+    else:
+        start = time.monotonic()
+        try:
+            step()
+            got["error"] = "no error"
+        except tf.errors.OpError as e:
+            got["error"] = f"{type(e).__name__}: {e.message}"
+        got["seconds"] = time.monotonic() - start
+    record_rank(outdir, got=got)
+
+
+@pytest.mark.parametrize("fault,error", [("timeout", "DeadlineExceededError"), ("dead", "UnavailableError")])
+def test_inside_a_function_a_timeout_and_a_dead_peer_are_tensorflows_errors(tmp_path, fault, error):
+    import sparktrain
+    from helpers import read_ranks
+
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "2"}
+    sparktrain.run(fault_inside_a_function, args=(str(tmp_path), fault), num_proc=-2, env=env, verbose=0)
+    got = read_ranks(str(tmp_path))[0]["got"]
+    assert got["kernels"] is True and got["warmup"] == [2.0] * 4
+    assert got["error"].startswith(error + ": ") and "rank 1" in got["error"], got
+    assert got["seconds"] < 30, got
