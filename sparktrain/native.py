@@ -5,6 +5,9 @@ loaded with ctypes, which releases the GIL for every call. Within a host the ran
 shared memory; between hosts, one leader per host joins a TCP ring. This module owns the
 policy the library leaves to its caller: the topology, the deadline, and the ring's
 connections, each of which must prove it holds the run's secret before the library sees it.
+:meth:`Communicator.make_current` publishes a communicator to code in the process that holds no
+handle: sparktrain's TensorFlow kernels (``sparktrain.tensorflow.kernels``), which link against
+this same library and call it without Python.
 
 Pure of Spark and TensorFlow: it needs numpy only, so tests run ranks as plain processes::
 

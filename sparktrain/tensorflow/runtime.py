@@ -3,7 +3,10 @@ queries Horovod offers about it (rank, size, what it was built with).
 
 ``init`` brings the chosen engine up from the env ``sparktrain.run`` wrote: on GPU TensorFlow's
 own collectives over NCCL; on CPU sparktrain's native engine, or TensorFlow's gRPC ring with
-``SPARKTRAIN_CPU_COLLECTIVES=tensorflow`` (or where the engine was not built).
+``SPARKTRAIN_CPU_COLLECTIVES=tensorflow`` (or where the engine was not built). On the native
+engine it makes the communicator the process's current one and loads sparktrain's TensorFlow
+kernels (``kernels``: compiled the first time, then cached; ``tf.numpy_function`` where they
+cannot be built), which find the communicator at run time; ``shutdown`` clears it.
 """
 from __future__ import annotations
 
