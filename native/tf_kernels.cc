@@ -264,6 +264,43 @@ class BroadcastOp : public CollectiveKernel {
   int root_;
 };
 
+// Reduced over every rank, of which this rank keeps its rows of the first dimension: rows / size
+// each, one more for the first rows % size ranks (as sparktrain.native.split_rows).
+class ReducescatterOp : public CollectiveKernel {
+ public:
+  explicit ReducescatterOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("reduce_op", &op_));
+  }
+
+ protected:
+  void Run(OpKernelContext *ctx) override {
+    const Tensor &in = ctx->input(0);
+    OP_REQUIRES(ctx, in.dims() >= 1,
+                errors::InvalidArgument("reducescatter splits the first dimension and cannot take a scalar"));
+    Tensor scratch;  // the engine's: its contents are unspecified afterwards
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(in.dtype(), in.shape(), &scratch));
+    auto src = in.tensor_data();
+    if (!src.empty()) std::memcpy(DataOf(&scratch), src.data(), src.size());
+    std::vector<int64_t> dims;
+    DimsOf(in.shape(), &dims);
+    char err[kErrLen] = {0};
+    Held held;
+    stc_comm *comm = held.get();
+    OP_REQUIRES(ctx, comm, NoCommunicator("reducescatter"));
+    const int64_t size = stc_comm_size(comm), rank = stc_comm_rank(comm), rows = in.dim_size(0);
+    TensorShape out_shape = in.shape();
+    out_shape.set_dim(0, rows / size + (rank < rows % size ? 1 : 0));
+    Tensor *out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+    int rc = stc_reducescatter(comm, DataOf(&scratch), DataOf(out), DtypeCode(in.dtype()), op_, in.dims(),
+                               dims.data(), err, sizeof err);
+    OP_REQUIRES_OK(ctx, Mapped(rc, comm, err));
+  }
+
+ private:
+  int op_;
+};
+
 std::string ShapeText(const int64_t *meta) {
   int64_t ndim = meta[0], code = meta[1];
   std::string s = (code >= 0 && code <= STC_BOOL) ? kDtypeNames[code] : "opaque" + std::to_string((code - STC_OPAQUE) * 8);
@@ -387,10 +424,28 @@ REGISTER_OP("SparktrainAllgather")
       return Status();
     });
 
+REGISTER_OP("SparktrainReducescatter")
+    .Input("tensor: T")
+    .Output("scattered: T")
+    .Attr("T: " SPARKTRAIN_REDUCIBLE)
+    .Attr("reduce_op: int")
+    .Attr("label: string = ''")
+    .SetIsStateful()
+    .SetIsDistributedCommunication()
+    .SetShapeFn([](shape_inference::InferenceContext *c) {
+      shape_inference::ShapeHandle in, rest, out;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
+      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
+      c->set_output(0, out);
+      return Status();
+    });
+
 REGISTER_KERNEL_BUILDER(Name("SparktrainAllreduce").Device(::tensorflow::DEVICE_CPU), AllreduceOp);
 REGISTER_KERNEL_BUILDER(Name("SparktrainGroupedAllreduce").Device(::tensorflow::DEVICE_CPU), GroupedAllreduceOp);
 REGISTER_KERNEL_BUILDER(Name("SparktrainBroadcast").Device(::tensorflow::DEVICE_CPU), BroadcastOp);
 REGISTER_KERNEL_BUILDER(Name("SparktrainAllgather").Device(::tensorflow::DEVICE_CPU), AllgatherOp);
+REGISTER_KERNEL_BUILDER(Name("SparktrainReducescatter").Device(::tensorflow::DEVICE_CPU), ReducescatterOp);
 
 // -- for ctypes ---------------------------------------------------------------------------------
 

@@ -123,7 +123,8 @@ def gradients(outdir, mismatches):
                                                                      else hvd.Max)),
                  "in_function_gather": tf.function(lambda: hvd.allgather(tf.zeros([1, 2 + (r == 2)]))),
                  "in_function_grouped": tf.function(lambda: hvd.grouped_allreduce([tf.zeros([2]),
-                                                                                   tf.zeros([r + 1])]))}
+                                                                                   tf.zeros([r + 1])])),
+                 "in_function_scatter": tf.function(lambda: hvd.reducescatter(tf.zeros([3, r + 1])))}
         for case, fn in cases.items():
             try:
                 fn()
@@ -193,7 +194,7 @@ def test_gradients_tapes_and_mismatches_on_the_native_engine(tmp_path, kernels):
     for r in range(N):
         assert got[r]["kernels"] is kernels
         for case in ("shape", "dtype", "op", "gather_dims", "root", "in_function", "in_function_dtype",
-                     "in_function_op", "in_function_gather", "in_function_grouped"):
+                     "in_function_op", "in_function_gather", "in_function_grouped", "in_function_scatter"):
             message = got[r][f"mismatch/{case}"]
             # Inside a function TensorFlow reports what a numpy_function raised as an UnknownError;
             # the kernels raise TensorFlow's own error there too.

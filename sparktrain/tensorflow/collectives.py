@@ -1,9 +1,9 @@
 """Horovod's tensor collectives: allreduce, allgather, broadcast, reducescatter, alltoall, their
 grouped forms, and the gradients TensorFlow takes through each.
 
-On the native engine, allreduce (grouped: one engine call per dtype), broadcast and allgather
-are ops of sparktrain's own TensorFlow kernels (``kernels``: compiled at first use, calling the
-engine without Python); reduce-scatter, alltoall and Adasum, and every collective where the
+On the native engine, allreduce (grouped: one engine call per dtype), broadcast, allgather and
+reduce-scatter are ops of sparktrain's own TensorFlow kernels (``kernels``: compiled at first
+use, calling the engine without Python); alltoall and Adasum, and every collective where the
 kernels could not be built or ``SPARKTRAIN_TF_KERNELS=0``, are one ``tf.numpy_function`` calling
 ``hostops``. On TensorFlow's runtime, its collective ops (``ringops``). Either way they work eagerly and inside
 ``tf.function``. Every rank must issue the same collectives in the same order, as with Horovod;
@@ -523,6 +523,9 @@ def _reducescatter_raw(t, op: str, name=None):
     if state.size == 1:
         return tf.identity(t)
     if _native():
+        k = _kernel_ops()
+        if k is not None and op in _OP_CODES:
+            return k.sparktrain_reducescatter(t, reduce_op=_OP_CODES[op], label=name or f"reducescatter.{op}")
         out = _native_call(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(_comm(), a, op), [t], t.dtype)
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         return out
