@@ -124,7 +124,8 @@ def gradients(outdir, mismatches):
                  "in_function_gather": tf.function(lambda: hvd.allgather(tf.zeros([1, 2 + (r == 2)]))),
                  "in_function_grouped": tf.function(lambda: hvd.grouped_allreduce([tf.zeros([2]),
                                                                                    tf.zeros([r + 1])])),
-                 "in_function_scatter": tf.function(lambda: hvd.reducescatter(tf.zeros([3, r + 1])))}
+                 "in_function_scatter": tf.function(lambda: hvd.reducescatter(tf.zeros([3, r + 1]))),
+                 "in_function_alltoall": tf.function(lambda: hvd.alltoall(tf.zeros([N, 1 + (r == 2)])))}
         for case, fn in cases.items():
             try:
                 fn()
@@ -194,7 +195,8 @@ def test_gradients_tapes_and_mismatches_on_the_native_engine(tmp_path, kernels):
     for r in range(N):
         assert got[r]["kernels"] is kernels
         for case in ("shape", "dtype", "op", "gather_dims", "root", "in_function", "in_function_dtype",
-                     "in_function_op", "in_function_gather", "in_function_grouped", "in_function_scatter"):
+                     "in_function_op", "in_function_gather", "in_function_grouped", "in_function_scatter",
+                     "in_function_alltoall"):
             message = got[r][f"mismatch/{case}"]
             # Inside a function TensorFlow reports what a numpy_function raised as an UnknownError;
             # the kernels raise TensorFlow's own error there too.

@@ -1,11 +1,11 @@
 """Horovod's tensor collectives: allreduce, allgather, broadcast, reducescatter, alltoall, their
 grouped forms, and the gradients TensorFlow takes through each.
 
-On the native engine, allreduce (grouped: one engine call per dtype), broadcast, allgather and
-reduce-scatter are ops of sparktrain's own TensorFlow kernels (``kernels``: compiled at first
-use, calling the engine without Python); alltoall and Adasum, and every collective where the
-kernels could not be built or ``SPARKTRAIN_TF_KERNELS=0``, are one ``tf.numpy_function`` calling
-``hostops``. On TensorFlow's runtime, its collective ops (``ringops``). Either way they work eagerly and inside
+On the native engine, allreduce (grouped: one engine call per dtype), broadcast, allgather,
+reduce-scatter and alltoall are ops of sparktrain's own TensorFlow kernels (``kernels``:
+compiled at first use, calling the engine without Python); Adasum, and every collective where
+the kernels could not be built or ``SPARKTRAIN_TF_KERNELS=0``, are one ``tf.numpy_function``
+calling ``hostops``. On TensorFlow's runtime, its collective ops (``ringops``). Either way they work eagerly and inside
 ``tf.function``. Every rank must issue the same collectives in the same order, as with Horovod;
 on TensorFlow's runtime each call gets the next instance key from a per-process counter, fixed
 when a ``tf.function`` is traced, so every rank must also trace the same functions in the same
@@ -137,8 +137,9 @@ def _comm():
 
     comm = state.comm
     if comm is None:
-        raise native.CollectiveError("sparktrain's native collective engine is not running in this process; call "
-                                     "sparktrain.tensorflow.init() first (after shutdown(), init() again)", native.BROKEN)
+        raise native.CollectiveError("sparktrain's native collective engine is not running in this process; "
+                                     "call sparktrain.tensorflow.init() first (after shutdown(), init() again)",
+                                     native.BROKEN)
     return comm
 
 
@@ -592,6 +593,11 @@ def _alltoall_raw(t, splits):
     if state.size == 1:
         return tf.identity(t), tf.cast(tf.reshape(tf.shape(t)[:1], [1]), tf.int32)
     if _native():
+        k = _kernel_ops()
+        if k is not None:
+            out, received = k.sparktrain_alltoall(t, splits, label="alltoall")
+            received.set_shape([state.size])
+            return out, received
         out, received = _native_call("alltoall", lambda a, s: hostops.alltoall(_comm(), a, s), [t, splits],
                                      [t.dtype, tf.int32])
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))

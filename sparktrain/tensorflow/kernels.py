@@ -20,7 +20,7 @@ place, under a file lock, so the ranks of one host compile once and later runs c
 Where the kernels cannot be built or loaded (no compiler, no TensorFlow headers), each rank logs
 one warning saying why and runs its collectives through ``tf.numpy_function`` as before;
 ``SPARKTRAIN_TF_KERNELS=0`` (or ``spark.sparktrain.tfKernels``) asks for that path without a
-warning. Alltoall and Adasum always take it.
+warning. Adasum always takes it.
 """
 from __future__ import annotations
 
