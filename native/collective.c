@@ -697,6 +697,26 @@ static int ring_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_node, 
 
 int stc_abi_version(void) { return STC_ABI_VERSION; }
 
+int stc_comm_rank(const stc_comm *c) { return c ? c->cfg.rank : -1; }
+int stc_comm_size(const stc_comm *c) { return c ? c->cfg.size : 0; }
+
+/* The one piece of global state (see collective.h). */
+static pthread_mutex_t current_lock = PTHREAD_MUTEX_INITIALIZER;
+static stc_comm *current;
+
+void stc_set_current(stc_comm *c) {
+    pthread_mutex_lock(&current_lock);
+    current = c;
+    pthread_mutex_unlock(&current_lock);
+}
+
+stc_comm *stc_current_acquire(void) {
+    pthread_mutex_lock(&current_lock);
+    return current;
+}
+
+void stc_current_release(void) { pthread_mutex_unlock(&current_lock); }
+
 static int begin(stc_comm *c, uint32_t kind, int dtype, int32_t arg, int ndim, const int64_t *dims, uint64_t count,
                  char *err, size_t errlen) {
     const char *what = kind_name(kind);

@@ -2,8 +2,8 @@
  *
  * One communicator per rank. Every call takes the handle, returns 0 or a negative STC_E* code,
  * and on failure writes a message (naming the peer where one is at fault) into err. The library
- * keeps no global state, never prints and never exits: policy (timeouts, secrets, which engine
- * runs) belongs to the caller. The caller authenticates the TCP connections and hands over
+ * keeps no global state but one pointer (the process's current communicator, below), never prints
+ * and never exits: policy (timeouts, secrets, which engine runs) belongs to the caller. The caller authenticates the TCP connections and hands over
  * their file descriptors; the library never accepts a connection itself.
  */
 #ifndef SPARKTRAIN_COLLECTIVE_H
@@ -18,8 +18,9 @@ extern "C" {
 
 /* 2: every collective carries its dtype and shape (so a disagreement names both and leaves the
  * communicator usable); min, max and product; int8, int16, uint16 and bool; reduce-scatter and
- * alltoall. */
-#define STC_ABI_VERSION 2
+ * alltoall. 3: the process's current communicator (stc_set_current, stc_current_acquire),
+ * stc_comm_rank and stc_comm_size. */
+#define STC_ABI_VERSION 3
 
 enum stc_dtype {
     STC_FLOAT16 = 0,
@@ -106,6 +107,21 @@ int stc_allgatherv(stc_comm *comm, const void *in, void *out, const uint64_t *co
 int stc_alltoallv(stc_comm *comm, const void *in, void *out, const uint64_t *sends, int dtype, int ndim,
                   const int64_t *dims, char *err, size_t errlen);
 int stc_barrier(stc_comm *comm, char *err, size_t errlen);
+
+/* This communicator's global rank, and how many ranks it has. */
+int stc_comm_rank(const stc_comm *comm);
+int stc_comm_size(const stc_comm *comm);
+
+/* The process's current communicator: one pointer, for code that finds the communicator at run
+ * time (the TensorFlow kernels) rather than being handed it. The owner sets it once the
+ * communicator is up and clears it (NULL) before stc_destroy. stc_current_acquire returns it
+ * (NULL when none) and holds a process-wide lock until stc_current_release, so the communicator
+ * neither changes nor is destroyed meanwhile, and holders run their collectives one at a time;
+ * stc_set_current waits for the holder. Collectives on the current communicator made through
+ * other handles must not overlap with a holder's. */
+void stc_set_current(stc_comm *comm);
+stc_comm *stc_current_acquire(void);
+void stc_current_release(void);
 
 #ifdef __cplusplus
 }

@@ -5,6 +5,9 @@ loaded with ctypes, which releases the GIL for every call. Within a host the ran
 shared memory; between hosts, one leader per host joins a TCP ring. This module owns the
 policy the library leaves to its caller: the topology, the deadline, and the ring's
 connections, each of which must prove it holds the run's secret before the library sees it.
+:meth:`Communicator.make_current` publishes a communicator to code in the process that holds no
+handle: sparktrain's TensorFlow kernels (``sparktrain.tensorflow.kernels``), which link against
+this same library and call it without Python.
 
 Pure of Spark and TensorFlow: it needs numpy only, so tests run ranks as plain processes::
 
@@ -41,7 +44,7 @@ LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"
 #: The file holding the run's collective key; ``run`` writes it into the rank's work directory.
 KEY_FILE_ENV = worker_env.COLLECTIVE_KEY_FILE
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _ERRLEN = 1024
 _HELLO = b"STC1"
 
@@ -136,6 +139,14 @@ def library():
         lib.stc_alltoallv.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_uint64), i, i, i64p, err,
                                       ctypes.c_size_t]
         lib.stc_barrier.argtypes = [ctypes.c_void_p, err, ctypes.c_size_t]
+        lib.stc_comm_rank.argtypes = [ctypes.c_void_p]
+        lib.stc_comm_size.argtypes = [ctypes.c_void_p]
+        lib.stc_set_current.argtypes = [ctypes.c_void_p]
+        lib.stc_set_current.restype = None
+        lib.stc_current_acquire.argtypes = []
+        lib.stc_current_acquire.restype = ctypes.c_void_p
+        lib.stc_current_release.argtypes = []
+        lib.stc_current_release.restype = None
         _lib = lib
         return _lib
 
@@ -598,9 +609,24 @@ class Communicator:
     def barrier(self) -> None:
         self._call(self._lib.stc_barrier)
 
+    def make_current(self) -> None:
+        """Make this the process's current communicator, the one code holding no handle (the
+        TensorFlow kernels, ``sparktrain.tensorflow.kernels``) finds at run time; :meth:`close`
+        clears it. Those callers and this object's calls must not overlap."""
+        self._lib.stc_set_current(self._live())
+
+    def is_current(self) -> bool:
+        if getattr(self, "_handle", None) is None:
+            return False
+        current = self._lib.stc_current_acquire()
+        self._lib.stc_current_release()
+        return current == self._handle.value
+
     def close(self) -> None:
         if getattr(self, "_handle", None) is not None:
             with self._lock:
+                if self.is_current():
+                    self._lib.stc_set_current(None)  # waits for a kernel still running on it
                 self._lib.stc_destroy(self._handle)
                 self._handle = None
 

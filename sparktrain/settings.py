@@ -103,6 +103,9 @@ SETTINGS = {
                 lambda n, v: _choice(n, v, ("auto", "tcp")),
                 "how the native engine connects ranks on one host: 'auto' (shared memory) or 'tcp' (the ring "
                 "between hosts, forced; for tests and measurements)"),
+        Setting("tf_kernels", "SPARKTRAIN_TF_KERNELS", "spark.sparktrain.tfKernels", True, parse_bool,
+                "run the native engine's collectives as TensorFlow kernels (compiled with g++ at first use and "
+                "cached); false: through tf.numpy_function, as where no compiler is found"),
         Setting("pin_cores", "SPARKTRAIN_PIN_CORES", "spark.sparktrain.pinCores", "auto",
                 lambda n, v: _choice(n, v, ("auto", "on", "off")),
                 "keep each rank on cores of its own, the host's cores split among its ranks: 'auto' (where the "
@@ -119,7 +122,7 @@ def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:
     {'SPARKTRAIN_CPU_COLLECTIVES': 'tensorflow'}
     """
     out = dict(env)
-    for name in ("cpu_collectives", "cpu_transport", "elastic_url", "pin_cores"):
+    for name in ("cpu_collectives", "cpu_transport", "elastic_url", "pin_cores", "tf_kernels"):
         s = SETTINGS[name]
         if s.env not in out and conf.get(s.conf) not in (None, ""):
             out[s.env] = str(s.parse(s.conf, conf.get(s.conf)))

@@ -174,20 +174,27 @@ def everything(outdir):
     hvd.broadcast(t("float64"), root_rank=0, name="weights")
     tf.function(lambda x: hvd.allreduce(x, op=hvd.Max))(t("int8"))  # recorded on the native engine only
     got["timeline"] = hvd.stop_timeline()
-    # shutdown closes the engine; init brings it up again.
+    # shutdown closes the engine; init brings it up again. A function traced before runs on
+    # the new one (on the native engine; TensorFlow's ring keeps its instance keys).
+    traced = tf.function(lambda: hvd.allreduce(tf.constant([float(r)]), op=hvd.Sum))
+    put("traced", traced)
     hvd.shutdown()
     got["after_shutdown"] = hvd.is_initialized()
+    if os.environ.get("SPARKTRAIN_CPU_COLLECTIVES") != "tensorflow":
+        put("traced_after_shutdown", traced)
     with tf.Graph().as_default():  # init may come first in a graph; eager collectives find it after
         hvd.init()
     put("reinit", lambda: hvd.allreduce(tf.constant([float(r)]), op=hvd.Sum))
-    record_rank(outdir, got=got, engine=hvd.collective_engine())
+    if os.environ.get("SPARKTRAIN_CPU_COLLECTIVES") != "tensorflow":
+        put("traced_after_reinit", traced)
+    record_rank(outdir, got=got, engine=hvd.collective_engine(), kernels=hvd.collective_kernels())
 
 
 def run_all(tmp_path, num_proc, env):
     sparktrain.run(everything, args=(str(tmp_path),), num_proc=-num_proc, env={**ENV, **env}, verbose=0)
     ranks = read_ranks(str(tmp_path))
     assert sorted(ranks) == list(range(num_proc))
-    return {r: info["got"] for r, info in ranks.items()}, {info["engine"] for info in ranks.values()}
+    return {r: info["got"] for r, info in ranks.items()}, {(info["engine"], info["kernels"]) for info in ranks.values()}
 
 
 def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
@@ -278,6 +285,13 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
         assert all(e["dur"] >= 0 and e["ts"] > 1.6e15 for e in events)
         expect("after_shutdown", r, False)
         expect("reinit", r, [total])
+        expect("traced", r, [total])
+        if engine == "native":
+            expect("traced_after_reinit", r, [total])
+            after = got[r]["traced_after_shutdown"]
+            # The kernels find no engine; numpy_function calls the closed communicator.
+            if not (after.startswith("ERROR ") and ("init()" in after or "closed" in after)):
+                bad.append(("traced_after_shutdown", r, after, "an error naming init()"))
     assert len({got[r]["join"] for r in range(n)}) == 1  # every rank names the same last rank
     return bad
 
@@ -286,14 +300,21 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
 @pytest.mark.parametrize("num_proc", [3, 2])
 def test_every_collective_op_and_dtype_on_the_native_engine(tmp_path, num_proc):
     got, engines = run_all(tmp_path, num_proc, {})
-    assert engines == {"native"}
+    assert engines == {("native", True)}  # sparktrain's TensorFlow kernels
     assert check_everything(got, num_proc, tmp_path, "native") == []
+
+
+@pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+def test_every_collective_op_and_dtype_on_the_native_engine_through_numpy_function(tmp_path):
+    got, engines = run_all(tmp_path, 2, {"SPARKTRAIN_TF_KERNELS": "0"})
+    assert engines == {("native", False)}
+    assert check_everything(got, 2, tmp_path, "native") == []
 
 
 @pytest.mark.parametrize("num_proc", [3, 2])
 def test_every_collective_op_and_dtype_on_tensorflows_ring(tmp_path, num_proc):
     got, engines = run_all(tmp_path, num_proc, RING)
-    assert engines == {"tensorflow"}
+    assert engines == {("tensorflow", False)}
     assert check_everything(got, num_proc, tmp_path, "tensorflow") == []
 
 

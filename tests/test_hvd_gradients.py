@@ -116,7 +116,16 @@ def gradients(outdir, mismatches):
                  "op": lambda: hvd.allreduce(tf.zeros([2]), op=hvd.Sum if r == 0 else hvd.Max),
                  "gather_dims": lambda: hvd.allgather(tf.zeros([1, 2 + (r == 2)])),
                  "root": lambda: hvd.broadcast(tf.zeros([2]), root_rank=r),
-                 "in_function": tf.function(lambda: hvd.allreduce(tf.zeros([r + 1])))}
+                 "in_function": tf.function(lambda: hvd.allreduce(tf.zeros([r + 1]))),
+                 "in_function_dtype": tf.function(lambda: hvd.allreduce(tf.zeros([2], tf.float32 if r == 0
+                                                                              else tf.float64))),
+                 "in_function_op": tf.function(lambda: hvd.allreduce(tf.zeros([2]), op=hvd.Sum if r == 0
+                                                                     else hvd.Max)),
+                 "in_function_gather": tf.function(lambda: hvd.allgather(tf.zeros([1, 2 + (r == 2)]))),
+                 "in_function_grouped": tf.function(lambda: hvd.grouped_allreduce([tf.zeros([2]),
+                                                                                   tf.zeros([r + 1])])),
+                 "in_function_scatter": tf.function(lambda: hvd.reducescatter(tf.zeros([3, r + 1]))),
+                 "in_function_alltoall": tf.function(lambda: hvd.alltoall(tf.zeros([N, 1 + (r == 2)])))}
         for case, fn in cases.items():
             try:
                 fn()
@@ -124,6 +133,7 @@ def gradients(outdir, mismatches):
             except tf.errors.OpError as err:
                 got[f"mismatch/{case}"] = f"{type(err).__name__}: {err}"
             got[f"after/{case}"] = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()
+        got["kernels"] = hvd.collective_kernels()
     record_rank(outdir, got=got)
 
 
@@ -176,14 +186,22 @@ def check(got):
 
 
 @pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
-def test_gradients_tapes_and_mismatches_on_the_native_engine(tmp_path):
-    got = run(tmp_path, {}, mismatches=True)
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy_function"])
+def test_gradients_tapes_and_mismatches_on_the_native_engine(tmp_path, kernels):
+    # Without a compiler the ranks fall back to numpy_function (test_tf_kernels.py: with one warning).
+    missing_compiler = {"CXX": "/nonexistent/g++", "SPARKTRAIN_CACHE_DIR": str(tmp_path / "cache")}
+    got = run(tmp_path, {} if kernels else missing_compiler, mismatches=True)
     check(got)
     for r in range(N):
-        for case in ("shape", "dtype", "op", "gather_dims", "root", "in_function"):
+        assert got[r]["kernels"] is kernels
+        for case in ("shape", "dtype", "op", "gather_dims", "root", "in_function", "in_function_dtype",
+                     "in_function_op", "in_function_gather", "in_function_grouped", "in_function_scatter",
+                     "in_function_alltoall"):
             message = got[r][f"mismatch/{case}"]
-            # Inside a function TensorFlow reports what a numpy_function raised as an UnknownError.
-            kind = "UnknownError: " if case == "in_function" else "FailedPreconditionError: "
+            # Inside a function TensorFlow reports what a numpy_function raised as an UnknownError;
+            # the kernels raise TensorFlow's own error there too.
+            in_function = case.startswith("in_function")
+            kind = "UnknownError: " if in_function and not kernels else "FailedPreconditionError: "
             assert message.startswith(kind) and "FailedPreconditionError" in message, (case, message)
             assert re.search(r"rank \d passed .* but rank \d passed", message), (case, message)  # who, and what
             assert got[r][f"after/{case}"] == [float(N)], case  # the next collective works

@@ -81,4 +81,4 @@ def test_a_missing_library_falls_back_to_tensorflows_ring_with_one_warning(monke
 def test_the_library_is_found_and_speaks_this_abi():
     if native.unavailable_reason() is not None:
         pytest.skip(native.unavailable_reason())
-    assert native.library().stc_abi_version() == native._ABI_VERSION == 2
+    assert native.library().stc_abi_version() == native._ABI_VERSION == 3

@@ -30,9 +30,9 @@ from .gradients import (DistributedGradientTape, DistributedOptimizer, PartialDi
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
 from .ops import (Adasum, Average, Max, Min, Product, Sum, check_num_rank_power_of_2, check_op,
                   handle_average_backwards_compatibility)
-from .runtime import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_TIMEOUT, ccl_built, collective_engine, cross_rank, cross_size,
-                      cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
-                      local_rank_op, local_size, local_size_op, mpi_built, mpi_enabled, mpi_threads_supported,
+from .runtime import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_TIMEOUT, ccl_built, collective_engine, collective_kernels,
+                      cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous,
+                      is_initialized, local_rank, local_rank_op, local_size, local_size_op, mpi_built, mpi_enabled, mpi_threads_supported,
                       nccl_built, process_set_included_op, rank, rank_op, rocm_built, shutdown, size, size_op,
                       strategy)
 from .runtime import cpu_engine as _cpu_engine  # noqa: F401 - the settings tests ask it directly
@@ -44,7 +44,8 @@ __all__ = [
     "Min", "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
     "allgather_object", "allreduce", "allreduce_gradients", "alltoall", "average_gradients", "barrier", "broadcast",
     "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn", "broadcast_variables", "ccl_built", "check_num_rank_power_of_2", "check_op",
-    "collective_engine", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
+    "collective_engine", "collective_kernels", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+    "gloo_enabled",
     "global_process_set", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "handle_average_backwards_compatibility", "init",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size", "local_size_op",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",

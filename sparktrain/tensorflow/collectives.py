@@ -1,8 +1,11 @@
 """Horovod's tensor collectives: allreduce, allgather, broadcast, reducescatter, alltoall, their
 grouped forms, and the gradients TensorFlow takes through each.
 
-On the native engine each collective is one ``tf.numpy_function`` calling ``hostops``; on
-TensorFlow's runtime, its collective ops (``ringops``). Either way they work eagerly and inside
+On the native engine, allreduce (grouped: one engine call per dtype), broadcast, allgather,
+reduce-scatter and alltoall are ops of sparktrain's own TensorFlow kernels (``kernels``:
+compiled at first use, calling the engine without Python); Adasum, and every collective where
+the kernels could not be built or ``SPARKTRAIN_TF_KERNELS=0``, are one ``tf.numpy_function``
+calling ``hostops``. On TensorFlow's runtime, its collective ops (``ringops``). Either way they work eagerly and inside
 ``tf.function``. Every rank must issue the same collectives in the same order, as with Horovod;
 on TensorFlow's runtime each call gets the next instance key from a per-process counter, fixed
 when a ``tf.function`` is traced, so every rank must also trace the same functions in the same
@@ -23,6 +26,11 @@ from .compression import Compression
 from .ops import Average, Sum
 from .runtime import require_init, state
 from ..errors import InvalidArgumentError
+
+from ..native import OPS as _ENGINE_OPS
+
+#: The engine's op codes (``enum stc_op``), by op name; Adasum is not among them.
+_OP_CODES = {name: code for code, name in enumerate(_ENGINE_OPS)}
 
 
 def _tf():
@@ -77,8 +85,9 @@ def _native_call(kind: str, fn, inputs: list, tout):
 
     Its failures surface as TensorFlow's own errors: a wait past the collective timeout as
     ``DeadlineExceededError``, a dead peer as ``UnavailableError``, ranks that disagree (and a
-    broken communicator) as ``FailedPreconditionError`` (inside a graph TensorFlow may wrap it
-    in an ``UnknownError`` that names it), each with the engine's message naming the ranks.
+    broken communicator) as ``FailedPreconditionError`` (inside a graph TensorFlow wraps it
+    in an ``UnknownError`` that names it; the kernels, see :func:`_kernel_ops`, do not), each with
+    the engine's message naming the ranks.
     """
     tf = _tf()
 
@@ -121,6 +130,28 @@ def _native() -> bool:
     return state.comm is not None
 
 
+def _comm():
+    """The native engine's communicator when the collective runs (not when it was traced: a
+    function traced before shutdown() and init() runs on the new one)."""
+    from .. import native
+
+    comm = state.comm
+    if comm is None:
+        raise native.CollectiveError("sparktrain's native collective engine is not running in this process; "
+                                     "call sparktrain.tensorflow.init() first (after shutdown(), init() again)",
+                                     native.BROKEN)
+    return comm
+
+
+def _kernel_ops():
+    """The kernels' op module where the native engine runs them (``kernels``), else None."""
+    if not state.kernels:
+        return None
+    from . import kernels
+
+    return kernels.ops()
+
+
 def _scale(t, factor):
     if factor == 1.0:
         return t
@@ -159,8 +190,10 @@ def _allreduce_raw(t, op: str, name=None):
     if state.size == 1:
         return tf.identity(t)
     if _native():
-        comm = state.comm
-        out = _native_call(name or f"allreduce.{op}", lambda a: hostops.allreduce(comm, a, op), [t], t.dtype)
+        k = _kernel_ops()
+        if k is not None and op in _OP_CODES:
+            return k.sparktrain_allreduce(t, reduce_op=_OP_CODES[op], label=name or f"allreduce.{op}")
+        out = _native_call(name or f"allreduce.{op}", lambda a: hostops.allreduce(_comm(), a, op), [t], t.dtype)
         out.set_shape(t.shape)
         return out
     return _ring_call(name or f"allreduce.{op}", _nbytes(t), lambda: ringops.allreduce(t, op, name=name))
@@ -290,9 +323,11 @@ def _grouped_raw(tensors: list, op: str) -> list:
     if state.size == 1:
         return [tf.identity(t) for t in tensors]
     if _native():
-        comm = state.comm
+        k = _kernel_ops()
+        if k is not None and op in _OP_CODES:
+            return _grouped_kernels(k, tensors, op)
         outs = _native_call(f"grouped_allreduce.{op}",
-                            lambda *arrays: hostops.grouped_allreduce(comm, list(arrays), op),
+                            lambda *arrays: hostops.grouped_allreduce(_comm(), list(arrays), op),
                             tensors, [t.dtype for t in tensors])
         if not isinstance(outs, (list, tuple)):  # TensorFlow unwraps a list of one
             outs = [outs]
@@ -302,6 +337,22 @@ def _grouped_raw(tensors: list, op: str) -> list:
     if op == ops.Adasum:  # Horovod's Adasum is per tensor
         return [_allreduce_raw(t, op) for t in tensors]
     return _fused(tensors, lambda flat: _allreduce_raw(flat, op))
+
+
+def _grouped_kernels(k, tensors: list, op: str) -> list:
+    """One kernel (one engine call over one buffer) per dtype, the dtypes in name order, as
+    ``hostops.grouped_allreduce`` does: the same calls, so ranks on either path agree."""
+    out: list = [None] * len(tensors)
+    by_dtype: dict = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype.name, []).append(i)
+    for dtype in sorted(by_dtype):
+        idx = by_dtype[dtype]
+        reduced = k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=_OP_CODES[op],
+                                                 label=f"grouped_allreduce.{op}")
+        for i, r in zip(idx, reduced):
+            out[i] = r
+    return out
 
 
 def _fused(tensors: list, collective) -> list:
@@ -331,8 +382,10 @@ def _allgather_raw(t, name=None):
     if state.size == 1:
         return tf.identity(t)
     if _native():
-        comm = state.comm
-        out = _native_call(name or "allgather", lambda a: hostops.allgather(comm, a), [t], t.dtype)
+        k = _kernel_ops()
+        if k is not None:
+            return k.sparktrain_allgather(t, label=name or "allgather")
+        out = _native_call(name or "allgather", lambda a: hostops.allgather(_comm(), a), [t], t.dtype)
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         return out
     return _ring_call(name or "allgather", _nbytes(t), lambda: ringops.allgather(t, name=name))
@@ -388,8 +441,10 @@ def _broadcast_raw(t, root_rank: int, name=None):
     if state.size == 1:
         return tf.identity(t)
     if _native():
-        comm = state.comm
-        out = _native_call(name or "broadcast", lambda a: hostops.broadcast(comm, a, root_rank), [t], t.dtype)
+        k = _kernel_ops()
+        if k is not None:
+            return k.sparktrain_broadcast(t, root=root_rank, label=name or "broadcast")
+        out = _native_call(name or "broadcast", lambda a: hostops.broadcast(_comm(), a, root_rank), [t], t.dtype)
         out.set_shape(t.shape)
         return out
     return _ring_call(name or "broadcast", _nbytes(t), lambda: ringops.broadcast(t, root_rank, name=name))
@@ -469,8 +524,10 @@ def _reducescatter_raw(t, op: str, name=None):
     if state.size == 1:
         return tf.identity(t)
     if _native():
-        comm = state.comm
-        out = _native_call(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(comm, a, op), [t], t.dtype)
+        k = _kernel_ops()
+        if k is not None and op in _OP_CODES:
+            return k.sparktrain_reducescatter(t, reduce_op=_OP_CODES[op], label=name or f"reducescatter.{op}")
+        out = _native_call(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(_comm(), a, op), [t], t.dtype)
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         return out
     return _ring_call(name or f"reducescatter.{op}", _nbytes(t), lambda: ringops.reducescatter(t, op, name=name))
@@ -536,8 +593,12 @@ def _alltoall_raw(t, splits):
     if state.size == 1:
         return tf.identity(t), tf.cast(tf.reshape(tf.shape(t)[:1], [1]), tf.int32)
     if _native():
-        comm = state.comm
-        out, received = _native_call("alltoall", lambda a, s: hostops.alltoall(comm, a, s), [t, splits],
+        k = _kernel_ops()
+        if k is not None:
+            out, received = k.sparktrain_alltoall(t, splits, label="alltoall")
+            received.set_shape([state.size])
+            return out, received
+        out, received = _native_call("alltoall", lambda a, s: hostops.alltoall(_comm(), a, s), [t, splits],
                                      [t.dtype, tf.int32])
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
         received.set_shape([state.size])

@@ -3,7 +3,10 @@ queries Horovod offers about it (rank, size, what it was built with).
 
 ``init`` brings the chosen engine up from the env ``sparktrain.run`` wrote: on GPU TensorFlow's
 own collectives over NCCL; on CPU sparktrain's native engine, or TensorFlow's gRPC ring with
-``SPARKTRAIN_CPU_COLLECTIVES=tensorflow`` (or where the engine was not built).
+``SPARKTRAIN_CPU_COLLECTIVES=tensorflow`` (or where the engine was not built). On the native
+engine it makes the communicator the process's current one and loads sparktrain's TensorFlow
+kernels (``kernels``: compiled the first time, then cached; ``tf.numpy_function`` where they
+cannot be built), which find the communicator at run time; ``shutdown`` clears it.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ class _State:
         #: "native", "tensorflow" or "nccl"; the native engine's communicator when native.
         self.engine = None
         self.comm = None
+        #: Whether the native engine's collectives run as TensorFlow kernels (``kernels``).
+        self.kernels = False
 
 
 state = _State()
@@ -97,6 +102,10 @@ def _bring_up(tf, timeout: float) -> None:
         from .. import native
 
         state.comm = native.from_env(state.timeout)
+        state.comm.make_current()  # where the TensorFlow kernels find it
+        from . import kernels
+
+        state.kernels = kernels.load() is not None
     elif state.size > 1 and state.strategy is None:  # after shutdown the server is still up
         if "TF_CONFIG" not in os.environ:
             raise SparkTrainError("TF_CONFIG is not set: sparktrain.tensorflow.init() must run inside sparktrain.run")
@@ -123,8 +132,9 @@ def shutdown() -> None:
     """
     with state.lock:
         if state.comm is not None:
-            state.comm.close()
+            state.comm.close()  # clears the current communicator first, waiting for a kernel in flight
             state.comm = None
+        state.kernels = False
         state.initialized = False
 
 
@@ -151,6 +161,18 @@ def collective_engine() -> str:
     """
     require_init()
     return state.engine
+
+
+def collective_kernels() -> bool:
+    """Whether this rank's collectives run as sparktrain's TensorFlow kernels over the native
+    engine (``sparktrain.tensorflow.kernels``), rather than through ``tf.numpy_function``;
+    False on the other engines.
+
+    >>> hvd.init(); hvd.collective_kernels()  # doctest: +SKIP
+    True
+    """
+    require_init()
+    return bool(state.kernels)
 
 
 def _configure_health_checks(timeout: float) -> None:

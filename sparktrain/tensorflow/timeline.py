@@ -9,8 +9,10 @@ with the collective's name, its start (``ts``) and duration (``dur``) in microse
 the epoch (so the files of one host line up), ``pid`` the rank, and ``args.bytes`` the bytes the
 rank sent; chrome://tracing and Perfetto (ui.perfetto.dev) open each file, and the files
 concatenate. On the native engine every collective is recorded, eager or inside
-``tf.function``; on TensorFlow's runtime only eager ones (inside a function the ops run
-inside TensorFlow's executor, out of Python's sight).
+``tf.function``: those run by sparktrain's TensorFlow kernels (``kernels``) are timed by the
+kernel itself into a buffer that :func:`stop_timeline` drains and merges in time order, the
+others (``tf.numpy_function``) in Python. On TensorFlow's runtime only eager ones are (inside a
+function the ops run inside TensorFlow's executor, out of Python's sight).
 """
 from __future__ import annotations
 
@@ -64,16 +66,31 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         _timeline.events = [{"name": "process_name", "ph": "M", "pid": _ctx.rank(), "tid": 0,
                              "args": {"name": f"rank {_ctx.rank()}"}}]
         _timeline.mark_cycles = bool(mark_cycles)
+    from . import kernels
+
+    kernels.drain_timeline()  # nothing from before this start
+    kernels.set_timeline(True)
 
 
 def stop_timeline() -> str | None:
     """Write the recorded events and stop recording; returns the file written (None when no
     timeline was started)."""
+    from . import kernels
+
     with _timeline.lock:
         path, events = _timeline.path, _timeline.events
         _timeline.path, _timeline.events = None, []
+        mark_cycles = _timeline.mark_cycles
     if path is None:
         return None
+    kernels.set_timeline(False)
+    from_kernels = kernels.drain_timeline()
+    if from_kernels:
+        from .. import context as _ctx
+
+        for name, nbytes, start_us, end_us in from_kernels:
+            events.extend(_events(name, nbytes, start_us, end_us, _ctx.rank(), mark_cycles))
+        events.sort(key=lambda e: (e["ph"] != "M", e.get("ts", 0.0)))  # stable: a cycle mark stays first
     with open(path + ".tmp", "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     os.replace(path + ".tmp", path)
@@ -98,8 +115,13 @@ def record(name: str, nbytes: int, start_us: float, end_us: float) -> None:
     with _timeline.lock:
         if _timeline.path is None:
             return
-        if _timeline.mark_cycles:
-            _timeline.events.append({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": start_us, "pid": rank,
-                                     "tid": 0})
-        _timeline.events.append({"name": name, "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us),
-                                 "pid": rank, "tid": 0, "args": {"bytes": int(nbytes)}})
+        _timeline.events.extend(_events(name, nbytes, start_us, end_us, rank, _timeline.mark_cycles))
+
+
+def _events(name: str, nbytes: int, start_us: float, end_us: float, rank: int, mark_cycles: bool) -> list:
+    out = []
+    if mark_cycles:
+        out.append({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": start_us, "pid": rank, "tid": 0})
+    out.append({"name": name, "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us), "pid": rank, "tid": 0,
+                "args": {"bytes": int(nbytes)}})
+    return out

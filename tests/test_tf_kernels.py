@@ -1,0 +1,154 @@
+"""Building and loading sparktrain's TensorFlow kernels (``sparktrain.tensorflow.kernels``): one
+compile per cache directory however many processes ask at once, the fallback with one warning
+where there is no compiler, no temporary files left behind, and a clean error from a kernel run
+with no engine. Real processes and the real compiler; the collectives themselves are tested
+through the kernels in test_hvd_collectives.py and test_hvd_gradients.py."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from sparktrain import native
+
+pytest.importorskip("tensorflow")
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))]
+
+BUILD = """
+import sys
+from sparktrain.tensorflow import kernels
+print("PATH", kernels.build(), flush=True)
+"""
+
+LOAD = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+import tensorflow as tf
+from sparktrain.tensorflow import kernels
+print("FIRST", kernels.load() is not None, flush=True)
+print("SECOND", kernels.load() is not None, flush=True)
+print("WHY", kernels.failure(), flush=True)
+if kernels.ops() is not None:
+    try:
+        kernels.ops().sparktrain_allreduce(tf.zeros([2]), reduce_op=0)
+    except tf.errors.FailedPreconditionError as e:
+        print("NOCOMM", e.message, flush=True)
+"""
+
+
+def _env(tmp_path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX", "SPARKTRAIN_TF_KERNELS")}
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env.update({"SPARKTRAIN_CACHE_DIR": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp"),
+                "TF_CPP_MIN_LOG_LEVEL": "2", **extra})
+    return env
+
+
+def _python(code: str, env: dict):
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _lines(out: str, tag: str) -> list[str]:
+    return [line[len(tag) + 1:] for line in out.splitlines() if line.startswith(tag + " ")]
+
+
+def test_concurrent_processes_compile_once_into_the_cache_and_load_it(tmp_path):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ here")
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "cxx"  # counts the compiles, then compiles
+    wrapper.write_text(f"#!/bin/sh\necho $$ >> {log}\nexec {cxx} \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    env = _env(tmp_path, CXX=str(wrapper))
+    procs = [_python(BUILD, env) for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
+    paths = {_lines(o[0], "PATH")[0] for o in outs}
+    assert len(paths) == 1, paths
+    path = paths.pop()
+    assert os.path.dirname(path) == str(tmp_path / "cache" / "tf_kernels") and os.path.exists(path)
+    assert len(log.read_text().split()) == 1  # one compile for three processes
+    assert sorted(os.listdir(tmp_path / "cache" / "tf_kernels")) == sorted([os.path.basename(path), "tf_kernels.lock"])
+    assert os.listdir(tmp_path / "tmp") == []
+
+    # A later process loads the cached library (no compile), and a kernel run with no engine
+    # running says to call init().
+    p = _python(LOAD, env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert _lines(out, "FIRST") == ["True"] and _lines(out, "SECOND") == ["True"], err[-2000:]
+    assert len(log.read_text().split()) == 1
+    assert "init()" in _lines(out, "NOCOMM")[0]
+
+
+@pytest.mark.parametrize("cxx", ["/nonexistent/g++", "false"])
+def test_without_a_working_compiler_the_fallback_says_why_once_and_leaves_no_files(tmp_path, cxx):
+    env = _env(tmp_path, CXX=cxx)
+    p = _python(LOAD, env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert _lines(out, "FIRST") == ["False"] and _lines(out, "SECOND") == ["False"]
+    warnings = [line for line in err.splitlines() if "TensorFlow kernels" in line]
+    assert len(warnings) == 1, err[-2000:]
+    assert "g++" in warnings[0] and "numpy_function" in warnings[0]
+    assert cxx in _lines(out, "WHY")[0]
+    left = os.listdir(tmp_path / "cache" / "tf_kernels")
+    assert left in ([], ["tf_kernels.lock"]), left  # no library, no partial file
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_turned_off_by_the_setting_without_a_warning(tmp_path):
+    p = _python(LOAD, _env(tmp_path, SPARKTRAIN_TF_KERNELS="0"))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert _lines(out, "FIRST") == ["False"] and "SPARKTRAIN_TF_KERNELS=0" in _lines(out, "WHY")[0]
+    assert "TensorFlow kernels" not in err
+    assert not os.path.exists(tmp_path / "cache")
+
+
+def fault_inside_a_function(outdir, fault):
+    """Rank 0 runs an allreduce inside a tf.function while rank 1 never calls (``timeout``) or
+    exits (``dead``); rank 0 records the error TensorFlow raised."""
+    import time
+
+    import tensorflow as tf
+
+    import sparktrain.tensorflow as hvd
+    from helpers import record_rank
+
+    hvd.init()
+    step = tf.function(lambda: hvd.allreduce(tf.ones([4]), op=hvd.Sum))
+    got = {"kernels": hvd.collective_kernels(), "warmup": step().numpy().tolist()}
+    if hvd.rank() == 1:
+        if fault == "dead":
+            os._exit(0)  # mid-run, without shutting down: rank 0 is left waiting for it
+        time.sleep(8)  # past rank 0's 2 s collective timeout
+    else:
+        start = time.monotonic()
+        try:
+            step()
+            got["error"] = "no error"
+        except tf.errors.OpError as e:
+            got["error"] = f"{type(e).__name__}: {e.message}"
+        got["seconds"] = time.monotonic() - start
+    record_rank(outdir, got=got)
+
+
+@pytest.mark.parametrize("fault,error", [("timeout", "DeadlineExceededError"), ("dead", "UnavailableError")])
+def test_inside_a_function_a_timeout_and_a_dead_peer_are_tensorflows_errors(tmp_path, fault, error):
+    import sparktrain
+    from helpers import read_ranks
+
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "2"}
+    sparktrain.run(fault_inside_a_function, args=(str(tmp_path), fault), num_proc=-2, env=env, verbose=0)
+    got = read_ranks(str(tmp_path))[0]["got"]
+    assert got["kernels"] is True and got["warmup"] == [2.0] * 4
+    assert got["error"].startswith(error + ": ") and "rank 1" in got["error"], got
+    assert got["seconds"] < 30, got
