@@ -23,7 +23,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from .. import channel, settings, tracking, versions, worker_env
 from ..errors import (InvalidArgumentError, RankError, RankFailure, ResultTooLargeError, SparkTrainError,
@@ -186,9 +186,13 @@ class _Rank:
                 + "\nInstall the same versions on the executors as on the driver (for example with the same "
                 "requirements file or cluster library list)")
 
-    def rendezvous(self, port: int, master_port: int, barrier_ctx,
-                   shard: dict[str, int]) -> tuple[list[str], list[int], int, list[dict[str, int]]]:
-        """Meet the other ranks: every rank's host and ports, and its row count per fed DataFrame."""
+    def rendezvous(self, port: int, master_port: int, barrier_ctx, shard: dict[str, int],
+                   checked_in: Callable[[], None] = lambda: None,
+                   ) -> tuple[list[str], list[int], int, list[dict[str, int]]]:
+        """Meet the other ranks: every rank's host and ports, and its row count per fed DataFrame.
+
+        ``checked_in`` is called once this rank has said hello and its versions match, before it
+        waits for the others (the task starts the rank's process there, held)."""
         me = {"type": "hello", "rank": self.rank, "host": self.host, "port": port,
               "master_port": master_port, "pid": os.getpid(), "shard": shard}
         spec = self.spec
@@ -197,6 +201,7 @@ class _Rank:
             # the driver, such as under Spark Connect. With no driver secret, rank 0 makes the
             # collective key and shares it through the sync.
             self.check_versions()
+            checked_in()
             if self.rank == 0:
                 me["collective_key"] = secrets.token_hex(32)
             infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
@@ -215,6 +220,7 @@ class _Rank:
             ) from None
         self.chan.send(me)
         self.check_versions()  # after the hello, so the failure report reaches the driver at once
+        checked_in()
         self.chan.sock.settimeout(spec.start_timeout)
         try:
             msg = self.chan.recv()
@@ -396,10 +402,15 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     janitor = data_dir = spool = None
     try:
         try:
-            # The rank's process starts now, held, so its interpreter comes up while the ranks meet;
-            # it is let go with the rest of its environment once they have.
+            # The rank's process starts once this rank has checked in (its hello is not delayed), held,
+            # so its interpreter comes up while the ranks meet; it is let go with the rest of its
+            # environment once they have.
             early_env = _early_env(spec, rank, workdir)
-            child = ChildProcess(workdir, early_env, held=True)
+
+            def start_held() -> None:
+                nonlocal child
+                child = ChildProcess(workdir, early_env, held=True)
+
             if spec.feed:
                 data_dir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-data-", dir=local_dir())
                 janitor = Janitor(data_dir)
@@ -413,7 +424,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             master_port = reserved[1].getsockname()[1] if rank == 0 else 0
             try:
                 hosts, ports, master_port, shards = state.rendezvous(
-                    port, master_port, barrier_ctx, spool.rows if spool else {})
+                    port, master_port, barrier_ctx, spool.rows if spool else {}, start_held)
             finally:
                 for s in reserved:  # hand the ports over: the child binds them next
                     s.close()
