@@ -197,9 +197,10 @@ def _probe(spark, host: str | None) -> Probed:
             listener.listen(4)
             port = listener.getsockname()[1]
         schema = "reached boolean, python string, version string, missing string"
-        job = BarrierJob(spark, f"sparktrain-probe-{uuid.uuid4().hex[:12]}", "sparktrain: the executors' Python, and can they reach "
-                         "the client?", lambda: spark.range(0, 1, 1, 1).mapInArrow(
-                             _reach(host, port, cluster.TASK_MODULES), schema).collect())
+        task = _reach(host, port, cluster.TASK_MODULES)
+        job = BarrierJob(spark, f"sparktrain-probe-{uuid.uuid4().hex[:12]}",
+                         "sparktrain: the executors' Python, and can they reach the client?",
+                         lambda: spark.range(0, 1, 1, 1).mapInArrow(task, schema).collect())
         job.start()
         if not job.wait(PROBE_JOB_TIMEOUT):
             job.cancel()
