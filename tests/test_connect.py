@@ -234,6 +234,36 @@ def test_other_versions_on_the_executors_fail_at_once(spark, monkeypatch):
     assert f"cloudpickle: driver 0.0.1, this executor {real['cloudpickle']}" in e.value.root_cause.message
 
 
+def test_an_executors_python_of_another_minor_version_is_refused_before_launch(spark, tmp_path, monkeypatch):
+    # As the classic path's version tests do, the client claims other versions; the probe that
+    # chooses the rendezvous has reported the executors' Python, once per session.
+    from sparktrain import versions
+    from sparktrain.driver import connect
+
+    real = versions.collect()
+    monkeypatch.setattr(versions, "collect", lambda: dict(real, python="3.1.0"))
+    marker = tmp_path / "ran"
+    with pytest.raises(sparktrain.ClusterConfigError) as e:
+        sparktrain.run(lambda: marker.write_text("ran"), num_proc=3, verbose=0)
+    message = str(e.value)
+    assert f"the executors' Python, {sys.executable} (Python {real['python']}), is another minor version" in message
+    assert f"this client runs {sys.executable} (Python 3.1.0)" in message
+    assert f"PYSPARK_PYTHON set to a Python 3.1 " in message and f"export PYSPARK_PYTHON={sys.executable}" in message
+    assert not marker.exists()  # refused before the run's stage
+    assert connect.probe(spark, connect.client_host(spark)).python == sys.executable
+
+
+def test_an_executors_python_that_lacks_a_module_is_refused_before_launch(spark, monkeypatch):
+    from sparktrain.driver import connect
+
+    key = (str(spark.session_id), connect.client_host(spark))
+    seen = connect.probe(spark, key[1])
+    monkeypatch.setitem(connect._PROBED, key, connect.Probed(seen.reached, seen.python, seen.version, ("sparktrain",)))
+    with pytest.raises(sparktrain.ClusterConfigError) as e:
+        sparktrain.run(lambda: 1, num_proc=3, verbose=0)
+    assert f"the executors' Python, {sys.executable} (Python {seen.version}), cannot import sparktrain" in str(e.value)
+
+
 def fit_keras(outdir):
     import keras
     import numpy as np

@@ -63,3 +63,33 @@ def test_executors_without_sparktrain_are_refused_before_launch_naming_both_pyth
 def test_the_fix_the_error_names_makes_the_run_work(path_python, tmp_path):
     proc = newcomer(tmp_path, "local[2]", "fixed")
     assert "RESULT 2" in proc.stdout and "JOBS 1" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+CONNECT_SCRIPT = """
+import sys, time
+from pyspark.sql import SparkSession
+import sparktrain
+
+spark = SparkSession.builder.remote("local[2]").getOrCreate()  # the embedded Connect server
+started = time.monotonic()
+try:
+    print("RESULT", sparktrain.run(lambda: sparktrain.size(), num_proc=2, verbose=0))
+except sparktrain.SparkTrainError as e:
+    print(f"ERROR {type(e).__name__} after {time.monotonic() - started:.2f} s: {e}")
+"""
+
+
+def test_over_connect_executors_without_the_clients_python_are_refused_before_launch(path_python, tmp_path):
+    # The same newcomer over Spark Connect: the client cannot run the server's executors' Python,
+    # so the probe job that chooses the rendezvous reports it (here it cannot even start an Arrow task).
+    (tmp_path / "train.py").write_text(CONNECT_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH", "SPARK_REMOTE",
+                        "SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE", "SPARK_CONNECT_AUTHENTICATE_TOKEN")}
+    proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=200)
+    out = proc.stdout
+    assert "ERROR ClusterConfigError" in out, out + proc.stderr[-3000:]
+    assert "the executors' Python" in out and ("No module named" in out or "cannot import" in out), out
+    assert f"this client runs {sys.executable}" in out, out
+    assert f"export PYSPARK_PYTHON={sys.executable}" in out, out

@@ -77,3 +77,58 @@ def test_stop_terminates_the_whole_group_after_grace(tmp_path):
     assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
     shutil.rmtree(work)  # as run_rank does: then the rank's watcher ends too
     assert rank_processes(work) == []
+
+
+def report_env(outdir):
+    import json
+    import os
+
+    with open(os.path.join(outdir, "env.json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in ("SPARKTRAIN_RANK", "EARLY", "GONE")}, f)
+    return 7
+
+
+def test_a_held_child_runs_nothing_until_let_go_and_then_takes_the_env_changes(tmp_path):
+    work = _workdir(tmp_path, report_env, str(tmp_path))
+    child = ChildProcess(work, dict(_env(), EARLY="1", GONE="x"), held=True)
+    try:
+        assert child.wait(0.5) is None
+    except subprocess.TimeoutExpired:
+        pass  # still held, as it should be
+    assert not (tmp_path / "env.json").exists()
+    child.go({"SPARKTRAIN_RANK": "2", "GONE": None})
+    out = child.stdout.read(), child.stderr.read()
+    assert child.reap(5.0) == 0, out
+    child.close_pipes()
+    assert json.loads((tmp_path / "env.json").read_text()) == {"SPARKTRAIN_RANK": "2", "EARLY": "1", "GONE": None}
+    shutil.rmtree(work)
+    assert rank_processes(work) == []
+
+
+def test_a_held_child_released_exits_without_running_anything(tmp_path):
+    work = _workdir(tmp_path, report_env, str(tmp_path))
+    child = ChildProcess(work, _env(), held=True)
+    assert child.release(5.0) == 0
+    assert not (tmp_path / "env.json").exists()
+    shutil.rmtree(work)
+    assert rank_processes(work) == []
+
+
+def test_a_held_child_dies_with_its_parent(tmp_path):
+    work = _workdir(tmp_path, report_env, str(tmp_path))
+    parent_code = textwrap.dedent(f"""
+        import time
+        from sparktrain.executor.supervisor import ChildProcess
+        child = ChildProcess({work!r}, __import__("os").environ, held=True)
+        print(child.pid, flush=True)
+        time.sleep(300)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        assert wait_pids_gone([pid], timeout=5) == []
+        assert not (tmp_path / "env.json").exists()
+    finally:
+        parent.kill()

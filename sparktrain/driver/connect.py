@@ -9,15 +9,22 @@ here is what a client can see or do:
   tasks that must all be running at once within the capacity wait;
 - whether executors can open connections to this client, by a one-task probe, which decides
   how ranks meet: through the run's channel (live output) or Spark's barrier ``allGather``;
+  the same probe reports the executors' Python, which must be this client's minor version and
+  import what a rank's task needs (the check the classic path makes by running that Python);
 - a job's handle: a tag (``addTag``/``interruptTag``) in place of a job group.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import socket
+import sys
+import uuid
 from typing import Mapping
 
+from .. import versions
+from ..errors import ClusterConfigError
 from . import cluster
 from .preflight import Capacity, gpu_amount
 
@@ -106,44 +113,113 @@ def client_host(spark) -> str:
         probe.close()
 
 
-#: What the probe found, per session and client address: the network between executors and this
-#: client does not change within a session, and a probe costs one Spark job (about 0.2 s).
-_REACHED: dict[tuple[str, str], bool] = {}
+@dataclasses.dataclass(frozen=True)
+class Probed:
+    """What the one-task probe saw on an executor."""
+
+    #: Whether the task could open a TCP connection to this client (False when not asked).
+    reached: bool
+    #: The executors' interpreter (``sys.executable`` there) and its version; None when the probe
+    #: learned nothing of it (it timed out, or failed for another reason than the Python).
+    python: str | None = None
+    version: str | None = None
+    #: What a rank's task needs (``cluster.TASK_MODULES``) that this Python cannot import.
+    missing: tuple[str, ...] = ()
+    #: Why the probe job failed, where the executors' Python made it fail (no pyarrow, another minor
+    #: version than this client's), in Spark's words.
+    failure: str | None = None
+
+
+#: What the probe found, per session and client address (None: reachability not asked): the
+#: executors' Python and the network between them and this client do not change within a session,
+#: and a probe costs one Spark job (about 0.2 s).
+_PROBED: dict[tuple[str, str | None], Probed] = {}
+
+
+def probe(spark, host: str | None) -> Probed:
+    """One one-task job that reports the executors' Python and, given ``host``, whether a task can
+    open a TCP connection to it (this client): it connects to a listener here, whose kernel
+    completes the handshake, so nothing needs to accept it. A job that does not finish in time
+    counts as "cannot reach". Asked once per session and address."""
+    key = (str(getattr(spark, "session_id", id(spark))), host)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(spark, host)
+    return _PROBED[key]
 
 
 def executors_reach(spark, host: str) -> bool:
-    """Whether a task of this session can open a TCP connection to ``host`` (this client).
-
-    One one-task job, which connects to a listener here; the kernel completes the handshake, so
-    nothing needs to accept it. A job that does not finish in time counts as "cannot". Asked once
-    per session and address.
-    """
-    key = (str(getattr(spark, "session_id", id(spark))), host)
-    if key not in _REACHED:
-        _REACHED[key] = _probe(spark, host)
-    return _REACHED[key]
+    """Whether a task of this session can open a TCP connection to ``host`` (this client); see :func:`probe`."""
+    return probe(spark, host).reached
 
 
-def _probe(spark, host: str) -> bool:
+def check_executors_python(spark, host: str | None) -> None:
+    """Over Connect, the classic path's check of the executors' Python (``cluster.check_executors_python``),
+    from the probe's report instead of by running that Python here: it must be this client's minor
+    version and import sparktrain, cloudpickle and pyarrow. Raises ClusterConfigError naming both
+    interpreters, their versions and the fix, before the run's stage launches. ``host``: as for
+    :func:`probe` (the run asks with the address it probes anyway, so this costs no job of its own)."""
+    found = probe(spark, host)
+    mine = versions.collect()["python"]
+    theirs = found.version
+    if found.failure is not None:
+        problem = f"fails a task before sparktrain runs: {found.failure}"
+    elif found.missing:
+        problem = f"cannot import {', '.join(found.missing)}"
+    elif theirs and mine and versions.mismatches({"python": mine}, {"python": theirs}):
+        problem = "is another minor version than this client's, and cloudpickle's functions need the same"
+    else:
+        return
+    which = f"the executors' Python, {found.python} (Python {theirs})," if found.python else "the executors' Python"
+    where = found.python or "the executors' Python"
+    raise ClusterConfigError(
+        f"{which} {problem}; this client runs {sys.executable} (Python {mine}). Over Spark Connect the server "
+        "starts the executors' Python: PYSPARK_PYTHON as its driver read it when it started (spark-submit sets it "
+        "from spark.pyspark.python), else python3 from its PATH. Fix: start the Connect server with PYSPARK_PYTHON "
+        f"set to a Python {'.'.join(mine.split('.')[:2])} that has sparktrain, cloudpickle and pyarrow (this "
+        f"machine's: export PYSPARK_PYTHON={sys.executable}; for SparkSession.builder.remote(\"local[N]\"), export "
+        "it before starting this Python, or set os.environ[\"PYSPARK_PYTHON\"] = sys.executable before building the "
+        f"session); or install sparktrain, cloudpickle and pyarrow for {where}")
+
+
+#: How Spark words a task that failed because of the executors' Python itself, before any code of ours ran.
+_PYTHON_FAILURES = re.compile(r"(\[PYTHON_VERSION_MISMATCH\][^\n]*|No module named '?[\w.]+'?)")
+
+
+def _probe(spark, host: str | None) -> Probed:
     from .jobs import BarrierJob
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener = None
     try:
-        listener.bind((host, 0))
-        listener.listen(4)
-        port = listener.getsockname()[1]
-        job = BarrierJob(spark, f"sparktrain-probe-{port}", "sparktrain: can executors reach the client?",
-                         lambda: spark.range(0, 1, 1, 1).mapInArrow(_reach(host, port), "reached boolean").collect())
+        port = 0
+        if host is not None:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((host, 0))
+            listener.listen(4)
+            port = listener.getsockname()[1]
+        schema = "reached boolean, python string, version string, missing string"
+        task = _reach(host, port, cluster.TASK_MODULES)
+        job = BarrierJob(spark, f"sparktrain-probe-{uuid.uuid4().hex[:12]}",
+                         "sparktrain: the executors' Python, and can they reach the client?",
+                         lambda: spark.range(0, 1, 1, 1).mapInArrow(task, schema).collect())
         job.start()
         if not job.wait(PROBE_JOB_TIMEOUT):
             job.cancel()
-            return False
-        return job.error is None and bool(job.rows) and bool(job.rows[0]["reached"])
+            return Probed(False)
+        if job.error is not None:
+            m = _PYTHON_FAILURES.search(str(job.error))
+            log.debug("sparktrain: the probe job failed: %s", job.error)
+            return Probed(False, failure=m.group(1) if m else None)
+        row = job.rows[0] if job.rows else None
+        if row is None:
+            return Probed(False)
+        return Probed(bool(row["reached"]), row["python"], row["version"],
+                      tuple(m for m in (row["missing"] or "").split(",") if m))
     except OSError as e:
         log.debug("sparktrain: no probe listener on %s: %s", host, e)
-        return False
+        return Probed(False)
     finally:
-        listener.close()
+        if listener is not None:
+            listener.close()
 
 
 def concurrent_slots(spark, host: str, wanted: int, wait: float) -> int:
@@ -208,19 +284,32 @@ def _hold(host: str, port: int, wait: float):
     return hold
 
 
-def _reach(host: str, port: int):
+def _reach(host: str | None, port: int, modules: tuple[str, ...]):
     def reach(batches):
+        import importlib.util
         import socket
+        import sys
 
         import pyarrow as pa
 
         for _ in batches:
             pass
-        try:
-            socket.create_connection((host, port), timeout=PROBE_CONNECT_TIMEOUT).close()
-            ok = True
-        except OSError:
-            ok = False
-        yield pa.RecordBatch.from_arrays([pa.array([ok])], names=["reached"])
+        ok = False
+        if host is not None:
+            try:
+                socket.create_connection((host, port), timeout=PROBE_CONNECT_TIMEOUT).close()
+                ok = True
+            except OSError:
+                pass
+        missing = []
+        for name in modules:
+            try:
+                if importlib.util.find_spec(name) is None:
+                    missing.append(name)
+            except (ImportError, ValueError):
+                missing.append(name)
+        yield pa.RecordBatch.from_arrays(
+            [pa.array([ok]), pa.array([sys.executable]), pa.array(["%d.%d.%d" % sys.version_info[:3]]),
+             pa.array([",".join(missing)])], names=["reached", "python", "version", "missing"])
 
     return reach

@@ -205,8 +205,14 @@ def run(
     conf = connect.conf_of(spark) if connected else dict(sc.getConf().getAll())
     master = conf.get("spark.master", "")
     preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
+    rendezvous = settings.resolve("rendezvous", conf=conf)
     if sc is not None:
         cluster.check_executors_python(sc)
+        driver_host = conf.get("spark.driver.host", "127.0.0.1")
+    else:
+        driver_host = connect.client_host(spark)
+        # The probe that chooses the rendezvous reports the executors' Python too, once per session.
+        connect.check_executors_python(spark, driver_host if rendezvous == "auto" else None)
     if use_gpu is None:
         use_gpu = bool(asked.gpus) if asked is not None and asked.gpus is not None else preflight.gpu_amount(conf) > 0
     local_master = cluster.is_local(master)
@@ -233,9 +239,7 @@ def run(
         if size is None:
             size = max(1, cluster.capacity(sc, conf, stage, profile).slots(use_gpu))
         cluster.wait_for_capacity(sc, conf, size, use_gpu, capacity_wait, stage, profile)
-    rendezvous = settings.resolve("rendezvous", conf=conf)
     if connected:
-        driver_host = connect.client_host(spark)
         if rendezvous == "auto":
             reach = connect.executors_reach(spark, driver_host)
             rendezvous = "driver" if reach else "barrier"
@@ -245,7 +249,6 @@ def run(
                      "Spark's barrier allGather, and each rank's output tail comes back with the result or error")
         max_result = connect.size_bytes(conf.get("spark.driver.maxResultSize", "1g"))
     else:
-        driver_host = conf.get("spark.driver.host", "127.0.0.1")
         max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
     log_target = _log_target(log_url, storage_options, conf)
     output = preflight.normalize_output_ranks(output_ranks, size)

@@ -185,13 +185,44 @@ def _upload(result: Any, url: str, storage_options: Mapping[str, Any] | None) ->
         f"it returned {type(result).__name__}: {str(result)[:100]!r}")
 
 
-def main(argv: list[str]) -> int:
-    workdir, parent_pid = argv[0], int(argv[1])
+def _await_go(fd: int) -> dict[str, str | None] | None:
+    """A held child's go (see ``ChildProcess.go``): the changes to its environment, or None when the
+    task closed the pipe without one (it does not need this process)."""
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return json.loads(b"".join(chunks)) if chunks else None
+
+
+def _pin_cores() -> None:
     cores = os.environ.get(worker_env.CORES)
     if cores:  # before any thread starts: every thread the rank starts later keeps to them too
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+
+
+def main(argv: list[str]) -> int:
+    workdir, parent_pid = argv[0], int(argv[1])
+    go = int(argv[argv.index("--go") + 1]) if "--go" in argv[2:] else None
+    if go is None:
+        _pin_cores()
     _install_lifeline(parent_pid, workdir)
     import cloudpickle
+
+    if go is not None:
+        # Held: started while the ranks meet; nothing of the user's has run or been read yet.
+        changes = _await_go(go)
+        if changes is None:
+            return 0
+        for name, value in changes.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _pin_cores()
 
     try:
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:

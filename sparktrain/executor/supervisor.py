@@ -7,6 +7,7 @@ Stopping is terminate, a grace period, then kill, of the whole group.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -44,19 +45,70 @@ class ChildProcess:
     """
 
     def __init__(self, workdir: str, env: Mapping[str, str], *, python: str | None = None,
-                 extra_args: Sequence[str] = ()):
+                 extra_args: Sequence[str] = (), held: bool = False):
         argv = [python or sys.executable, "-m", _child.__name__, workdir, str(os.getpid()), *extra_args]
-        self.proc = subprocess.Popen(
-            argv,
-            env=dict(env),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # own session and process group: pgid == pid
-            close_fds=True,
-        )
+        go_read = None
+        #: Held (``held=True``): the write end of the pipe the child waits on before it runs anything
+        #: of the user's (see :meth:`go`); None once the child was let go, or for a child never held.
+        self._go: int | None = None
+        if held:
+            go_read, self._go = os.pipe()
+            argv += ["--go", str(go_read)]
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                env=dict(env),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # own session and process group: pgid == pid
+                close_fds=True,
+                pass_fds=(go_read,) if go_read is not None else (),
+            )
+        except BaseException:
+            if self._go is not None:
+                os.close(self._go)
+            raise
+        finally:
+            if go_read is not None:
+                os.close(go_read)
         self.pid = self.proc.pid
         self.pgid = self.proc.pid
+
+    def go(self, env_changes: Mapping[str, str | None]) -> None:
+        """Let a held child run: it applies ``env_changes`` to its environment (None removes a
+        variable), then loads and calls the payload as an unheld child would.
+
+        A held child has started its interpreter, imported what it needs and installed its lifeline,
+        but has read nothing of the user's: the caller starts it early (while the ranks meet) and
+        says go once it knows the rest of the rank's environment. A child that died meanwhile is
+        not an error here: its exit code and output tell why.
+        """
+        if self._go is None:
+            raise RuntimeError("this child is not held")
+        fd, self._go = self._go, None
+        try:
+            data = json.dumps(dict(env_changes)).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            pass  # the child is gone; its exit code says why
+        finally:
+            os.close(fd)
+
+    def release(self, grace: float) -> int:
+        """A held child that is not needed: it exits without running anything; returns its exit code."""
+        if self._go is not None:
+            os.close(self._go)  # EOF instead of go: the child exits at once
+            self._go = None
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        code = self.stop(grace)
+        self.close_pipes()
+        return code
 
     @property
     def stdout(self):
@@ -116,6 +168,9 @@ class ChildProcess:
         return code
 
     def close_pipes(self) -> None:
+        if self._go is not None:
+            os.close(self._go)  # a held child never let go exits
+            self._go = None
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if f is not None and not f.closed:
                 try:

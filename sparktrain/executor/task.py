@@ -23,7 +23,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from .. import channel, settings, tracking, versions, worker_env
 from ..errors import (InvalidArgumentError, RankError, RankFailure, ResultTooLargeError, SparkTrainError,
@@ -99,11 +99,16 @@ def _pinned_cores(spec, topo: Mapping[str, int]) -> list[int] | None:
 
 
 def _child_pythonpath() -> str:
-    # The child must import what this worker imports: sparktrain, and files shipped with
-    # sc.addPyFile, which live on this worker's sys.path but not in PYTHONPATH.
-    parts = [p for p in sys.path if p and os.path.exists(p)]
-    if os.environ.get("PYTHONPATH"):
-        parts.append(os.environ["PYTHONPATH"])
+    """The child must import what this worker imports: sparktrain, and files shipped with
+    sc.addPyFile, which live on this worker's sys.path but not in PYTHONPATH.
+
+    Jars are left out: Spark puts its core jar on the Python workers' path, but since Spark 2 it
+    holds no Python (pyspark.zip does), and addPyFile takes .py, .zip and .egg files only. Every
+    rank process would read the jar's directory of some 6000 entries at start-up, about 20 ms of
+    CPU each, before its first import.
+    """
+    parts = [p for p in sys.path if p and not p.endswith(".jar") and os.path.exists(p)]
+    parts += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not p.endswith(".jar")]
     return os.pathsep.join(dict.fromkeys(parts))
 
 
@@ -181,9 +186,13 @@ class _Rank:
                 + "\nInstall the same versions on the executors as on the driver (for example with the same "
                 "requirements file or cluster library list)")
 
-    def rendezvous(self, port: int, master_port: int, barrier_ctx,
-                   shard: dict[str, int]) -> tuple[list[str], list[int], int, list[dict[str, int]]]:
-        """Meet the other ranks: every rank's host and ports, and its row count per fed DataFrame."""
+    def rendezvous(self, port: int, master_port: int, barrier_ctx, shard: dict[str, int],
+                   checked_in: Callable[[], None] = lambda: None,
+                   ) -> tuple[list[str], list[int], int, list[dict[str, int]]]:
+        """Meet the other ranks: every rank's host and ports, and its row count per fed DataFrame.
+
+        ``checked_in`` is called once this rank has said hello and its versions match, before it
+        waits for the others (the task starts the rank's process there, held)."""
         me = {"type": "hello", "rank": self.rank, "host": self.host, "port": port,
               "master_port": master_port, "pid": os.getpid(), "shard": shard}
         spec = self.spec
@@ -192,6 +201,7 @@ class _Rank:
             # the driver, such as under Spark Connect. With no driver secret, rank 0 makes the
             # collective key and shares it through the sync.
             self.check_versions()
+            checked_in()
             if self.rank == 0:
                 me["collective_key"] = secrets.token_hex(32)
             infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
@@ -210,6 +220,7 @@ class _Rank:
             ) from None
         self.chan.send(me)
         self.check_versions()  # after the hello, so the failure report reaches the driver at once
+        checked_in()
         self.chan.sock.settimeout(spec.start_timeout)
         try:
             msg = self.chan.recv()
@@ -340,6 +351,43 @@ def _gpu_ids(spec: TaskSpec, rank: int, gpu_addresses: Sequence[str] | None) -> 
     return worker_env.translate_gpu_ids(list(gpu_addresses), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
+#: What a held rank process (see ``ChildProcess.go``) still takes when it is let go: what the rendezvous
+#: decides, which only sparktrain, TensorFlow and OpenMP read, after the go. Never a variable the
+#: interpreter reads as it starts (PYTHONPATH, PYTHONHASHSEED, LD_PRELOAD, ...).
+_LATE_VARS = worker_env.RESERVED_VARS | frozenset(worker_env.THREAD_VARS) | {worker_env.CORES}
+
+
+def _early_env(spec: TaskSpec, rank: int, workdir: str) -> dict[str, str]:
+    """The rank process's environment as far as it is known before the rendezvous: the executor's,
+    the user's ``env``, MLflow's hand-off, the import path and TensorFlow's log level. The rest
+    (topology, ports, threads, cores, keys, GPUs) is in ``_LATE_VARS``."""
+    env = dict(os.environ)
+    env.update(worker_env.build_worker_env(rank=0, hosts=[""], ports=[0], master_port=0, gpu_ids="",
+                                           run_id=spec.run_id, user_env=spec.user_env))
+    for name in _LATE_VARS:
+        env.pop(name, None)
+        if name in os.environ:
+            env[name] = os.environ[name]
+    env.update(tracking.rank_env(rank, spec.mlflow, workdir))
+    env["PYTHONPATH"] = _child_pythonpath()
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", str(spec.tf_log_level))
+    return env
+
+
+def _env_changes(early: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str | None] | None:
+    """What turns ``early`` into ``env`` (None: remove the variable), or None when a variable outside
+    ``_LATE_VARS`` differs, which a process already started cannot take.
+
+    >>> _env_changes({"A": "1", "SPARKTRAIN_RANK": "0"}, {"A": "1", "SPARKTRAIN_RANK": "2", "OMP_NUM_THREADS": "1"})
+    {'SPARKTRAIN_RANK': '2', 'OMP_NUM_THREADS': '1'}
+    >>> _env_changes({"PYTHONPATH": "/a"}, {"PYTHONPATH": "/b"}) is None
+    True
+    """
+    changes: dict[str, str | None] = {k: v for k, v in env.items() if early.get(k) != v}
+    changes.update({k: None for k in early if k not in env})
+    return None if set(changes) - _LATE_VARS else changes
+
+
 def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] | None = None,
              barrier_ctx=None, batches=None, output: list[str] | None = None) -> Iterator[bytes]:
     """Run ``rank`` to completion. Yields rank 0's pickled result in chunks; raises RankError on failure.
@@ -354,6 +402,15 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     janitor = data_dir = spool = None
     try:
         try:
+            # The rank's process starts once this rank has checked in (its hello is not delayed), held,
+            # so its interpreter comes up while the ranks meet; it is let go with the rest of its
+            # environment once they have.
+            early_env = _early_env(spec, rank, workdir)
+
+            def start_held() -> None:
+                nonlocal child
+                child = ChildProcess(workdir, early_env, held=True)
+
             if spec.feed:
                 data_dir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-data-", dir=local_dir())
                 janitor = Janitor(data_dir)
@@ -367,7 +424,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             master_port = reserved[1].getsockname()[1] if rank == 0 else 0
             try:
                 hosts, ports, master_port, shards = state.rendezvous(
-                    port, master_port, barrier_ctx, spool.rows if spool else {})
+                    port, master_port, barrier_ctx, spool.rows if spool else {}, start_held)
             finally:
                 for s in reserved:  # hand the ports over: the child binds them next
                     s.close()
@@ -408,7 +465,12 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             if spec.checkpoint is not None and rank == 0:
                 with open(os.path.join(workdir, "checkpoint.pkl"), "wb") as f:
                     f.write(spec.checkpoint)
-            child = ChildProcess(workdir, env)
+            changes = _env_changes(early_env, env)
+            if changes is not None:
+                child.go(changes)
+            else:  # something only a new interpreter reads changed: start the rank's process afresh
+                child.release(spec.grace_period)
+                child = ChildProcess(workdir, env)
         except SparkTrainError as e:
             raise _failed(state, state.failure(exc_type=type_name(e), message=str(e),
                                                retryable=e.retryable)) from None
