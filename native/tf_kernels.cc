@@ -169,6 +169,21 @@ class CollectiveKernel : public OpKernel {
     return true;
   }
 
+  // Output 0 as a copy of input 0, then `call(comm, out, dims, err)` (the engine, in place on
+  // it) with the current communicator held: allreduce and broadcast.
+  template <typename Call>
+  void InPlace(OpKernelContext *ctx, const char *what, Call call) {
+    Tensor *out = nullptr;
+    if (!CopyToOutput(ctx, 0, &out)) return;
+    std::vector<int64_t> dims;
+    DimsOf(out->shape(), &dims);
+    char err[kErrLen] = {0};
+    Held held;
+    OP_REQUIRES(ctx, held.get(), NoCommunicator(what));
+    int rc = call(held.get(), out, dims.data(), err);
+    OP_REQUIRES_OK(ctx, Mapped(rc, held.get(), err));
+  }
+
   std::string label_;
 };
 
@@ -180,16 +195,9 @@ class AllreduceOp : public CollectiveKernel {
 
  protected:
   void Run(OpKernelContext *ctx) override {
-    Tensor *out = nullptr;
-    if (!CopyToOutput(ctx, 0, &out)) return;
-    std::vector<int64_t> dims;
-    DimsOf(out->shape(), &dims);
-    char err[kErrLen] = {0};
-    Held held;
-    OP_REQUIRES(ctx, held.get(), NoCommunicator("allreduce"));
-    int rc = stc_allreduce(held.get(), DataOf(out), DtypeCode(out->dtype()), op_, out->dims(), dims.data(), err,
-                           sizeof err);
-    OP_REQUIRES_OK(ctx, Mapped(rc, held.get(), err));
+    InPlace(ctx, "allreduce", [this](stc_comm *comm, Tensor *out, const int64_t *dims, char *err) {
+      return stc_allreduce(comm, DataOf(out), DtypeCode(out->dtype()), op_, out->dims(), dims, err, kErrLen);
+    });
   }
 
  private:
@@ -248,16 +256,9 @@ class BroadcastOp : public CollectiveKernel {
 
  protected:
   void Run(OpKernelContext *ctx) override {
-    Tensor *out = nullptr;
-    if (!CopyToOutput(ctx, 0, &out)) return;
-    std::vector<int64_t> dims;
-    DimsOf(out->shape(), &dims);
-    char err[kErrLen] = {0};
-    Held held;
-    OP_REQUIRES(ctx, held.get(), NoCommunicator("broadcast"));
-    int rc = stc_broadcast(held.get(), DataOf(out), DtypeCode(out->dtype()), out->dims(), dims.data(), root_, err,
-                           sizeof err);
-    OP_REQUIRES_OK(ctx, Mapped(rc, held.get(), err));
+    InPlace(ctx, "broadcast", [this](stc_comm *comm, Tensor *out, const int64_t *dims, char *err) {
+      return stc_broadcast(comm, DataOf(out), DtypeCode(out->dtype()), out->dims(), dims, root_, err, kErrLen);
+    });
   }
 
  private:
