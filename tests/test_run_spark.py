@@ -133,6 +133,19 @@ def test_hard_exit_reports_exit_code(spark, tmp_path):
     assert wait_pids_gone(pids, timeout=10) == []
 
 
+def exit_zero():
+    import sys
+
+    print("leaving early", flush=True)
+    sys.exit(0)
+
+
+def test_sys_exit_zero_is_a_success_that_returns_none(spark):
+    out = io.StringIO()
+    assert sparktrain.run(exit_zero, num_proc=3, stdout=out, stderr=io.StringIO()) is None
+    assert out.getvalue().count("leaving early") == 3
+
+
 def big_result(n_bytes):
     import sparktrain
 

@@ -13,6 +13,7 @@ import cloudpickle
 import pytest
 
 from helpers import rank_processes, wait_for_file, wait_pids_gone
+from sparktrain.executor.child import EXIT_NOT_LET_GO
 from sparktrain.executor.supervisor import ChildProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,7 +97,7 @@ def test_a_held_child_runs_nothing_until_let_go_and_then_takes_the_env_changes(t
     except subprocess.TimeoutExpired:
         pass  # still held, as it should be
     assert not (tmp_path / "env.json").exists()
-    child.go({"SPARKTRAIN_RANK": "2", "GONE": None})
+    assert child.go({"SPARKTRAIN_RANK": "2", "GONE": None}) is True
     out = child.stdout.read(), child.stderr.read()
     assert child.reap(5.0) == 0, out
     child.close_pipes()
@@ -108,7 +109,27 @@ def test_a_held_child_runs_nothing_until_let_go_and_then_takes_the_env_changes(t
 def test_a_held_child_released_exits_without_running_anything(tmp_path):
     work = _workdir(tmp_path, report_env, str(tmp_path))
     child = ChildProcess(work, _env(), held=True)
-    assert child.release(5.0) == 0
+    assert child.release(5.0) == EXIT_NOT_LET_GO  # never 0: it did not run and succeed
+    assert not (tmp_path / "env.json").exists()
+    shutil.rmtree(work)
+    assert rank_processes(work) == []
+
+
+def test_go_refuses_a_pipe_closed_behind_its_back_and_never_writes_into_its_successor(tmp_path):
+    work = _workdir(tmp_path, report_env, str(tmp_path))
+    child = ChildProcess(work, _env(), held=True)
+    number = child._go
+    os.close(number)  # a stray close elsewhere in the task process, then the number is reused
+    other = os.open(str(tmp_path / "other-file"), os.O_WRONLY | os.O_CREAT)
+    successor = os.dup2(other, number)
+    os.close(other)
+    try:
+        assert child.go({"SPARKTRAIN_RANK": "0"}) is False
+        assert os.fstat(successor).st_size == 0  # nothing written into the other file ...
+        os.write(successor, b"x")  # ... and it was not closed either
+    finally:
+        os.close(successor)
+    assert child.release(5.0) == EXIT_NOT_LET_GO
     assert not (tmp_path / "env.json").exists()
     shutil.rmtree(work)
     assert rank_processes(work) == []

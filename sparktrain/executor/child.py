@@ -35,6 +35,9 @@ from ..localfiles import replaced_atomically, write_atomically
 
 _PR_SET_PDEATHSIG = 1
 EXIT_TERMINATED = 128 + signal.SIGTERM
+#: A held child whose go pipe closed without a go: it ran nothing. Not 0, so that a rank whose
+#: process was never let go can never pass for one that ran and succeeded.
+EXIT_NOT_LET_GO = 120
 
 
 def _parent_gone(parent_pid: int) -> bool:
@@ -216,7 +219,7 @@ def main(argv: list[str]) -> int:
         # Held: started while the ranks meet; nothing of the user's has run or been read yet.
         changes = _await_go(go)
         if changes is None:
-            return 0
+            return EXIT_NOT_LET_GO
         for name, value in changes.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -241,7 +244,8 @@ def main(argv: list[str]) -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if code != 0:
             _report_error(workdir, e, f"train_fn called sys.exit({e.code!r})")
-        return code
+            return code
+        result = None  # sys.exit(0) is a success that returns nothing
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the driver
         _report_error(workdir, e)
         return 1

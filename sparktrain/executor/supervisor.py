@@ -51,8 +51,13 @@ class ChildProcess:
         #: Held (``held=True``): the write end of the pipe the child waits on before it runs anything
         #: of the user's (see :meth:`go`); None once the child was let go, or for a child never held.
         self._go: int | None = None
+        #: The go pipe's identity, so that :meth:`go` never writes into a descriptor that was closed
+        #: behind its back and reused for another file.
+        self._go_inode: tuple[int, int] | None = None
         if held:
             go_read, self._go = os.pipe()
+            st = os.fstat(self._go)
+            self._go_inode = (st.st_dev, st.st_ino)
             argv += ["--go", str(go_read)]
         try:
             self.proc = subprocess.Popen(
@@ -75,25 +80,35 @@ class ChildProcess:
         self.pid = self.proc.pid
         self.pgid = self.proc.pid
 
-    def go(self, env_changes: Mapping[str, str | None]) -> None:
+    def go(self, env_changes: Mapping[str, str | None]) -> bool:
         """Let a held child run: it applies ``env_changes`` to its environment (None removes a
-        variable), then loads and calls the payload as an unheld child would.
+        variable), then loads and calls the payload as an unheld child would. Returns whether the
+        child took the go; when it did not (it died meanwhile, or its pipe is not what it was), the
+        caller releases it and starts a fresh child.
 
         A held child has started its interpreter, imported what it needs and installed its lifeline,
         but has read nothing of the user's: the caller starts it early (while the ranks meet) and
-        says go once it knows the rest of the rank's environment. A child that died meanwhile is
-        not an error here: its exit code and output tell why.
+        says go once it knows the rest of the rank's environment.
         """
         if self._go is None:
             raise RuntimeError("this child is not held")
         fd, self._go = self._go, None
         try:
+            st = os.fstat(fd)
+        except OSError:
+            return False  # closed behind our back: the child saw EOF and ran nothing
+        if (st.st_dev, st.st_ino) != self._go_inode:
+            return False  # the number now names another file: never write there, never close it
+        try:
+            if self.proc.poll() is not None:
+                return False
             data = json.dumps(dict(env_changes)).encode()
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-        except OSError:
-            pass  # the child is gone; its exit code says why
+            return True
+        except BrokenPipeError:
+            return False  # the child is gone
         finally:
             os.close(fd)
 

@@ -33,6 +33,7 @@ from ..localfiles import file_chunks
 from ..spec import OUTPUT_SEQ, RESULT_FIELDS, SPILLED, TaskSpec
 from .janitor import Janitor
 from .spool import Spool, local_dir
+from .child import EXIT_NOT_LET_GO
 from .supervisor import ChildProcess
 
 #: Lines of output each rank keeps for its failure report.
@@ -466,9 +467,9 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 with open(os.path.join(workdir, "checkpoint.pkl"), "wb") as f:
                     f.write(spec.checkpoint)
             changes = _env_changes(early_env, env)
-            if changes is not None:
-                child.go(changes)
-            else:  # something only a new interpreter reads changed: start the rank's process afresh
+            # Something only a new interpreter reads changed, or the held process could not take its
+            # go (it died while the ranks met): start the rank's process afresh.
+            if changes is None or not child.go(changes):
                 child.release(spec.grace_period)
                 child = ChildProcess(workdir, env)
         except SparkTrainError as e:
@@ -494,9 +495,17 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             if os.path.exists(error_path):
                 with open(error_path) as f:
                     info = json.load(f)
+            elif code == EXIT_NOT_LET_GO:
+                info = {"exc_type": "SparkTrainError",
+                        "message": f"rank {rank}'s process was started held and never let go: it ran nothing"}
             raise _failed(state, state.failure(exitcode=code, **info))
         if rank == 0:
-            yield from _result_chunks(state, os.path.join(workdir, "result.pkl"))
+            result_path = os.path.join(workdir, "result.pkl")
+            if not os.path.exists(result_path):
+                raise _failed(state, state.failure(exitcode=code, exc_type="SparkTrainError", message=(
+                    f"rank 0's process exited with code 0 but left no result in {workdir} "
+                    f"({'which holds ' + ', '.join(sorted(os.listdir(workdir))) if os.path.isdir(workdir) else 'which is gone'})")))
+            yield from _result_chunks(state, result_path)
         if output is not None:
             output.extend(state.tail)
     finally:
