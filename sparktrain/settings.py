@@ -106,6 +106,10 @@ SETTINGS = {
         Setting("tf_kernels", "SPARKTRAIN_TF_KERNELS", "spark.sparktrain.tfKernels", True, parse_bool,
                 "run the native engine's collectives as TensorFlow kernels (compiled with g++ at first use and "
                 "cached); false: through tf.numpy_function, as where no compiler is found"),
+        Setting("warm_rank_process", "SPARKTRAIN_WARM_RANK_PROCESS", "spark.sparktrain.warmRankProcess", True,
+                parse_bool, "after a run, start the next run's rank process in each Spark Python worker, held "
+                "until that run, so that a run does not wait for a Python interpreter to start; it dies with "
+                "the worker. false: every rank process starts with its run"),
         Setting("pin_cores", "SPARKTRAIN_PIN_CORES", "spark.sparktrain.pinCores", "auto",
                 lambda n, v: _choice(n, v, ("auto", "on", "off")),
                 "keep each rank on cores of its own, the host's cores split among its ranks: 'auto' (where the "

@@ -299,6 +299,8 @@ def _resources(run_ids: list[str]) -> dict:
         "rank processes": [pid for run_id in run_ids for pid in rank_processes(f"sparktrain-{run_id}-")],
         "temp dirs": sorted(n for n in os.listdir(tempfile.gettempdir())
                             if any(n.startswith(f"sparktrain-{run_id}-") for run_id in run_ids)),
+        # At most one warm rank process, with its directory, per Python worker: never one per run.
+        "warm dirs at most 6": len([n for n in os.listdir(tempfile.gettempdir()) if n.startswith("sparktrain-warm-")]) <= 6,
     }
 
 

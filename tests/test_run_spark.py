@@ -343,3 +343,52 @@ def test_a_spark_failure_reads_as_the_rank_and_its_python_exception_first(spark)
     assert first == "rank 1: ModuleNotFoundError: No module named 'sparktrain_no_such_module'", message
     assert second.startswith("run 1234 of train failed in Spark: ") and re.search(r"ResultTask\(\d+, 1\)", second), message
     assert not message.rstrip().endswith((":", "Traceback (most recent call last)")), message
+
+
+def _warm_processes() -> dict[int, float]:
+    """The warm rank processes waiting in this session's Python workers (not their watchers): pid -> start."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline", "create_time", "ppid"]):
+        cmd = p.info["cmdline"] or []
+        if "sparktrain.executor.child" in " ".join(cmd) and any("sparktrain-warm-" in c for c in cmd):
+            out[p.info["pid"]] = p.info["create_time"]
+    # A watcher is forked by its rank process and keeps its command line: keep the rank processes.
+    return {pid: t for pid, t in out.items() if psutil.Process(pid).ppid() not in out}
+
+
+def pid_and_env(name):
+    import os
+
+    return os.getpid(), os.environ.get(name)
+
+
+def test_a_run_takes_the_warm_rank_processes_the_last_run_left(spark):
+    sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
+    warm = _warm_processes()
+    assert len(warm) >= 3, warm  # one per Python worker that ran a rank
+    pid, _ = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
+    assert pid in warm  # rank 0 ran in a process started before its run
+    assert wait_pids_gone([pid], timeout=10) == []
+    assert pid not in _warm_processes()
+
+
+def test_a_dead_or_unfit_warm_process_gives_way_to_a_fresh_one(spark):
+    import psutil
+
+    sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
+    warm = _warm_processes()
+    for pid in warm:
+        psutil.Process(pid).kill()
+    assert wait_pids_gone(list(warm), timeout=10) == []
+    pid, value = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
+    assert pid not in warm and value is None
+    # env= sets a variable an interpreter may read as it starts: the warm process cannot take it.
+    warm = _warm_processes()
+    pid, value = sparktrain.run(pid_and_env, args=("MY_SETTING",), num_proc=3, verbose=0,
+                                env={"MY_SETTING": "on"})
+    assert pid not in warm and value == "on"
+    # The ranks' warm processes were released, not left waiting (a Python worker that ran no rank
+    # this time may still hold one).
+    assert len(warm) - len(wait_pids_gone(list(warm), timeout=10)) >= 3

@@ -153,3 +153,44 @@ def test_a_held_child_dies_with_its_parent(tmp_path):
         assert not (tmp_path / "env.json").exists()
     finally:
         parent.kill()
+
+
+def test_a_held_child_moved_to_another_workdir_runs_there_and_its_watcher_cleans_up_both(tmp_path):
+    home = str(tmp_path / "home")
+    os.mkdir(home)
+    run_dir = _workdir(tmp_path, report_env, str(tmp_path))
+    child = ChildProcess(home, _env(), held=True)
+    child.move(run_dir)
+    assert child.go({"SPARKTRAIN_RANK": "1"}, run_dir) is True
+    out = child.stdout.read(), child.stderr.read()
+    assert child.reap(5.0) == 0, out
+    child.close_pipes()
+    assert json.loads((tmp_path / "env.json").read_text())["SPARKTRAIN_RANK"] == "1"  # the payload in run_dir ran
+    shutil.rmtree(run_dir)
+    shutil.rmtree(home)
+    assert rank_processes(home) == []
+
+    # The task dies while its moved rank runs: the watcher removes both directories.
+    os.mkdir(home)
+    again = tmp_path / "again"
+    again.mkdir()
+    run_dir = _workdir(again, spawn_and_wait, str(again))
+    parent_code = textwrap.dedent(f"""
+        import time
+        from sparktrain.executor.supervisor import ChildProcess
+        child = ChildProcess({home!r}, __import__("os").environ, held=True)
+        child.move({run_dir!r})
+        assert child.go({{}}, {run_dir!r})
+        time.sleep(300)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env())
+    try:
+        wait_for_file(str(tmp_path / "again" / "pids.json"), timeout=30)
+        pids = json.loads((tmp_path / "again" / "pids.json").read_text())
+        parent.kill()
+        parent.wait(10)
+        assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
+        assert rank_processes(home) == []
+        assert not os.path.exists(home) and not os.path.exists(run_dir)
+    finally:
+        parent.kill()

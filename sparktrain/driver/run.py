@@ -354,6 +354,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
         return_output=return_output, log_target=log_target,
         mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus,
+        warm_process=settings.resolve("warm_rank_process", conf=conf),
     )
 
 

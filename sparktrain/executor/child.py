@@ -44,10 +44,16 @@ def _parent_gone(parent_pid: int) -> bool:
     return os.getppid() != parent_pid
 
 
-def _abandoned(workdir: str, pgid: int) -> None:
-    """The task process is gone, so nobody else will clean up: remove the work directory, then
+#: The work directories this rank was given, the current one last: a warm rank process (see
+#: ``executor.task``) starts in a directory of its own and is moved into its run's at its go.
+_workdirs: list[str] = []
+
+
+def _abandoned(workdirs: list[str], pgid: int) -> None:
+    """The task process is gone, so nobody else will clean up: remove the work directories, then
     kill the rank's whole group (whoever calls this too, if it is in it)."""
-    shutil.rmtree(workdir, ignore_errors=True)
+    for workdir in workdirs:
+        shutil.rmtree(workdir, ignore_errors=True)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -86,14 +92,16 @@ def _task_alive(rank_pid: int, parent_pid: int) -> bool:
     return task is not None and task[0] != "Z"
 
 
-def _watch(rank_pid: int, parent_pid: int, lifeline: int, rank_exit: int, workdir: str) -> None:
+def _watch(rank_pid: int, parent_pid: int, lifeline: int, rank_exit: int, workdirs: list[str]) -> None:
     """The watcher process: if the task process that started the rank dies before it has cleaned
     up, kill the rank's group and remove the rank's work directory, which the task no longer can.
 
     Once the rank has exited, the watcher leaves the rank's process group, so the task does not
     wait for it as for a leftover descendant; it ends when the task has removed the directory.
     ``rank_exit`` is the read end of a pipe only the rank holds open: its EOF says, the moment the
-    kernel closes the exiting rank's files, that the rank is gone.
+    kernel closes the exiting rank's files, that the rank is gone. The task writes a line down the
+    lifeline when it moves the rank into another work directory: the watcher then watches that one,
+    and removes both if it is abandoned.
     """
     # A polite stop (SIGTERM to the group) must not end the watcher: if the task dies during
     # the grace period, before its SIGKILL, the watcher is what still ends the rank.
@@ -109,14 +117,21 @@ def _watch(rank_pid: int, parent_pid: int, lifeline: int, rank_exit: int, workdi
     watching = [lifeline, rank_exit]
     rank_exited = False
     in_rank_group = True
-    while os.path.exists(workdir):
+    moved = b""
+    while os.path.exists(workdirs[-1]):
         ready, _, _ = select.select(watching, [], [], 0.2)
         for fd in ready:
-            if not os.read(fd, 4096):
+            data = os.read(fd, 4096)
+            if not data:
                 # EOF on the lifeline: the task died, or closed its end to stop the rank (then it
                 # sends the signals itself; keep watching in case it dies before it is done).
                 watching.remove(fd)
                 rank_exited = rank_exited or fd == rank_exit
+            elif fd == lifeline:
+                moved += data
+                while b"\n" in moved:
+                    line, moved = moved.split(b"\n", 1)
+                    workdirs.append(os.fsdecode(line))
         if in_rank_group and (rank_exited or os.getppid() != rank_pid):  # the rank exited
             os.setpgid(0, 0)
             in_rank_group = False
@@ -125,20 +140,21 @@ def _watch(rank_pid: int, parent_pid: int, lifeline: int, rank_exit: int, workdi
                 os.kill(rank_pid, signal.SIGKILL)  # first, so it writes nothing into the directory
             except ProcessLookupError:
                 pass
-            _abandoned(workdir, rank_pid)  # the rank leads its own session, so its group id is its pid
+            _abandoned(workdirs, rank_pid)  # the rank leads its own session, so its group id is its pid
             return
         if not watching:
             time.sleep(0.2)  # nothing to select on any more; poll
 
 
 def _install_lifeline(parent_pid: int, workdir: str) -> None:
+    _workdirs.append(workdir)
     _set_parent_death_signal(signal.SIGTERM)
     if _parent_gone(parent_pid):
-        _abandoned(workdir, os.getpgrp())
+        _abandoned(_workdirs, os.getpgrp())
 
     def on_sigterm(signum, frame):
         if _parent_gone(parent_pid):
-            _abandoned(workdir, os.getpgrp())
+            _abandoned(_workdirs, os.getpgrp())
         raise SystemExit(EXIT_TERMINATED)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -154,7 +170,7 @@ def _install_lifeline(parent_pid: int, workdir: str) -> None:
     exit_read, _exit_write = os.pipe()
     if os.fork() == 0:
         try:
-            _watch(rank_pid, parent_pid, lifeline, exit_read, workdir)
+            _watch(rank_pid, parent_pid, lifeline, exit_read, list(_workdirs))
         finally:
             os._exit(0)
     os.close(lifeline)
@@ -188,9 +204,10 @@ def _upload(result: Any, url: str, storage_options: Mapping[str, Any] | None) ->
         f"it returned {type(result).__name__}: {str(result)[:100]!r}")
 
 
-def _await_go(fd: int) -> dict[str, str | None] | None:
-    """A held child's go (see ``ChildProcess.go``): the changes to its environment, or None when the
-    task closed the pipe without one (it does not need this process)."""
+def _await_go(fd: int) -> dict | None:
+    """A held child's go (see ``ChildProcess.go``): ``{"env": changes to its environment, "workdir":
+    its run's work directory or None}``, or None when the task closed the pipe without one (it does
+    not need this process)."""
     chunks = []
     while True:
         chunk = os.read(fd, 65536)
@@ -217,10 +234,13 @@ def main(argv: list[str]) -> int:
 
     if go is not None:
         # Held: started while the ranks meet; nothing of the user's has run or been read yet.
-        changes = _await_go(go)
-        if changes is None:
+        message = _await_go(go)
+        if message is None:
             return EXIT_NOT_LET_GO
-        for name, value in changes.items():
+        if message.get("workdir"):
+            workdir = message["workdir"]
+            _workdirs.append(workdir)
+        for name, value in message["env"].items():
             if value is None:
                 os.environ.pop(name, None)
             else:

@@ -79,10 +79,24 @@ class ChildProcess:
                 os.close(go_read)
         self.pid = self.proc.pid
         self.pgid = self.proc.pid
+        #: What the child was started with: a held child keeps them until :meth:`go` changes them.
+        self.workdir = workdir
+        self.env = dict(env)
 
-    def go(self, env_changes: Mapping[str, str | None]) -> bool:
+    def move(self, workdir: str) -> None:
+        """Tell a held child's watcher that the child's files will be in ``workdir`` from now on, so it
+        watches that directory instead and removes it too if this process dies; the child itself
+        learns it with its go (``go(..., workdir=workdir)``). Says nothing to a child that is gone."""
+        try:
+            self.proc.stdin.write(os.fsencode(workdir) + b"\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # gone (or stopped): go() says so
+
+    def go(self, env_changes: Mapping[str, str | None], workdir: str | None = None) -> bool:
         """Let a held child run: it applies ``env_changes`` to its environment (None removes a
-        variable), then loads and calls the payload as an unheld child would. Returns whether the
+        variable), moves to ``workdir`` when given (see :meth:`move`), then loads and calls the
+        payload as an unheld child would. Returns whether the
         child took the go; when it did not (it died meanwhile, or its pipe is not what it was), the
         caller releases it and starts a fresh child.
 
@@ -102,7 +116,7 @@ class ChildProcess:
         try:
             if self.proc.poll() is not None:
                 return False
-            data = json.dumps(dict(env_changes)).encode()
+            data = json.dumps({"env": dict(env_changes), "workdir": workdir}).encode()
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

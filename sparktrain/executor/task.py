@@ -355,7 +355,45 @@ def _gpu_ids(spec: TaskSpec, rank: int, gpu_addresses: Sequence[str] | None) -> 
 #: What a held rank process (see ``ChildProcess.go``) still takes when it is let go: what the rendezvous
 #: decides, which only sparktrain, TensorFlow and OpenMP read, after the go. Never a variable the
 #: interpreter reads as it starts (PYTHONPATH, PYTHONHASHSEED, LD_PRELOAD, ...).
-_LATE_VARS = worker_env.RESERVED_VARS | frozenset(worker_env.THREAD_VARS) | {worker_env.CORES}
+_LATE_VARS = worker_env.RESERVED_VARS | frozenset(worker_env.THREAD_VARS) | {worker_env.CORES, "TF_CPP_MIN_LOG_LEVEL"}
+
+
+def _late(name: str) -> bool:
+    # sparktrain's own settings, and MLflow's, are read in the rank after its go, like the topology.
+    return name in _LATE_VARS or name.startswith(("SPARKTRAIN_", "MLFLOW_"))
+
+
+#: This Python worker's warm rank process: started held after a run, in a work directory of its
+#: own, for the next run's rank that this worker runs (see :func:`_take_warm`). Spark runs one
+#: task at a time in a Python worker, and reuses the worker for the next one
+#: (spark.python.worker.reuse); the process dies with the worker, as every rank process does.
+_warm: ChildProcess | None = None
+
+
+def _leave_warm(spec: TaskSpec, rank: int) -> None:
+    """Start the next run's rank process now, while nothing waits for it, with this run's early
+    environment: a next run with the same ``env=`` takes it."""
+    global _warm
+    home = tempfile.mkdtemp(prefix="sparktrain-warm-")
+    try:
+        _warm = ChildProcess(home, _early_env(spec, rank, home), held=True)
+    except OSError:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _take_warm() -> ChildProcess | None:
+    """This worker's warm rank process, if it still waits; the caller owns it (and its work directory)."""
+    global _warm
+    child, _warm = _warm, None
+    if child is not None and (child.poll() is not None or not os.path.isdir(child.workdir)):
+        _discard(child, 1.0)
+        child = None
+    return child
+
+
+def _discard(child: ChildProcess, grace: float) -> None:
+    child.release(grace)
+    shutil.rmtree(child.workdir, ignore_errors=True)
 
 
 def _early_env(spec: TaskSpec, rank: int, workdir: str) -> dict[str, str]:
@@ -386,12 +424,16 @@ def _env_changes(early: Mapping[str, str], env: Mapping[str, str]) -> dict[str, 
     """
     changes: dict[str, str | None] = {k: v for k, v in env.items() if early.get(k) != v}
     changes.update({k: None for k in early if k not in env})
-    return None if set(changes) - _LATE_VARS else changes
+    return None if not all(map(_late, changes)) else changes
 
 
 def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] | None = None,
-             barrier_ctx=None, batches=None, output: list[str] | None = None) -> Iterator[bytes]:
+             barrier_ctx=None, batches=None, output: list[str] | None = None, warm: bool = False,
+             ) -> Iterator[bytes]:
     """Run ``rank`` to completion. Yields rank 0's pickled result in chunks; raises RankError on failure.
+
+    ``warm``: this process runs one task at a time and is reused (a Spark Python worker): the rank
+    takes the warm process the last run left, if any, and a run that succeeded leaves one.
 
     ``batches`` is this task's share of the fed DataFrames (``spec.feed``), spooled before the
     rendezvous; ``data_dir`` holds the spool, and a janitor process removes it however the task ends.
@@ -399,18 +441,22 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     """
     state = _Rank(spec, rank, host)
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
-    child = None
+    child = _take_warm() if warm and spec.warm_process else None
+    if child is not None:
+        child.move(workdir)  # its watcher now also cleans up this run's directory
+    succeeded = False
     janitor = data_dir = spool = None
     try:
         try:
-            # The rank's process starts once this rank has checked in (its hello is not delayed), held,
-            # so its interpreter comes up while the ranks meet; it is let go with the rest of its
-            # environment once they have.
-            early_env = _early_env(spec, rank, workdir)
+            # The rank's process is the warm one the last run left, or starts once this rank has
+            # checked in (its hello is not delayed), held, so its interpreter comes up while the
+            # ranks meet; it is let go with the rest of its environment once they have.
+            early_env = child.env if child is not None else _early_env(spec, rank, workdir)
 
             def start_held() -> None:
                 nonlocal child
-                child = ChildProcess(workdir, early_env, held=True)
+                if child is None:
+                    child = ChildProcess(workdir, early_env, held=True)
 
             if spec.feed:
                 data_dir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-data-", dir=local_dir())
@@ -469,8 +515,11 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             changes = _env_changes(early_env, env)
             # Something only a new interpreter reads changed, or the held process could not take its
             # go (it died while the ranks met): start the rank's process afresh.
-            if changes is None or not child.go(changes):
-                child.release(spec.grace_period)
+            if changes is None or not child.go(changes, workdir):
+                if child.workdir != workdir:
+                    _discard(child, spec.grace_period)  # a warm process that cannot take this run
+                else:
+                    child.release(spec.grace_period)
                 child = ChildProcess(workdir, env)
         except SparkTrainError as e:
             raise _failed(state, state.failure(exc_type=type_name(e), message=str(e),
@@ -508,6 +557,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             yield from _result_chunks(state, result_path)
         if output is not None:
             output.extend(state.tail)
+        succeeded = True
     finally:
         if child is not None and child.poll() is None:
             child.stop(spec.grace_period)  # the task itself is being torn down
@@ -516,10 +566,14 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         if state.chan is not None:
             state.chan.close()
         shutil.rmtree(workdir, ignore_errors=True)
+        if child is not None and child.workdir != workdir:
+            shutil.rmtree(child.workdir, ignore_errors=True)  # the warm process's own directory
         if data_dir is not None:
             shutil.rmtree(data_dir, ignore_errors=True)
         if janitor is not None:
             janitor.finish()
+        if succeeded and warm and spec.warm_process:
+            _leave_warm(spec, rank)
 
 
 def _failed(state: _Rank, failure: RankFailure) -> RankError:
@@ -570,7 +624,7 @@ def barrier_task(spec: TaskSpec):
         host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
         gpu = ctx.resources().get("gpu")
         output: list[str] | None = [] if spec.return_output else None
-        rows = enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx, batches, output))
+        rows = enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx, batches, output, warm=True))
         for seq, chunk in rows:
             yield _row(rank, seq, chunk)
         if output:
