@@ -343,11 +343,7 @@ def _grouped_kernels(k, tensors: list, op: str) -> list:
     """One kernel (one engine call over one buffer) per dtype, the dtypes in name order, as
     ``hostops.grouped_allreduce`` does: the same calls, so ranks on either path agree."""
     out: list = [None] * len(tensors)
-    by_dtype: dict = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype.name, []).append(i)
-    for dtype in sorted(by_dtype):
-        idx = by_dtype[dtype]
+    for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
         reduced = k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=_OP_CODES[op],
                                                  label=f"grouped_allreduce.{op}")
         for i, r in zip(idx, reduced):
@@ -360,11 +356,7 @@ def _fused(tensors: list, collective) -> list:
     return each tensor's part, reshaped. The dtypes go in name order, the same on every rank."""
     tf = _tf()
     out: list = [None] * len(tensors)
-    by_dtype: dict = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype in sorted(by_dtype, key=lambda d: d.name):
-        idx = by_dtype[dtype]
+    for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
         flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in idx], axis=0)
         parts = tf.split(collective(flat), [tf.size(tensors[i]) for i in idx])
         for i, part in zip(idx, parts):

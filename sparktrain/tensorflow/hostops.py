@@ -44,16 +44,26 @@ def allreduce(comm, a: np.ndarray, op: str) -> np.ndarray:
     return comm.allreduce(a, op)
 
 
+def dtype_groups(dtype_names: list[str]) -> list[list[int]]:
+    """The positions of each dtype's tensors, the dtypes in name order: the order in which every
+    grouped collective (here, in the kernels and on TensorFlow's runtime) makes its one call per
+    dtype, so that ranks on either path issue the same calls.
+
+    >>> dtype_groups(["float32", "int64", "float32", "bfloat16"])
+    [[3], [0, 2], [1]]
+    """
+    by_dtype: dict[str, list[int]] = {}
+    for i, name in enumerate(dtype_names):
+        by_dtype.setdefault(name, []).append(i)
+    return [by_dtype[name] for name in sorted(by_dtype)]
+
+
 def grouped_allreduce(comm, arrays: list, op: str) -> list:
     """One engine call per dtype on one flat buffer (Adasum: per array, as Horovod's)."""
     if op == "adasum":
         return [allreduce(comm, a, op) for a in arrays]
     out: list = [None] * len(arrays)
-    by_dtype: dict = {}
-    for i, a in enumerate(arrays):
-        by_dtype.setdefault(a.dtype.name, []).append(i)
-    for name in sorted(by_dtype):  # the same order on every rank
-        idx = by_dtype[name]
+    for idx in dtype_groups([a.dtype.name for a in arrays]):
         flat = np.concatenate([arrays[i].reshape(-1) for i in idx]) if len(idx) > 1 else \
             np.array(arrays[idx[0]].reshape(-1))  # never write into an input: TensorFlow owns it
         comm.allreduce_(flat, op)
