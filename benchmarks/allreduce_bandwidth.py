@@ -30,7 +30,8 @@ inside a ``tf.function`` (per call, and per collective inside a compiled step), 
 (``SPARKTRAIN_CPU_COLLECTIVES=tensorflow``) in a ``tf.function``, and Gloo
 (``torch.distributed``, where torch is installed) and, with ``--mpi-python``, MPI (mpi4py with the
 ``mpich`` wheel, started by its ``mpiexec``) as the reference. Each size is timed call by call; the table
-gives rank 0's median per call and busbw, and each contender's ratio to Gloo at that size::
+gives rank 0's median per call and busbw, and each contender's ratio to Gloo at that size
+(``--contenders native-tcp,gloo`` measures only those)::
 
     python benchmarks/allreduce_bandwidth.py --compare --write benchmarks/RESULTS.md
 """
@@ -51,6 +52,8 @@ SECTION_BEGIN = "<!-- allreduce_bandwidth:begin -->"
 SECTION_END = "<!-- allreduce_bandwidth:end -->"
 
 MODES = ("tf.function", "eager", "in-step")
+#: What --compare can measure (--contenders picks some).
+CONTENDERS = ("native", "native-tcp", "tf-native", "tf-native-step", "tf-ring", "gloo", "mpi")
 #: Collectives chained inside one tf.function call in the ``in-step`` mode.
 STEP_CALLS = 50
 
@@ -265,6 +268,8 @@ def compare(args, command: str) -> int:
         contenders.append(("Gloo (torch.distributed)", "gloo"))
     if args.mpi_python:
         contenders.append(("MPI (mpi4py, mpich, mpiexec)", "mpi"))
+    if args.contenders:
+        contenders = [(label, kind) for label, kind in contenders if kind in args.contenders]
     table: dict = {}
     for n in args.ranks:
         for label, kind in contenders:
@@ -418,9 +423,14 @@ def parse_args(argv=None):
                         "(pip install mpi4py mpich in a separate venv)")
     p.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3],
                    help="rank counts for --compare (default 2,3)")
+    p.add_argument("--contenders", type=lambda v: v.split(","), metavar="KINDS",
+                   help="with --compare, only these (comma-separated): " + ", ".join(CONTENDERS) + " (default all)")
     p.add_argument("--write", metavar="PATH",
                    help="write or replace the allreduce-bandwidth section of this markdown file")
     args = p.parse_args(argv)
+    if args.contenders and set(args.contenders) - set(CONTENDERS):
+        p.error(f"--contenders: no {', '.join(sorted(set(args.contenders) - set(CONTENDERS)))}; "
+                f"choose from {', '.join(CONTENDERS)}")
     if args.min_size < 4 or args.min_size % 4 or args.max_size < args.min_size:
         p.error("sizes must be multiples of 4 bytes (float32) with --min-size <= --max-size")
     if args.factor < 2:

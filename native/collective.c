@@ -10,9 +10,10 @@
  * reduce-scattered into the result area and then copied out (two steps). Each element is
  * reduced by one rule, in rank order, so every rank gets the same bits.
  *
- * Between hosts, the leaders (local rank 0) run a ring: reduce-scatter then allgather, each
- * step sending to the next leader while receiving from the previous one, and reducing what has
- * arrived while the rest is still in flight.
+ * Between hosts, the leaders (local rank 0) run a ring: reduce-scatter then allgather, sending
+ * to the next leader while receiving from the previous one. What one step receives is what the
+ * next sends, so the steps run as one stream: each byte is reduced as it arrives and passed on
+ * as soon as it is, with no wait between steps.
  *
  * Before any data moves, the ranks compare what each passed (a descriptor: kind, dtype, shape,
  * op or root). Within a host every rank publishes its descriptor with the collective's first
@@ -24,6 +25,18 @@
  * Every wait has the collective's deadline. A waiting rank checks the ranks it waits for: a
  * local peer whose process is gone or whose heartbeat stopped, or a socket that closed, fails
  * the collective with the peer's rank in the message, and ends the communicator.
+ *
+ * Naming the failed rank on every host. Data only flows forwards on a ring connection, so its
+ * backward direction carries one thing: an abort record ("rank X died"), sent upstream by a
+ * leader whose collective failed, before it closes its sockets. Every leader reads its
+ * downstream socket whenever it waits on the ring (ring_run). A record read there fails the collective naming X,
+ * and is passed on upstream, so it goes round the ring backwards. A downstream connection that
+ * closes with no record means the downstream leader died (a live one would have sent one): its
+ * upstream names it and starts the record. A leader whose upstream closed cannot tell a death
+ * from a failure further up, so it waits a bounded while for the record to come round before
+ * naming its upstream neighbour. A communicator closed in good order sends a record too (code 0,
+ * with how many bytes it received), so that only a death closes a connection without one.
+ * Leaders pass the culprit to their local ranks through the segment's failed word.
  */
 #define _GNU_SOURCE
 #include "collective.h"
@@ -75,6 +88,19 @@ typedef struct verdict {
 
 #define MSG_BYTES 1024
 
+/* The abort record: the only bytes that ever travel backwards on a ring connection. */
+#define RECORD_MAGIC 0x53544341u /* "STCA" */
+#define WHY_BYTES 104
+typedef struct record {
+    uint32_t magic;
+    int32_t culprit;   /* the rank that failed */
+    int32_t code;      /* the STC_E* code its failure gave; 0: closed in good order */
+    int32_t pad;
+    uint64_t received; /* bytes the sender ever received from upstream: a close is in good order for the
+                          upstream leader only once all it sent was received */
+    char why[WHY_BYTES]; /* what happened to it, a phrase: "died", ... */
+} record;
+
 typedef struct rank_state {
     _Atomic uint32_t seq;     /* the last step this rank published (wraps; compared as a difference) */
     _Atomic uint32_t waiters; /* ranks asleep on seq (futex), so a publisher knows to wake them */
@@ -120,6 +146,16 @@ struct stc_comm {
     /* the ring */
     char *tmp;
     size_t tmp_bytes;
+    char *stage;
+    /* the failure: who is to blame and why (for the abort record and the local ranks) */
+    int culprit;
+    int blame_code;
+    char why[WHY_BYTES];
+    int record_sent;
+    record rec_in; /* a record being read from downstream */
+    size_t rec_got;
+    uint64_t sent_bytes, received_bytes; /* over the ring connections, ever */
+    int down; /* downstream's word: 0 none yet, 1 a whole record in rec_in, -1 closed without one */
     /* heartbeat */
     pthread_t hb_thread;
     int hb_started;
@@ -184,12 +220,38 @@ static void *heartbeat_main(void *arg) {
     return NULL;
 }
 
+/* Who a failure is to blame on, and a phrase saying what happened to it. */
+static void blame(stc_comm *c, int rank, int code, const char *why) {
+    c->culprit = rank;
+    c->blame_code = code;
+    snprintf(c->why, sizeof c->why, "%s", why);
+}
+
+/* Upstream, once per communicator: a failure's record (code < 0), or, from a communicator
+ * closed in good order, a record with code 0, so that a connection closing without any record
+ * means its process died. The backward direction is otherwise idle: the record fits in its empty
+ * send buffer and never blocks. */
+static void send_record(stc_comm *c, int code) {
+    if (c->record_sent || c->cfg.num_nodes < 2 || c->cfg.local_rank != 0 || c->cfg.prev_fd < 0) return;
+    c->record_sent = 1;
+    record r;
+    memset(&r, 0, sizeof r);
+    r.magic = RECORD_MAGIC;
+    r.culprit = c->culprit >= 0 && code ? c->culprit : c->cfg.rank;
+    r.code = code;
+    r.received = c->received_bytes;
+    snprintf(r.why, sizeof r.why, "%s", !code ? "closed its communicator" : c->why[0] ? c->why : "failed");
+    ssize_t n = send(c->cfg.prev_fd, &r, sizeof r, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)n; /* an upstream that is gone needs no record */
+}
+
 static void mark_failed(stc_comm *c) {
     c->broken = 1;
     if (c->hdr) {
         int32_t expected = 0;
-        atomic_compare_exchange_strong(&c->hdr->failed, &expected, c->cfg.rank + 1);
+        atomic_compare_exchange_strong(&c->hdr->failed, &expected, (c->culprit >= 0 ? c->culprit : c->cfg.rank) + 1);
     }
+    send_record(c, c->blame_code ? c->blame_code : STC_E_PEER);
 }
 
 static void futex_wait(_Atomic uint32_t *addr, uint32_t expected, long ns) {
@@ -310,29 +372,37 @@ static int mismatch(char *err, size_t errlen, const verdict *v) {
  * deadline passed. */
 static int check_peer(stc_comm *c, rank_state *st, double t, char *err, size_t errlen) {
     int32_t failed = atomic_load(&c->hdr->failed);
-    if (failed)
+    if (failed) {
+        blame(c, failed - 1, STC_E_PEER, "died, failed or timed out");
         return fail(err, errlen, STC_E_PEER,
                     "%s: rank %d died, failed or timed out in this collective (another rank on this host saw it first)",
                     c->what, failed - 1);
+    }
     int32_t pid = atomic_load(&st->pid);
     int32_t culprit = st->rank + 1, none = 0;
     int alive = pid_alive(pid);
     if (!alive || nms_stale(c, st) || t > c->deadline)
         atomic_compare_exchange_strong(&c->hdr->failed, &none, culprit); /* the others name it too */
-    if (!alive)
+    if (!alive) {
+        blame(c, st->rank, STC_E_PEER, "died");
         return fail(err, errlen, STC_E_PEER, "%s: rank %d (pid %d, on this host) died during the collective",
                     c->what, st->rank, pid);
+    }
     uint64_t hb = atomic_load(&st->heartbeat_ms), nms = now_ms();
-    if (nms > hb && (double)(nms - hb) / 1000.0 > c->cfg.heartbeat_s)
+    if (nms > hb && (double)(nms - hb) / 1000.0 > c->cfg.heartbeat_s) {
+        blame(c, st->rank, STC_E_PEER, "stopped its heartbeat: it is frozen or dead");
         return fail(err, errlen, STC_E_PEER,
                     "%s: rank %d (pid %d, on this host) stopped its heartbeat %.1f s ago: it is frozen or dead",
                     c->what, st->rank, pid, (double)(nms - hb) / 1000.0);
-    if (t > c->deadline)
+    }
+    if (t > c->deadline) {
+        blame(c, st->rank, STC_E_TIMEOUT, "never reached the collective in time");
         return fail(err, errlen, STC_E_TIMEOUT,
                     "%s: timed out after %.0f s waiting for rank %d (pid %d, on this host); "
                     "every rank must make the same collective calls in the same order "
                     "(raise the collective timeout if a rank is just slow)",
                     c->what, c->cfg.timeout_s, st->rank, pid);
+    }
     return STC_OK;
 }
 
@@ -567,65 +637,212 @@ static int prev_node_rank(stc_comm *c) {
     return c->leader_of[(c->cfg.node + c->cfg.num_nodes - 1) % c->cfg.num_nodes];
 }
 
-/* Send sl bytes to the next leader while receiving rl bytes from the previous one. With
- * dtype >= 0 the received bytes are added into acc (through tmp) as whole elements arrive;
- * otherwise they land in rp. With forward set, only bytes already received are sent (a chain). */
-static int ring_xfer(stc_comm *c, const char *sp, size_t sl, char *rp, size_t rl, int dtype, int op, char *acc,
-                     int forward, char *err, size_t errlen) {
-    size_t sent = 0, got = 0, reduced = 0, esz = dtype >= 0 ? stc_dtype_size(dtype) : 1;
-    char *dst = rp;
-    if (dtype >= 0) {
-        if (c->tmp_bytes < rl) {
-            free(c->tmp);
-            c->tmp = malloc(rl);
-            c->tmp_bytes = c->tmp ? rl : 0;
-            if (!c->tmp) return fail(err, errlen, STC_E_SYS, "%s: out of memory for %zu bytes", c->what, rl);
+/* How long a leader whose upstream closed waits for the abort record to come round the ring
+ * before it names that neighbour: the record needs only a hop per leader, each as soon as that
+ * leader next polls. */
+#define RECORD_WAIT_S 5.0
+/* Received bytes that are to be reduced land here first, a ring small enough to stay in cache. */
+#define STAGE_BYTES (512u << 10)
+
+/* Reads what the downstream leader sent back: only ever one record. 1: a whole record; 0:
+ * nothing yet; -1: downstream closed without one, so it died. Once known, the answer stays. */
+static int read_record(stc_comm *c) {
+    while (!c->down) {
+        ssize_t n = recv(c->cfg.next_fd, (char *)&c->rec_in + c->rec_got, sizeof(record) - c->rec_got, MSG_DONTWAIT);
+        if (n > 0) {
+            c->rec_got += (size_t)n;
+            if (c->rec_got < sizeof(record)) continue;
+            record *r = &c->rec_in;
+            r->why[WHY_BYTES - 1] = 0;
+            if (r->magic != RECORD_MAGIC || r->culprit < 0 || r->culprit >= c->cfg.size || r->code > 0) {
+                r->culprit = next_node_rank(c); /* never taken for data, nor believed */
+                r->code = STC_E_PEER;
+                snprintf(r->why, sizeof r->why, "sent back bytes that are no abort record");
+            }
+            c->down = 1;
+        } else if (n < 0 && errno == EINTR) {
+            continue;
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            return 0;
+        } else {
+            c->down = -1;
         }
-        dst = c->tmp;
     }
-    while (sent < sl || got < rl) {
-        struct pollfd fds[2];
-        int nf = 0, si = -1, ri = -1;
-        size_t can_send = forward ? got : sl;
-        if (sent < sl && sent < can_send) { fds[nf].fd = c->cfg.next_fd; fds[nf].events = POLLOUT; si = nf++; }
-        if (got < rl) { fds[nf].fd = c->cfg.prev_fd; fds[nf].events = POLLIN; ri = nf++; }
-        double left = c->deadline - now_s();
-        if (left <= 0)
-            return fail(err, errlen, STC_E_TIMEOUT,
-                        "%s: timed out after %.0f s on the ring (sent %zu of %zu bytes to rank %d, got %zu of %zu "
-                        "from rank %d)", c->what, c->cfg.timeout_s, sent, sl, next_node_rank(c), got, rl,
-                        prev_node_rank(c));
-        int pr = poll(fds, (nfds_t)nf, (int)(left * 1000) + 1);
-        if (pr < 0) {
-            if (errno == EINTR) continue;
-            return fail(err, errlen, STC_E_SYS, "%s: poll: %s", c->what, strerror(errno));
+    return c->down;
+}
+
+/* Whether downstream's word ends the collective: any failure's record, a death, or a close in
+ * good order while this rank still has bytes for it (a close after it got them all is the end
+ * of the run). Blames the culprit and writes the error. */
+static int downstream_fatal(stc_comm *c, int more_to_send, char *err, size_t errlen) {
+    int how = read_record(c);
+    if (!how) return STC_OK;
+    if (how < 0) {
+        blame(c, next_node_rank(c), STC_E_PEER, "died");
+        return fail(err, errlen, STC_E_PEER, "%s: rank %d died: its ring connection closed without a word",
+                    c->what, c->culprit);
+    }
+    record *r = &c->rec_in;
+    if (r->code == 0) {
+        if (!more_to_send && c->sent_bytes <= r->received) return STC_OK; /* it finished this collective too */
+        blame(c, r->culprit, STC_E_PEER, r->why);
+        return fail(err, errlen, STC_E_PEER, "%s: rank %d closed its communicator while this rank was still in a "
+                    "collective (every rank must make the same collective calls)", c->what, r->culprit);
+    }
+    blame(c, r->culprit, r->code == STC_E_TIMEOUT ? STC_E_TIMEOUT : STC_E_PEER, r->why);
+    return fail(err, errlen, c->blame_code, "%s: rank %d %s (word of it came round the ring)", c->what, r->culprit,
+                r->why);
+}
+
+/* The upstream leader closed its connection (cause: "end of stream" or the error). It may have
+ * died, or failed after something further up did (its record went the other way): wait a
+ * bounded while for that record to come round the ring before naming the neighbour. */
+static int upstream_closed(stc_comm *c, const char *cause, char *err, size_t errlen) {
+    double end = now_s() + RECORD_WAIT_S;
+    if (end > c->deadline) end = c->deadline;
+    for (;;) {
+        int rc = downstream_fatal(c, 1, err, errlen);
+        if (rc) {
+            if (c->down > 0 && c->rec_in.code == 0) break; /* downstream closed early: no record can come */
+            return rc;
         }
-        if (ri >= 0 && fds[ri].revents) {
-            ssize_t n = recv(c->cfg.prev_fd, dst + got, rl - got, 0);
-            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
-                return fail(err, errlen, STC_E_PEER, "%s: rank %d closed its connection (%s): it died or failed",
-                            c->what, prev_node_rank(c), n == 0 ? "end of stream" : strerror(errno));
-            if (n > 0) got += (size_t)n;
-            if (dtype >= 0) {
-                size_t whole = got / esz * esz;
-                if (whole - reduced >= (64u << 10) || whole == rl) {
-                    stc_accumulate(acc + reduced, c->tmp + reduced, (whole - reduced) / esz, dtype, op);
-                    reduced = whole;
+        double left = end - now_s();
+        if (left <= 0) break;
+        struct pollfd pf = {c->cfg.next_fd, POLLIN, 0};
+        if (poll(&pf, 1, (int)(left * 1000) + 1) < 0 && errno != EINTR) break;
+    }
+    blame(c, prev_node_rank(c), STC_E_PEER, "closed its ring connection: it died or failed");
+    return fail(err, errlen, STC_E_PEER, "%s: rank %d closed its connection (%s): it died or failed", c->what,
+                prev_node_rank(c), cause);
+}
+
+/* A run of the ring: the send stream (sends, in order) to the next leader while the receive
+ * stream (recvs) comes from the previous one. A received piece with reduce set is added into
+ * its place (through the stage, element by element as they arrive); otherwise it lands there.
+ * Only the first lead bytes of the send stream are ready at the start; each further byte is
+ * ready once as many bytes of the receive stream are in place (a chain: what arrives is passed
+ * on). So steps need not wait for each other: the ring streams. */
+typedef struct piece {
+    char *p;
+    size_t len;
+    int reduce;
+} piece;
+
+static int ring_run(stc_comm *c, const piece *sends, int ns, const piece *recvs, int nr, size_t lead, int dtype,
+                    int op, char *err, size_t errlen) {
+    size_t esz = dtype >= 0 ? stc_dtype_size(dtype) : 1;
+    size_t sent = 0, sent_total = 0, got = 0, done = 0, done_total = 0; /* sent, got, done: in the current piece */
+    int si = 0, ri = 0;
+    for (int i = 0; i < nr; i++)
+        if (recvs[i].reduce && !c->stage) {
+            c->stage = malloc(STAGE_BYTES);
+            if (!c->stage) return fail(err, errlen, STC_E_SYS, "%s: out of memory for the ring's stage", c->what);
+        }
+    while (si < ns && !sends[si].len) si++;
+    while (ri < nr && !recvs[ri].len) ri++;
+    while (si < ns || ri < nr) {
+        int moved = 0;
+        if (ri < nr) {
+            const piece *r = &recvs[ri];
+            char *dst;
+            size_t room;
+            if (r->reduce) {
+                size_t at = got % STAGE_BYTES;
+                dst = c->stage + at;
+                room = STAGE_BYTES - at;
+                if (room > r->len - got) room = r->len - got;
+            } else {
+                dst = r->p + got;
+                room = r->len - got;
+            }
+            ssize_t n = recv(c->cfg.prev_fd, dst, room, MSG_DONTWAIT);
+            if (n == 0) return upstream_closed(c, "end of stream", err, errlen);
+            if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                return upstream_closed(c, strerror(errno), err, errlen);
+            if (n > 0) {
+                moved = 1;
+                got += (size_t)n;
+                c->received_bytes += (uint64_t)n;
+                if (r->reduce) { /* whole elements, up to the stage's end */
+                    while (got - done >= esz) {
+                        size_t at = done % STAGE_BYTES, upto = got / esz * esz;
+                        if (upto - done > STAGE_BYTES - at) upto = done + STAGE_BYTES - at;
+                        stc_accumulate(r->p + done, c->stage + at, (upto - done) / esz, dtype, op);
+                        done_total += upto - done;
+                        done = upto;
+                    }
+                } else {
+                    done_total += (size_t)n;
+                    done = got;
+                }
+                if (done == r->len) {
+                    got = done = 0;
+                    do ri++; while (ri < nr && !recvs[ri].len);
                 }
             }
         }
-        if (si >= 0 && fds[si].revents) {
-            if (fds[si].revents & (POLLERR | POLLHUP))
-                return fail(err, errlen, STC_E_PEER, "%s: rank %d closed its connection: it died or failed", c->what,
-                            next_node_rank(c));
-            ssize_t n = send(c->cfg.next_fd, sp + sent, can_send - sent, MSG_NOSIGNAL);
-            if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-                return fail(err, errlen, STC_E_PEER, "%s: sending to rank %d failed (%s): it died or failed",
-                            c->what, next_node_rank(c), strerror(errno));
-            if (n > 0) sent += (size_t)n;
+        if (si < ns) {
+            size_t ready = lead + done_total; /* how much of the send stream may go */
+            const piece *s = &sends[si];
+            size_t can = s->len - sent;
+            if (ready <= sent_total) can = 0;
+            else if (can > ready - sent_total) can = ready - sent_total;
+            if (can) {
+                ssize_t n = send(c->cfg.next_fd, s->p + sent, can, MSG_NOSIGNAL | MSG_DONTWAIT);
+                if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+                    int rc = downstream_fatal(c, 1, err, errlen);
+                    if (rc) return rc;
+                    blame(c, next_node_rank(c), STC_E_PEER, "died");
+                    return fail(err, errlen, STC_E_PEER, "%s: sending to rank %d failed (%s): it died",
+                                c->what, c->culprit, strerror(errno));
+                }
+                if (n > 0) {
+                    moved = 1;
+                    c->sent_bytes += (uint64_t)n;
+                    sent += (size_t)n;
+                    sent_total += (size_t)n;
+                    if (sent == s->len) {
+                        sent = 0;
+                        do si++; while (si < ns && !sends[si].len);
+                    }
+                }
+            }
         }
+        if (moved) continue;
+        /* Nothing moved: sleep until something can, watching downstream for a record. */
+        int rc = downstream_fatal(c, si < ns, err, errlen);
+        if (rc) return rc;
+        double left = c->deadline - now_s();
+        if (left <= 0) {
+            blame(c, c->cfg.rank, STC_E_TIMEOUT, "timed out on the ring");
+            return fail(err, errlen, STC_E_TIMEOUT,
+                        "%s: timed out after %.0f s on the ring (sent %zu bytes to rank %d, received %zu from rank "
+                        "%d)", c->what, c->cfg.timeout_s, sent_total, next_node_rank(c), done_total + got - done,
+                        prev_node_rank(c));
+        }
+        struct pollfd fds[2];
+        int nf = 0;
+        fds[nf].fd = c->cfg.next_fd;
+        fds[nf].events = c->down ? 0 : POLLIN; /* downstream's record, or its death */
+        if (si < ns && lead + done_total > sent_total) fds[nf].events |= POLLOUT;
+        if (fds[nf].events) nf++; /* a closed socket would wake poll for ever */
+        if (ri < nr) {
+            fds[nf].fd = c->cfg.prev_fd;
+            fds[nf].events = POLLIN;
+            nf++;
+        }
+        int pr = poll(fds, (nfds_t)nf, (int)(left * 1000) + 1);
+        if (pr < 0 && errno != EINTR) return fail(err, errlen, STC_E_SYS, "%s: poll: %s", c->what, strerror(errno));
     }
     return STC_OK;
+}
+
+/* Send sl bytes to the next leader while receiving rl bytes from the previous one. With forward
+ * set, only bytes already received are sent (a chain). */
+static int ring_xfer(stc_comm *c, const char *sp, size_t sl, char *rp, size_t rl, int forward, char *err,
+                     size_t errlen) {
+    piece s = {(char *)sp, sl, 0}, r = {rp, rl, 0};
+    return ring_run(c, &s, 1, &r, 1, forward ? 0 : sl, -1, 0, err, errlen);
 }
 
 /* Every leader's verdict to every leader: m-1 steps, each passing on the record received in the
@@ -644,8 +861,8 @@ static int ring_verdict(stc_comm *c, verdict *mine, char *err, size_t errlen) {
     all[pos] = *mine;
     for (int k = 0; k < m - 1; k++) {
         int si = ((pos - k) % m + m) % m, ri = ((pos - k - 1) % m + m) % m;
-        int rc = ring_xfer(c, (const char *)&all[si], sizeof(verdict), (char *)&all[ri], sizeof(verdict), -1, 0, NULL,
-                           0, err, errlen);
+        int rc = ring_xfer(c, (const char *)&all[si], sizeof(verdict), (char *)&all[ri], sizeof(verdict), 0, err,
+                           errlen);
         if (rc) return rc;
     }
     for (int h = 0; h < m; h++)
@@ -662,35 +879,40 @@ static int ring_verdict(stc_comm *c, verdict *mine, char *err, size_t errlen) {
     return STC_OK;
 }
 
+/* Reduce-scatter then allgather as one stream: what is received in one step (reduced, in the
+ * first m-1; as it is, after) is what is sent in the next, so the send stream is this host's own
+ * segment followed by the receive stream, less its last segment. */
 static int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
     int m = c->cfg.num_nodes, pos = c->cfg.node;
     size_t esz = stc_dtype_size(dtype);
+    piece sends[2 * 64], recvs[2 * 64], *ps = sends, *pr = recvs;
+    piece *heap = NULL;
+    if (m > 64) {
+        heap = malloc(sizeof(piece) * 4 * (size_t)m);
+        if (!heap) return fail(err, errlen, STC_E_SYS, "%s: out of memory", c->what);
+        ps = heap;
+        pr = heap + 2 * m;
+    }
 #define SEG_LO(i) (count * (size_t)(i) / (size_t)m)
-#define SEG_LEN(i) (SEG_LO((i) + 1) - SEG_LO(i))
-    for (int k = 0; k < m - 1; k++) {
-        int si = ((pos - k) % m + m) % m, ri = ((pos - k - 1) % m + m) % m;
-        int rc = ring_xfer(c, buf + SEG_LO(si) * esz, SEG_LEN(si) * esz, NULL, SEG_LEN(ri) * esz, dtype, op,
-                           buf + SEG_LO(ri) * esz, 0, err, errlen);
-        if (rc) return rc;
-    }
-    for (int k = 0; k < m - 1; k++) {
-        int si = ((pos + 1 - k) % m + m) % m, ri = ((pos - k) % m + m) % m;
-        int rc = ring_xfer(c, buf + SEG_LO(si) * esz, SEG_LEN(si) * esz, buf + SEG_LO(ri) * esz, SEG_LEN(ri) * esz,
-                           -1, 0, NULL, 0, err, errlen);
-        if (rc) return rc;
-    }
+#define SEG(i, red) ((piece){buf + SEG_LO(i) * esz, (SEG_LO((i) + 1) - SEG_LO(i)) * esz, red})
+    for (int k = 0; k < m - 1; k++) pr[k] = SEG(((pos - k - 1) % m + m) % m, 1);
+    for (int k = 0; k < m - 1; k++) pr[m - 1 + k] = SEG(((pos - k) % m + m) % m, 0);
+    ps[0] = SEG(pos, 0);
+    for (int k = 0; k < 2 * m - 3; k++) ps[k + 1] = pr[k];
+#undef SEG
 #undef SEG_LO
-#undef SEG_LEN
-    return STC_OK;
+    int rc = ring_run(c, ps, 2 * m - 2, pr, 2 * m - 2, ps[0].len, dtype, op, err, errlen);
+    free(heap);
+    return rc;
 }
 
 /* From the root host's leader along the ring; the leader before it only receives. */
 static int ring_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_node, char *err, size_t errlen) {
     int m = c->cfg.num_nodes, pos = c->cfg.node;
     int last = (root_node + m - 1) % m;
-    if (pos == root_node) return ring_xfer(c, buf, nbytes, NULL, 0, -1, 0, NULL, 0, err, errlen);
-    if (pos == last) return ring_xfer(c, NULL, 0, buf, nbytes, -1, 0, NULL, 0, err, errlen);
-    return ring_xfer(c, buf, nbytes, buf, nbytes, -1, 0, NULL, 1, err, errlen);
+    if (pos == root_node) return ring_xfer(c, buf, nbytes, NULL, 0, 0, err, errlen);
+    if (pos == last) return ring_xfer(c, NULL, 0, buf, nbytes, 0, err, errlen);
+    return ring_xfer(c, buf, nbytes, buf, nbytes, 1, err, errlen);
 }
 
 /* ------------------------------------------------------------------------------ the ABI */
@@ -1066,6 +1288,7 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
     if (!c) return fail(err, errlen, STC_E_SYS, "out of memory");
     c->cfg = *cfg;
     c->cfg.next_fd = c->cfg.prev_fd = -1; /* owned only once create succeeds */
+    c->culprit = -1;
     if (!c->cfg.chunk_bytes) c->cfg.chunk_bytes = DEFAULT_CHUNK;
     c->cfg.chunk_bytes = (c->cfg.chunk_bytes + 63) & ~(size_t)63;
     if (c->cfg.heartbeat_s <= 0) c->cfg.heartbeat_s = 30;
@@ -1120,6 +1343,7 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
 
 void stc_destroy(stc_comm *c) {
     if (!c) return;
+    if (!c->broken && c->cfg.next_fd >= 0) send_record(c, 0); /* closed in good order */
     if (c->hb_started) {
         atomic_store(&c->hb_stop, 1);
         pthread_join(c->hb_thread, NULL);
@@ -1129,6 +1353,7 @@ void stc_destroy(stc_comm *c) {
     if (c->cfg.next_fd >= 0) close(c->cfg.next_fd);
     if (c->cfg.prev_fd >= 0 && c->cfg.prev_fd != c->cfg.next_fd) close(c->cfg.prev_fd);
     free(c->tmp);
+    free(c->stage);
     free(c->rank_node);
     free(c->rank_local);
     free(c->leader_of);

@@ -181,6 +181,44 @@ def allreduce_forever(comm, victim, started):
         i += 1
 
 
+def allreduce_until_it_fails(comm, victim, started):
+    """As allreduce_forever, but the failure is the result: its code and message (without this
+    rank's prefix), how long the failing call took, and what sockets the rank holds once it has
+    closed the communicator."""
+    import psutil
+
+    x = np.ones(1 << 18, np.float32)
+    i = 0
+    while True:
+        if comm.rank == victim and i == 3:
+            started.set()
+        t0 = time.monotonic()
+        try:
+            comm.allreduce_(x, "sum")
+        except native.CollectiveError as e:
+            took = time.monotonic() - t0
+            text = str(e)
+            prefix = f"rank {comm.rank}: "
+            comm.close()
+            return {"code": e.code, "message": text[len(prefix):] if text.startswith(prefix) else text,
+                    "took": took, "sockets": [c.laddr for c in psutil.Process().net_connections(kind="inet")]}
+        x[:] = 1
+        i += 1
+
+
+def one_rank_leaves_early(comm, early):
+    """Every rank allreduces once; all but ``early`` then allreduce again, which must fail."""
+    comm.allreduce(np.ones(5, np.float32), "sum")
+    if comm.rank == early:
+        comm.close()
+        return "left"
+    try:
+        comm.allreduce(np.ones(5, np.float32), "sum")
+    except native.CollectiveError as e:
+        return {"code": e.code, "message": str(e)}
+    return "no error"
+
+
 def mismatched(comm):
     return comm.allreduce(np.ones(10 + comm.rank, np.float32), "sum")
 

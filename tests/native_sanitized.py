@@ -1,9 +1,13 @@
 """Run by tests/test_native_sanitizer.py under an ASan+UBSan build of the engine: the correctness
 cases over shared memory, the forced TCP ring and two hosts (every op of every dtype included),
-the other collectives (reducescatter and alltoall too), and disagreements with the collectives
-that follow them. Exits 0 when every rank got the right answer."""
+the other collectives (reducescatter and alltoall too), disagreements with the collectives
+that follow them, and a leader killed on a ring of four. Exits 0 when every rank got the right
+answer."""
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import sys
 
 import native_ranks as nr
@@ -47,6 +51,16 @@ def main() -> int:
         if len(values) != n or any(v != values[0] for v in values) or \
                 any(v.get(k) != [float(n)] * 3 for v in values for k in v if k.endswith(" then")):
             failures.append(f"disagreements {kw} {deviants}: {results}")
+    # A leader killed mid-allreduce on a ring of four: the abort record goes round to every survivor.
+    started = multiprocessing.get_context("fork").Event()
+
+    def kill_rank_2(procs):
+        if started.wait(60):
+            os.kill(procs[2].pid, signal.SIGKILL)
+
+    results = nr.run_ranks(4, nr.allreduce_until_it_fails, 2, started, tcp=True, timeout=30, on_start=kill_rank_2)
+    if sorted(results) != [0, 1, 3] or any(s != "ok" or "rank 2" not in v["message"] for s, v in results.values()):
+        failures.append(f"killed rank 2 of 4 over tcp: {results}")
     for f in failures:
         print("FAILED:", f)
     return 1 if failures else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import uuid
@@ -20,28 +21,51 @@ pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))]
 
 
-@pytest.mark.parametrize("tcp", [False, True], ids=["shm", "tcp"])
-def test_a_rank_killed_inside_an_allreduce_fails_the_others_naming_it(tcp):
+TWO_HOSTS_OF_TWO = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+
+
+@pytest.mark.parametrize("n, tcp, hosts, victim", [
+    (3, False, None, 2),
+    (3, True, None, 2),
+    (4, True, None, 2),                 # rank 0 is no neighbour of rank 2: word must come round the ring
+    (4, False, TWO_HOSTS_OF_TWO, 3),    # a non-leader: its leader sees it over shared memory, host 0 over the ring
+    (4, False, TWO_HOSTS_OF_TWO, 2),    # a leader: host 0's leader sees its connection close, rank 3 its death
+], ids=["shm3", "tcp3", "tcp4", "hosts-nonleader", "hosts-leader"])
+def test_a_rank_killed_inside_an_allreduce_fails_every_other_naming_it(n, tcp, hosts, victim):
     started = multiprocessing.get_context("fork").Event()
     name = f"test-kill-{uuid.uuid4().hex[:8]}"
+    timeout = 30
 
-    def kill_rank_2(procs):
-        assert started.wait(60), "rank 2 never got into its allreduces"
-        os.kill(procs[2].pid, signal.SIGKILL)
+    def kill_victim(procs):
+        assert started.wait(60), "the victim never got into its allreduces"
+        os.kill(procs[victim].pid, signal.SIGKILL)
 
-    results = nr.run_ranks(3, nr.allreduce_forever, 2, started, tcp=tcp, timeout=30, name=name,
-                           on_start=kill_rank_2)
-    assert sorted(results) == [0, 1], results  # rank 2 never reports
-    for r, (status, text) in results.items():
-        assert status == "error", (r, text)
-        assert "CollectiveError" in text, (r, text)
-    # Over shared memory both see rank 2's death. On the ring, rank 0 (whose previous leader is
-    # rank 2) names it; rank 1 names rank 2 or rank 0, whichever connection broke first.
-    assert "rank 2" in results[0][1], results[0][1]
-    if not tcp:
-        assert "rank 2" in results[1][1] and "died" in results[1][1], results[1][1]
-    for node in range(3):
+    results = nr.run_ranks(n, nr.allreduce_until_it_fails, victim, started, tcp=tcp, hosts=hosts, timeout=timeout,
+                           name=name, on_start=kill_victim)
+    survivors = [r for r in range(n) if r != victim]
+    assert sorted(results) == survivors, results  # the victim never reports
+    for r in survivors:
+        status, v = results[r]
+        assert status == "ok", (r, v)
+        # A peer failure naming the victim, and no other rank: not a neighbour whose socket closed.
+        assert v["code"] == native.PEER, (r, v)
+        assert set(re.findall(r"\brank (\d+)", v["message"])) == {str(victim)}, (r, v["message"])
+        assert v["took"] < timeout, (r, v)
+        assert v["sockets"] == [], (r, v)  # nothing listening, no ring connection left open
+    for node in range(n):
         assert not os.path.exists("/dev/shm" + native.segment_name(name, node))
+
+
+def test_a_rank_that_closes_early_is_named_not_taken_for_dead():
+    # Over the ring a communicator closed in good order says so upstream before its sockets
+    # close: the others name it as having closed, within the timeout, not as dead.
+    results = nr.run_ranks(3, nr.one_rank_leaves_early, 2, tcp=True, timeout=30)
+    assert results[2] == ("ok", "left"), results
+    for r in (0, 1):
+        status, v = results[r]
+        assert status == "ok" and isinstance(v, dict), (r, v)
+        assert v["code"] == native.PEER, (r, v)
+        assert "rank 2 closed its communicator" in v["message"], (r, v)
 
 
 def _inspect(comm, name):
