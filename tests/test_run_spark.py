@@ -358,6 +358,16 @@ def _warm_processes() -> dict[int, float]:
     return {pid: t for pid, t in out.items() if psutil.Process(pid).ppid() not in out}
 
 
+def _await_warm(count: int = 3, timeout: float = 30.0) -> dict[int, float]:
+    """The warm rank processes, once at least ``count`` wait (they start a moment after their run)."""
+    deadline = time.monotonic() + timeout
+    while len(warm := _warm_processes()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(warm)} warm rank process(es) after {timeout} s: {warm}")
+        time.sleep(0.05)
+    return warm
+
+
 def pid_and_env(name):
     import os
 
@@ -366,8 +376,7 @@ def pid_and_env(name):
 
 def test_a_run_takes_the_warm_rank_processes_the_last_run_left(spark):
     sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
-    warm = _warm_processes()
-    assert len(warm) >= 3, warm  # one per Python worker that ran a rank
+    warm = _await_warm()  # one per Python worker that ran a rank
     pid, _ = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
     assert pid in warm  # rank 0 ran in a process started before its run
     assert wait_pids_gone([pid], timeout=10) == []
@@ -378,14 +387,14 @@ def test_a_dead_or_unfit_warm_process_gives_way_to_a_fresh_one(spark):
     import psutil
 
     sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
-    warm = _warm_processes()
+    warm = _await_warm()
     for pid in warm:
         psutil.Process(pid).kill()
     assert wait_pids_gone(list(warm), timeout=10) == []
     pid, value = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
     assert pid not in warm and value is None
     # env= sets a variable an interpreter may read as it starts: the warm process cannot take it.
-    warm = _warm_processes()
+    warm = _await_warm()
     pid, value = sparktrain.run(pid_and_env, args=("MY_SETTING",), num_proc=3, verbose=0,
                                 env={"MY_SETTING": "on"})
     assert pid not in warm and value == "on"

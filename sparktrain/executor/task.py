@@ -22,6 +22,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -368,23 +369,48 @@ def _late(name: str) -> bool:
 #: task at a time in a Python worker, and reuses the worker for the next one
 #: (spark.python.worker.reuse); the process dies with the worker, as every rank process does.
 _warm: ChildProcess | None = None
+#: The warm process is started this long after its run's task ended, from a timer thread: not at
+#: once, when its interpreter's start would take the CPU from the end of the run (the task's
+#: completion, the driver's collect) and slow the run down as much as it speeds the next one up.
+WARM_DELAY = 0.2
+_warm_timer: threading.Timer | None = None
+_warm_lock = threading.Lock()
 
 
 def _leave_warm(spec: TaskSpec, rank: int) -> None:
-    """Start the next run's rank process now, while nothing waits for it, with this run's early
+    """Start the next run's rank process soon, while nothing waits for it, with this run's early
     environment: a next run with the same ``env=`` takes it."""
-    global _warm
-    home = tempfile.mkdtemp(prefix="sparktrain-warm-")
-    try:
-        _warm = ChildProcess(home, _early_env(spec, rank, home), held=True)
-    except OSError:
-        shutil.rmtree(home, ignore_errors=True)
+    global _warm_timer
+
+    def start() -> None:
+        global _warm
+        with _warm_lock:
+            if _warm_timer is not timer:  # a run took over this worker meanwhile
+                return
+            if _warm is not None:  # left by a run before one that did not take it
+                _discard(_warm, 1.0)
+                _warm = None
+            home = tempfile.mkdtemp(prefix="sparktrain-warm-")
+            try:
+                _warm = ChildProcess(home, _early_env(spec, rank, home), held=True)
+            except OSError:
+                shutil.rmtree(home, ignore_errors=True)
+
+    with _warm_lock:
+        timer = _warm_timer = threading.Timer(WARM_DELAY, start)
+        timer.daemon = True  # never keeps the worker alive
+        timer.start()
 
 
 def _take_warm() -> ChildProcess | None:
-    """This worker's warm rank process, if it still waits; the caller owns it (and its work directory)."""
-    global _warm
-    child, _warm = _warm, None
+    """This worker's warm rank process, if it waits ready; the caller owns it (and its work directory).
+    A warm start still pending is called off: this run starts its own process."""
+    global _warm, _warm_timer
+    with _warm_lock:
+        if _warm_timer is not None:
+            _warm_timer.cancel()
+            _warm_timer = None
+        child, _warm = _warm, None
     if child is not None and (child.poll() is not None or not os.path.isdir(child.workdir)):
         _discard(child, 1.0)
         child = None
