@@ -159,10 +159,22 @@ def other_ops(comm):
     return out
 
 
+def own_connections(kind: str = "inet") -> list:
+    """This rank's sockets, less those it inherited from the test process that forked it (a test
+    module run earlier in the same session may have left that process holding a connection)."""
+    import psutil
+
+    def key(c):
+        return c.family, c.type, c.laddr, c.raddr, c.status
+
+    inherited = {key(c) for c in psutil.Process(os.getppid()).net_connections(kind=kind)}
+    return [c for c in psutil.Process().net_connections(kind=kind) if key(c) not in inherited]
+
+
 def listening_sockets(comm):
     import psutil
 
-    return [c.laddr for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    return [c.laddr for c in own_connections("tcp") if c.status == psutil.CONN_LISTEN]
 
 
 def segment_left(comm, name):
@@ -201,7 +213,7 @@ def allreduce_until_it_fails(comm, victim, started):
             prefix = f"rank {comm.rank}: "
             comm.close()
             return {"code": e.code, "message": text[len(prefix):] if text.startswith(prefix) else text,
-                    "took": took, "sockets": [c.laddr for c in psutil.Process().net_connections(kind="inet")]}
+                    "took": took, "sockets": [c.laddr for c in own_connections()]}
         x[:] = 1
         i += 1
 
