@@ -345,27 +345,42 @@ def test_a_spark_failure_reads_as_the_rank_and_its_python_exception_first(spark)
     assert not message.rstrip().endswith((":", "Traceback (most recent call last)")), message
 
 
-def _warm_processes() -> dict[int, float]:
-    """The warm rank processes waiting in this session's Python workers (not their watchers): pid -> start."""
+def _warm_processes() -> dict[int, int]:
+    """This session's PySpark workers and the warm rank process each holds: worker pid -> warm pid
+    (None for a worker that holds none). The workers are the children of the daemon this test
+    process's Spark started; a warm process is a rank process started in a ``sparktrain-warm-``
+    directory (its watcher, forked from it, is its child, not the worker's)."""
     import psutil
 
-    out = {}
-    for p in psutil.process_iter(["pid", "cmdline", "create_time", "ppid"]):
-        cmd = p.info["cmdline"] or []
-        if "sparktrain.executor.child" in " ".join(cmd) and any("sparktrain-warm-" in c for c in cmd):
-            out[p.info["pid"]] = p.info["create_time"]
-    # A watcher is forked by its rank process and keeps its command line: keep the rank processes.
-    return {pid: t for pid, t in out.items() if psutil.Process(pid).ppid() not in out}
+    mine = {}  # pid -> (parent, command line), of the live descendants of this process
+    for p in psutil.Process().children(recursive=True):
+        try:
+            mine[p.pid] = (p.ppid(), " ".join(p.cmdline()))
+        except psutil.Error:  # gone, or a zombie
+            pass
+    daemons = {pid for pid, (_, cmd) in mine.items() if "pyspark.daemon" in cmd}
+    workers = {pid: None for pid in daemons if mine[pid][0] in daemons}
+    for pid, (parent, cmd) in mine.items():
+        if parent in workers and "sparktrain-warm-" in cmd:
+            workers[parent] = pid
+    return workers
 
 
-def _await_warm(count: int = 3, timeout: float = 30.0) -> dict[int, float]:
-    """The warm rank processes, once at least ``count`` wait (they start a moment after their run)."""
+def _await_warm(timeout: float = 60.0) -> dict[int, int]:
+    """Run no-ops until every PySpark worker holds a warm rank process, and return them (worker ->
+    warm pid). Spark hands a task the worker idle longest, so a worker whose last rank failed (and
+    left none) may be next: the runs go round until each has run a rank that succeeded."""
     deadline = time.monotonic() + timeout
-    while len(warm := _warm_processes()) < count:
+    while True:
+        sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
+        # A warm process starts a moment after its run: wait for those of this run's workers.
+        settle = time.monotonic() + 10
+        while None in (warm := _warm_processes()).values() and time.monotonic() < settle:
+            time.sleep(0.05)
+        if warm and None not in warm.values():
+            return warm
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(warm)} warm rank process(es) after {timeout} s: {warm}")
-        time.sleep(0.05)
-    return warm
+            raise TimeoutError(f"PySpark workers without a warm rank process after {timeout} s: {warm}")
 
 
 def pid_and_env(name):
@@ -375,29 +390,26 @@ def pid_and_env(name):
 
 
 def test_a_run_takes_the_warm_rank_processes_the_last_run_left(spark):
-    sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
     warm = _await_warm()  # one per Python worker that ran a rank
     pid, _ = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
-    assert pid in warm  # rank 0 ran in a process started before its run
+    assert pid in warm.values()  # rank 0 ran in a process started before its run
     assert wait_pids_gone([pid], timeout=10) == []
-    assert pid not in _warm_processes()
 
 
 def test_a_dead_or_unfit_warm_process_gives_way_to_a_fresh_one(spark):
     import psutil
 
-    sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
-    warm = _await_warm()
+    warm = list(_await_warm().values())
     for pid in warm:
         psutil.Process(pid).kill()
-    assert wait_pids_gone(list(warm), timeout=10) == []
+    assert wait_pids_gone(warm, timeout=10) == []
     pid, value = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
     assert pid not in warm and value is None
     # env= sets a variable an interpreter may read as it starts: the warm process cannot take it.
-    warm = _await_warm()
+    warm = list(_await_warm().values())
     pid, value = sparktrain.run(pid_and_env, args=("MY_SETTING",), num_proc=3, verbose=0,
                                 env={"MY_SETTING": "on"})
     assert pid not in warm and value == "on"
-    # The ranks' warm processes were released, not left waiting (a Python worker that ran no rank
-    # this time may still hold one).
-    assert len(warm) - len(wait_pids_gone(list(warm), timeout=10)) >= 3
+    # The ranks' warm processes were released, not left waiting; those of workers that ran no rank
+    # this time still wait.
+    assert len(warm) - len(wait_pids_gone(warm, timeout=10)) == 3

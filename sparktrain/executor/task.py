@@ -22,7 +22,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -32,9 +31,10 @@ from ..errors import (InvalidArgumentError, RankError, RankFailure, ResultTooLar
 from ..data import layout
 from ..localfiles import file_chunks
 from ..spec import OUTPUT_SEQ, RESULT_FIELDS, SPILLED, TaskSpec
+from . import warm as warm_process
+from .child import EXIT_NOT_LET_GO
 from .janitor import Janitor
 from .spool import Spool, local_dir
-from .child import EXIT_NOT_LET_GO
 from .supervisor import ChildProcess
 
 #: Lines of output each rank keeps for its failure report.
@@ -364,64 +364,6 @@ def _late(name: str) -> bool:
     return name in _LATE_VARS or name.startswith(("SPARKTRAIN_", "MLFLOW_"))
 
 
-#: This Python worker's warm rank process: started held after a run, in a work directory of its
-#: own, for the next run's rank that this worker runs (see :func:`_take_warm`). Spark runs one
-#: task at a time in a Python worker, and reuses the worker for the next one
-#: (spark.python.worker.reuse); the process dies with the worker, as every rank process does.
-_warm: ChildProcess | None = None
-#: The warm process is started this long after its run's task ended, from a timer thread: not at
-#: once, when its interpreter's start would take the CPU from the end of the run (the task's
-#: completion, the driver's collect) and slow the run down as much as it speeds the next one up.
-WARM_DELAY = 0.2
-_warm_timer: threading.Timer | None = None
-_warm_lock = threading.Lock()
-
-
-def _leave_warm(spec: TaskSpec, rank: int) -> None:
-    """Start the next run's rank process soon, while nothing waits for it, with this run's early
-    environment: a next run with the same ``env=`` takes it."""
-    global _warm_timer
-
-    def start() -> None:
-        global _warm
-        with _warm_lock:
-            if _warm_timer is not timer:  # a run took over this worker meanwhile
-                return
-            if _warm is not None:  # left by a run before one that did not take it
-                _discard(_warm, 1.0)
-                _warm = None
-            home = tempfile.mkdtemp(prefix="sparktrain-warm-")
-            try:
-                _warm = ChildProcess(home, _early_env(spec, rank, home), held=True)
-            except OSError:
-                shutil.rmtree(home, ignore_errors=True)
-
-    with _warm_lock:
-        timer = _warm_timer = threading.Timer(WARM_DELAY, start)
-        timer.daemon = True  # never keeps the worker alive
-        timer.start()
-
-
-def _take_warm() -> ChildProcess | None:
-    """This worker's warm rank process, if it waits ready; the caller owns it (and its work directory).
-    A warm start still pending is called off: this run starts its own process."""
-    global _warm, _warm_timer
-    with _warm_lock:
-        if _warm_timer is not None:
-            _warm_timer.cancel()
-            _warm_timer = None
-        child, _warm = _warm, None
-    if child is not None and (child.poll() is not None or not os.path.isdir(child.workdir)):
-        _discard(child, 1.0)
-        child = None
-    return child
-
-
-def _discard(child: ChildProcess, grace: float) -> None:
-    child.release(grace)
-    shutil.rmtree(child.workdir, ignore_errors=True)
-
-
 def _early_env(spec: TaskSpec, rank: int, workdir: str) -> dict[str, str]:
     """The rank process's environment as far as it is known before the rendezvous: the executor's,
     the user's ``env``, MLflow's hand-off, the import path and TensorFlow's log level. The rest
@@ -459,7 +401,8 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     """Run ``rank`` to completion. Yields rank 0's pickled result in chunks; raises RankError on failure.
 
     ``warm``: this process runs one task at a time and is reused (a Spark Python worker): the rank
-    takes the warm process the last run left, if any, and a run that succeeded leaves one.
+    takes the warm process the last run left, if any, and a run that succeeded leaves one (see
+    ``executor.warm``).
 
     ``batches`` is this task's share of the fed DataFrames (``spec.feed``), spooled before the
     rendezvous; ``data_dir`` holds the spool, and a janitor process removes it however the task ends.
@@ -467,7 +410,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     """
     state = _Rank(spec, rank, host)
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
-    child = _take_warm() if warm and spec.warm_process else None
+    child = warm_process.take() if warm and spec.warm_process else None
     if child is not None:
         child.move(workdir)  # its watcher now also cleans up this run's directory
     succeeded = False
@@ -543,7 +486,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             # go (it died while the ranks met): start the rank's process afresh.
             if changes is None or not child.go(changes, workdir):
                 if child.workdir != workdir:
-                    _discard(child, spec.grace_period)  # a warm process that cannot take this run
+                    warm_process.discard(child, spec.grace_period)  # it cannot take this run
                 else:
                     child.release(spec.grace_period)
                 child = ChildProcess(workdir, env)
@@ -599,7 +542,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         if janitor is not None:
             janitor.finish()
         if succeeded and warm and spec.warm_process:
-            _leave_warm(spec, rank)
+            warm_process.leave(lambda home: _early_env(spec, rank, home))
 
 
 def _failed(state: _Rank, failure: RankFailure) -> RankError:
