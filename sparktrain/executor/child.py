@@ -45,7 +45,7 @@ def _parent_gone(parent_pid: int) -> bool:
 
 
 #: The work directories this rank was given, the current one last: a warm rank process (see
-#: ``executor.task``) starts in a directory of its own and is moved into its run's at its go.
+#: ``executor.warm``) starts in a directory of its own and is moved into its run's at its go.
 _workdirs: list[str] = []
 
 

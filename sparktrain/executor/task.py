@@ -411,7 +411,9 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     state = _Rank(spec, rank, host)
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
     child = warm_process.take() if warm and spec.warm_process else None
+    warm_home = None  # the warm process's own directory, removed with this run's
     if child is not None:
+        warm_home = child.workdir
         child.move(workdir)  # its watcher now also cleans up this run's directory
     succeeded = False
     janitor = data_dir = spool = None
@@ -485,10 +487,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             # Something only a new interpreter reads changed, or the held process could not take its
             # go (it died while the ranks met): start the rank's process afresh.
             if changes is None or not child.go(changes, workdir):
-                if child.workdir != workdir:
-                    warm_process.discard(child, spec.grace_period)  # it cannot take this run
-                else:
-                    child.release(spec.grace_period)
+                child.release(spec.grace_period)
                 child = ChildProcess(workdir, env)
         except SparkTrainError as e:
             raise _failed(state, state.failure(exc_type=type_name(e), message=str(e),
@@ -535,8 +534,8 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         if state.chan is not None:
             state.chan.close()
         shutil.rmtree(workdir, ignore_errors=True)
-        if child is not None and child.workdir != workdir:
-            shutil.rmtree(child.workdir, ignore_errors=True)  # the warm process's own directory
+        if warm_home is not None:
+            shutil.rmtree(warm_home, ignore_errors=True)
         if data_dir is not None:
             shutil.rmtree(data_dir, ignore_errors=True)
         if janitor is not None:

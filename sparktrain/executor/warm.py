@@ -38,7 +38,7 @@ def leave(make_env: Callable[[str], Mapping[str, str]]) -> None:
             if _timer is not timer:  # a run took over this worker meanwhile
                 return
             if _process is not None:  # left by a run before one that did not take it
-                discard(_process, 1.0)
+                _discard(_process, 1.0)
                 _process = None
             home = tempfile.mkdtemp(prefix="sparktrain-warm-")
             try:
@@ -63,12 +63,12 @@ def take() -> ChildProcess | None:
             _timer = None
         child, _process = _process, None
     if child is not None and (child.poll() is not None or not os.path.isdir(child.workdir)):
-        discard(child, 1.0)
+        _discard(child, 1.0)
         child = None
     return child
 
 
-def discard(child: ChildProcess, grace: float) -> None:
-    """A warm process this run cannot use: it exits without running anything, and its directory goes."""
+def _discard(child: ChildProcess, grace: float) -> None:
+    """A warm process no run will take: it exits without running anything, and its directory goes."""
     child.release(grace)
     shutil.rmtree(child.workdir, ignore_errors=True)
