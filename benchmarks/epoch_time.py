@@ -51,7 +51,7 @@ import sys
 import time
 import traceback
 
-from common import machine_line, markdown_section, settle, short_reason, text_table, write_section
+from common import machine_line, markdown_section, nproc, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- epoch_time:begin -->"
 SECTION_END = "<!-- epoch_time:end -->"
@@ -115,13 +115,49 @@ def epoch_timer(base):
     return EpochTimer()
 
 
+def turn_timer(base, directory: str, index: int, timeout: float, rank: int):
+    """An epoch timer (subclass of ``base``) whose every epoch first waits for a byte on this rank's
+    turn FIFO, and then reports its wall time on the contender's done FIFO (see ``take_turns``)."""
+    import select
+
+    class TurnTimer(base):
+        def __init__(self):
+            super().__init__()
+            self.seconds: list[float] = []
+            self._start = 0.0
+            # The coordinator holds both FIFOs open read-write, so neither open blocks.
+            self._turn = os.open(os.path.join(directory, f"turn-{index}-{rank}"), os.O_RDONLY | os.O_NONBLOCK)
+            self._done = os.path.join(directory, f"done-{index}")
+
+        def on_epoch_begin(self, epoch, logs=None):
+            ready, _, _ = select.select([self._turn], [], [], timeout)
+            if not ready or os.read(self._turn, 1) != b"x":
+                raise RuntimeError(f"rank {rank}: no turn for epoch {epoch} within {timeout:.0f} s")
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds = time.perf_counter() - self._start
+            self.seconds.append(seconds)
+            fd = os.open(self._done, os.O_WRONLY)
+            try:
+                os.write(fd, f"{rank} {seconds!r}\n".encode())  # one short write: atomic on a FIFO
+            finally:
+                os.close(fd)
+
+    return TurnTimer()
+
+
 def pipeline(tf, x, y, batch: int):
     return (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).repeat()
             .prefetch(tf.data.AUTOTUNE))
 
 
-def train_keras3(kind: str, repeat: int, global_batch: int, epochs: int, lr: float, distributed: bool) -> dict:
-    """Keras 3: with DistributedOptimizer on every rank, or the plain optimizer in one process."""
+def train_keras3(kind: str, repeat: int, global_batch: int, epochs: int, lr: float, distributed: bool,
+                 turns: tuple | None = None) -> dict:
+    """Keras 3: with DistributedOptimizer on every rank, or the plain optimizer in one process.
+
+    ``turns`` (``--scaling``): ``(directory, contender index, timeout)``; every epoch then waits for
+    its turn (see ``take_turns``) instead of starting at once."""
     import keras
     import tensorflow as tf
 
@@ -138,7 +174,7 @@ def train_keras3(kind: str, repeat: int, global_batch: int, epochs: int, lr: flo
     if distributed:
         opt = hvd.DistributedOptimizer(opt)
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
-    timer = epoch_timer(keras.callbacks.Callback)
+    timer = turn_timer(keras.callbacks.Callback, *turns, r) if turns else epoch_timer(keras.callbacks.Callback)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False)
     history = model.fit(pipeline(tf, x, y, global_batch // n), steps_per_epoch=steps, epochs=epochs, shuffle=False,
                         verbose=0, callbacks=[*callbacks, timer])  # the timer last: its epoch end follows the averaging
@@ -181,6 +217,7 @@ class Contender:
         self.epochs: list[float] = []  # timed epochs, first epoch of every run dropped
         self.first: list[float] = []   # the dropped first epochs
         self.info: dict = {}
+        self.steal: float | None = None  # --scaling: median share of the machine the host took per epoch
         self.status: str | None = None  # why there are no numbers
 
     def median(self) -> float | None:
@@ -203,36 +240,174 @@ SCALING_END = "<!-- epoch_scaling:end -->"
 # One compute thread; TensorFlow's inter-op pool keeps 2, as sparktrain's thread defaults do.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
 SCALING_HEADER = ["contender", "ranks x batch", "steps/epoch", "timed epochs", "median epoch s", "samples/s",
-                  "x one process", "x one process on 1 core", "last loss"]
+                  "x one process on 1 core", "x one process on both", "host steal", "last loss"]
+ONE_CORE = "one process, 1 thread, 1 core"
+SCALING_TARGET = "2 ranks x 1 thread, native engine, same batch per rank"
 
 
 def build_scaling(args) -> list[Contender]:
     def common(global_batch):
         return (args.model, args.repeat_data, global_batch, args.epochs, 0.001 * global_batch / 32)
 
-    sign = 1 if args.spark else -1
     one, two = common(args.global_batch), common(args.global_batch * 2)
     base = {**BASE_ENV, **ONE_THREAD, **({} if args.pin else {"SPARKTRAIN_PIN_CORES": "off"})}
+    native, ring = {**base, "SPARKTRAIN_CPU_COLLECTIVES": "native"}, {**base, "SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"}
     return [
-        Contender("one process, 1 thread", train_keras3, (*one, False), sign * 1, base),
-        # Each of the 2 ranks below has one core to itself; so has this one process.
-        Contender("one process, 1 thread, 1 core", train_keras3, (*one, False), sign * 1, base, cores=1),
-        Contender("2 ranks x 1 thread, native engine, same global batch", train_keras3, (*one, True), sign * 2,
-                  {**base, "SPARKTRAIN_CPU_COLLECTIVES": "native"}),
-        Contender("2 ranks x 1 thread, TensorFlow ring, same global batch", train_keras3, (*one, True), sign * 2,
-                  {**base, "SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"}),
-        Contender("2 ranks x 1 thread, native engine, same batch per rank", train_keras3, (*two, True), sign * 2,
-                  {**base, "SPARKTRAIN_CPU_COLLECTIVES": "native"}),
-        Contender("2 ranks x 1 thread, TensorFlow ring, same batch per rank", train_keras3, (*two, True), sign * 2,
-                  {**base, "SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"}),
+        # The reference: one core, as each pinned rank has.
+        Contender(ONE_CORE, train_keras3, (*one, False), -1, base, cores=1),
+        Contender("one process, 1 thread, both cores", train_keras3, (*one, False), -1, base),
+        # No gradient averaging: what two ranks could reach on this machine if they never waited.
+        Contender("2 independent processes x 1 thread, no averaging", train_keras3, (*two, False), -2, base),
+        Contender("2 ranks x 1 thread, native engine, same global batch", train_keras3, (*one, True), -2, native),
+        Contender("2 ranks x 1 thread, TensorFlow ring, same global batch", train_keras3, (*one, True), -2, ring),
+        Contender(SCALING_TARGET, train_keras3, (*two, True), -2, native),
+        # Waits that sleep almost at once, as they did before spin_wait (and do where ranks outnumber cores).
+        Contender(f"{SCALING_TARGET}, spin_wait 0", train_keras3, (*two, True), -2,
+                  {**native, "SPARKTRAIN_SPIN_WAIT": "0"}),
+        Contender("2 ranks x 1 thread, TensorFlow ring, same batch per rank", train_keras3, (*two, True), -2, ring),
     ]
 
 
-def scaling_rows(contenders: list[Contender]) -> list[list[str]]:
-    def rate_of(c):
-        return c.info["steps"] * c.args[2] / c.median() if c.median() else None
+def host_steal() -> int:
+    """CPU time the hypervisor gave to others, in clock ticks, summed over this machine's CPUs."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) if len(fields) > 8 and fields[0] == "cpu" else 0
 
-    one_rate, core_rate = rate_of(contenders[0]), rate_of(contenders[1])
+
+class Member:
+    """One contender of ``take_turns``: its own ``sparktrain.run``, in a process of its own."""
+
+    def __init__(self, c: Contender, index: int, directory: str, argv: list[str]):
+        import subprocess
+
+        self.c, self.index, self.ranks = c, index, abs(c.num_proc)
+        self.turns, self.lines = [], b""
+        for r in range(self.ranks):  # open read-write: the opens on either side never block
+            os.mkfifo(os.path.join(directory, f"turn-{index}-{r}"))
+            self.turns.append(os.open(os.path.join(directory, f"turn-{index}-{r}"), os.O_RDWR))
+        os.mkfifo(os.path.join(directory, f"done-{index}"))
+        self.done = os.open(os.path.join(directory, f"done-{index}"), os.O_RDWR | os.O_NONBLOCK)
+        self.result = os.path.join(directory, f"result-{index}.json")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv,
+                                      "--member", str(index), "--turns", directory])
+        self.steal: list[float] = []  # the host's steal during each timed epoch, fraction of the machine
+
+    def epoch(self, timeout: float) -> float:
+        """Give every rank its turn for one epoch; the slowest rank's wall time."""
+        import select
+
+        for fd in self.turns:
+            os.write(fd, b"x")
+        seconds: dict[int, float] = {}
+        deadline = time.monotonic() + timeout
+        while len(seconds) < self.ranks:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"its run ended (exit {self.proc.returncode}) before epoch's end; see above")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no epoch end within {timeout:.0f} s")
+            if select.select([self.done], [], [], min(left, 1.0))[0]:
+                self.lines += os.read(self.done, 4096)
+                *complete, self.lines = self.lines.split(b"\n")
+                for line in complete:
+                    rank, value = line.split()
+                    seconds[int(rank)] = float(value)
+        return max(seconds.values())
+
+    def finish(self, timeout: float) -> None:
+        import json
+
+        self.proc.wait(timeout)
+        if self.c.status is None:
+            with open(self.result) as f:
+                self.c.info = json.load(f)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in (*self.turns, self.done):
+            os.close(fd)
+
+
+def take_turns(contenders: list[Contender], args, argv: list[str]) -> None:
+    """Run every contender at once, each in its own process, and let them take turns epoch by
+    epoch: one contender trains an epoch while all the others wait, blocked on a FIFO.
+
+    The host under a virtual machine takes CPU time away in bursts that last seconds; timed one
+    after another, two contenders meet different hosts. Taking turns, the epochs compared lie
+    seconds apart, and each ratio is a median over pairs of neighbouring epochs. Every other round
+    goes in reverse order, so that no contender always follows the same one."""
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="sparktrain-turns-")
+    members: list[Member] = []
+    try:
+        members = [Member(c, i, directory, argv) for i, c in enumerate(contenders)]
+        hz = os.sysconf("SC_CLK_TCK")
+        for epoch in range(args.epochs):
+            if epoch == 1 and args.settle > 0:
+                settle(args.settle)  # every process has started and traced; the machine is quiet again
+            for m in members if epoch % 2 == 0 else members[::-1]:
+                if m.c.status is not None:
+                    continue
+                steal, started = host_steal(), time.monotonic()
+                try:
+                    seconds = m.epoch(args.timeout)
+                except Exception as e:  # noqa: BLE001 - one contender failing must not stop the others
+                    m.c.status = f"failed: {short_reason(e)}"
+                    print(f"--- {m.c.name} failed: {e}", file=sys.stderr, flush=True)
+                    continue
+                if epoch == 0:
+                    m.c.first.append(seconds)
+                else:
+                    m.c.epochs.append(seconds)
+                    m.steal.append((host_steal() - steal) / hz / ((time.monotonic() - started) * nproc()))
+            print(f"epoch {epoch}: " + "  ".join(f"{m.c.epochs[-1] if m.c.epochs else m.c.first[-1]:.3f}"
+                                                 for m in members if m.c.status is None), file=sys.stderr, flush=True)
+        for m in members:
+            try:
+                m.finish(args.timeout)
+            except Exception as e:  # noqa: BLE001
+                m.c.status = m.c.status or f"failed: {short_reason(e)}"
+            m.c.steal = statistics.median(m.steal) if m.steal else None
+    finally:
+        for m in members:
+            m.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def serve_member(args) -> int:
+    """``--member I``: run contender I of ``build_scaling`` as ``take_turns`` asks, and write what
+    rank 0 returned to ``result-I.json`` in the turns directory."""
+    import json
+
+    import sparktrain
+
+    c = build_scaling(args)[args.member]
+    if c.cores:  # before anything starts a thread: the ranks inherit it
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:c.cores])
+    out = sparktrain.run(c.fn, args=(*c.args, (args.turns, args.member, args.timeout)), num_proc=c.num_proc,
+                         env=c.env, verbose=0, output_ranks=[0], stdout=sys.stderr, timeout=args.timeout * args.epochs)
+    with open(os.path.join(args.turns, f"result-{args.member}.json"), "w") as f:
+        json.dump({k: v for k, v in out.items() if k != "epoch_s"}, f)
+    return 0
+
+
+def paired_ratio(c: Contender, reference: Contender) -> float | None:
+    """Median over the timed epochs of c's samples/s over the reference's in the same round."""
+    if c.median() is None or reference.median() is None:
+        return None
+    work = c.info["steps"] * c.args[2]
+    ref_work = reference.info["steps"] * reference.args[2]
+    pairs = [(work / a) / (ref_work / b) for a, b in zip(c.epochs, reference.epochs)]
+    return statistics.median(pairs) if pairs else None
+
+
+def scaling_rows(contenders: list[Contender]) -> list[list[str]]:
+    reference, free = contenders[0], contenders[1]
     rows = []
     for c in contenders:
         med, global_batch = c.median(), c.args[2]
@@ -241,11 +416,23 @@ def scaling_rows(contenders: list[Contender]) -> list[list[str]]:
             rows.append([c.name, shape, c.status or "no timed epochs"])
             continue
         steps = c.info["steps"]
-        rate = steps * global_batch / med
-        rows.append([c.name, shape, str(steps), str(len(c.epochs)), f"{med:.3f}", f"{rate:,.0f}",
-                     f"{rate / one_rate:.2f}x" if one_rate else "n/a",
-                     f"{rate / core_rate:.2f}x" if core_rate else "n/a", f"{c.info['loss']:.4f}"])
+        ratio, ratio_free = paired_ratio(c, reference), paired_ratio(c, free)
+        rows.append([c.name, shape, str(steps), str(len(c.epochs)), f"{med:.3f}", f"{steps * global_batch / med:,.0f}",
+                     f"{ratio:.2f}x" if ratio else "n/a", f"{ratio_free:.2f}x" if ratio_free else "n/a",
+                     f"{100 * c.steal:.1f}%" if c.steal is not None else "n/a", f"{c.info['loss']:.4f}"])
     return rows
+
+
+def scaling_target_line(contenders: list[Contender]) -> str:
+    by = {c.name: c for c in contenders}
+    ratio = paired_ratio(by[SCALING_TARGET], by[ONE_CORE])
+    ceiling = paired_ratio(by["2 independent processes x 1 thread, no averaging"], by[ONE_CORE])
+    if ratio is None:
+        return "target (2 ranks >= 1.8x one process on one core): not measured"
+    text = (f"target: {SCALING_TARGET} / {ONE_CORE} = {ratio:.2f}x >= 1.8x: {'yes' if ratio >= 1.8 else 'NO'}")
+    if ceiling:
+        text += f"; two processes that never wait for each other reach {ceiling:.2f}x ({ratio / ceiling:.0%} of it)"
+    return text
 
 
 @contextlib.contextmanager
@@ -368,7 +555,11 @@ def parse_args(argv=None):
                    help="with --scaling, leave the ranks unpinned (SPARKTRAIN_PIN_CORES=off) instead of sparktrain's "
                         "default, which gives each rank cores of its own in local mode")
     p.add_argument("--write", metavar="PATH", help="write or replace the epoch-time section of this markdown file")
+    p.add_argument("--member", type=int, help=argparse.SUPPRESS)  # --scaling runs each contender so
+    p.add_argument("--turns", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.scaling and args.spark:
+        p.error("--scaling runs its contenders as local processes that take turns; leave out --spark")
     if args.epochs < 2:
         p.error("--epochs must be at least 2: the first epoch is dropped")
     if min(args.repeat_data, args.num_proc, args.rounds, args.global_batch) < 1:
@@ -380,11 +571,24 @@ def parse_args(argv=None):
     return args
 
 
+def member_argv(args) -> list[str]:
+    """What a ``--member`` process needs to build the same contenders."""
+    return ["--scaling", "--epochs", str(args.epochs), "--repeat-data", str(args.repeat_data), "--global-batch",
+            str(args.global_batch), "--num-proc", str(args.num_proc), "--model", args.model, "--timeout",
+            str(args.timeout), *([] if args.pin else ["--no-pin"])]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = shlex.join([sys.executable] + (sys.argv if argv is None else [sys.argv[0], *argv]))
     # The ranks must run this interpreter, where sparktrain, TensorFlow and tf_keras are installed.
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    if args.member is not None:
+        return serve_member(args)
+    if args.scaling:
+        contenders = build_scaling(args)
+        take_turns(contenders, args, member_argv(args))
+        return write_scaling(args, contenders, command)
 
     spark = None
     if args.spark:
@@ -394,15 +598,13 @@ def main(argv=None) -> int:
                  .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                  .getOrCreate())
         spark.sparkContext.setLogLevel("ERROR")
-    contenders = build_scaling(args) if args.scaling else build_contenders(args)
+    contenders = build_contenders(args)
     try:
         benchmark(contenders, args.rounds, args.settle, args.timeout)
     finally:
         if spark is not None:
             spark.stop()
 
-    if args.scaling:
-        return write_scaling(args, contenders, command)
     rows = table_rows(contenders, args.global_batch)
     machine, model, target = machine_line(("sparktrain", "tensorflow", "keras", "tf_keras"), args.master if args.spark else None), model_line(contenders, args), target_line(contenders)
     print()
@@ -429,24 +631,35 @@ def main(argv=None) -> int:
 
 def write_scaling(args, contenders: list[Contender], command: str) -> int:
     rows = scaling_rows(contenders)
-    machine = machine_line(("sparktrain", "tensorflow", "keras"), args.master if args.spark else None)
-    model = model_line(contenders, args) + f"; the same-batch-per-rank rows take a global batch of {2 * args.global_batch}"
+    machine = machine_line(("sparktrain", "tensorflow", "keras"))
+    params = sorted({c.info["params"] for c in contenders if c.info})
+    model = (f"Model {args.model} ({', '.join(map(str, params)) or '?'} parameters), digits x {args.repeat_data}, "
+             f"global batch {args.global_batch} ({2 * args.global_batch} in the same-batch-per-rank rows), "
+             f"{args.epochs} epochs per contender (the first dropped).")
+    target = scaling_target_line(contenders)
     print()
-    print("CPU scaling: one process with 1 thread against 2 ranks with 1 thread each")
+    print("CPU scaling: one process with 1 thread against 2 ranks with 1 thread each, taking turns epoch by epoch")
     print(f"machine: {machine}")
     print(model)
     print()
     print(text_table(SCALING_HEADER, rows))
+    print()
+    print(target)
     if args.write:
         write_section(args.write, markdown_section(
             SCALING_BEGIN, SCALING_END, "CPU scaling: 1 process against 2 ranks, 1 thread each",
-            "Samples per second of the same model and data: one process with one thread (free to use both cores "
-            "for TensorFlow's inter-op and input threads, then confined to one core, as each rank is: pinned ranks "
-            "get one core each), and two ranks with one thread each whose gradients are averaged by sparktrain's native engine or by TensorFlow's ring, "
-            "first with the same global batch (each rank takes half), then with the same batch per rank (the "
-            "global batch doubles, as in Horovod's scaling figures). Timed inside rank 0, first epoch of every "
-            "run dropped. Written by `benchmarks/epoch_time.py --scaling`.",
-            machine, command, SCALING_HEADER, rows, before_command=[model[0].upper() + model[1:] + "."]),
+            "Samples per second of the same model and data: one process with one thread (confined to one core, "
+            "as each pinned rank is, then free to use both cores for TensorFlow's inter-op and input threads); two "
+            "processes that train alone side by side, never averaging (what two ranks could reach here if they "
+            "never waited for each other); and two ranks with one thread each whose gradients are averaged by "
+            "sparktrain's native engine or by TensorFlow's ring, first with the same global batch (each rank "
+            "takes half), then with the same batch per rank (the global batch doubles, as in Horovod's scaling "
+            "figures). All contenders run at once and take turns epoch by epoch, the others blocked meanwhile; "
+            "each ratio is the median over rounds of samples/s against the baseline's epoch in the same round. "
+            "An epoch's time is its slowest rank's. Host steal: the median share of the machine's CPU time the "
+            "hypervisor gave elsewhere during the contender's epochs (/proc/stat). "
+            "Written by `benchmarks/epoch_time.py --scaling`.",
+            machine, command, SCALING_HEADER, rows, before_command=[model], after_table=[target[0].upper() + target[1:]]),
                       SCALING_BEGIN, SCALING_END)
         print(f"wrote the CPU-scaling section of {args.write}")
     return 0 if all(c.status is None for c in contenders) else 1

@@ -261,14 +261,18 @@ static void futex_wait(_Atomic uint32_t *addr, uint32_t expected, long ns) {
 
 static void futex_wake(_Atomic uint32_t *addr) { syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
 
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
 /* Spin briefly, then yield, then sleep with a growing pause: ranks may outnumber cores. Used
  * where there is no futex to sleep on (set-up). */
 static void backoff(unsigned *spins) {
     unsigned s = (*spins)++;
     if (s < 64) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
+        cpu_relax();
     } else if (s < 256) {
         sched_yield();
     } else {
@@ -408,42 +412,62 @@ static int check_peer(stc_comm *c, rank_state *st, double t, char *err, size_t e
 
 static int reached(uint32_t seq, uint32_t target) { return (int32_t)(seq - target) >= 0; }
 
-/* Publish step seq+1 and wait until every local rank has published it: spin briefly, yield a
- * little, then sleep on the laggard's counter (a futex), waking every few milliseconds to check
- * the deadline and that the laggard lives. Sleeping, not spinning, leaves the cores to the ranks
- * that still compute when ranks outnumber cores. */
+/* Wait until *ctr reaches target, moved by local rank `peer` (or by any local rank: peer < 0).
+ *
+ * First, where the ranks have cores of their own (cfg.spin_s > 0), spin on it for up to spin_s:
+ * a sleeper's wake-up goes through the scheduler and, in a virtual machine, the hypervisor's
+ * wake-up of an idle vCPU, which cost a small model's step about a tenth of its time here. Then
+ * spin briefly, yield a little, and sleep on the counter (a futex), waking every few milliseconds
+ * to check the deadline and that the peers live. Sleeping, not spinning, leaves the cores to the
+ * ranks that still compute when ranks outnumber cores. */
+static int await_count(stc_comm *c, _Atomic uint32_t *ctr, _Atomic uint32_t *waiters, uint32_t target, int peer,
+                       char *err, size_t errlen) {
+    if (reached(atomic_load(ctr), target)) return STC_OK;
+    if (c->cfg.spin_s > 0) {
+        double end = now_s() + c->cfg.spin_s;
+        for (unsigned i = 1;; i++) {
+            cpu_relax();
+            if (reached(atomic_load(ctr), target)) return STC_OK;
+            if (i % 64 == 0 && now_s() > end) break;
+        }
+    }
+    unsigned spins = 0;
+    double last_check = now_s();
+    uint32_t v;
+    while (!reached(v = atomic_load(ctr), target)) {
+        if (++spins < 128) {
+            cpu_relax();
+            continue;
+        }
+        if (spins < 160) {
+            sched_yield();
+            continue;
+        }
+        atomic_fetch_add(waiters, 1);
+        if (!reached(v = atomic_load(ctr), target)) futex_wait(ctr, v, 5 * 1000 * 1000);
+        atomic_fetch_sub(waiters, 1);
+        double t = now_s();
+        if (t - last_check < 0.005) continue;
+        last_check = t;
+        int lo = peer < 0 ? 0 : peer, hi = peer < 0 ? c->cfg.local_size : peer + 1;
+        for (int r = lo; r < hi; r++) { /* whoever could move it: check each */
+            int rc = check_peer(c, state_of(c, r), t, err, errlen);
+            if (rc) return rc;
+        }
+    }
+    return STC_OK;
+}
+
+/* Publish step seq+1 and wait until every local rank has published it. */
 static int shm_step(stc_comm *c, char *err, size_t errlen) {
     uint32_t target = (uint32_t)++c->seq;
     rank_state *me = state_of(c, c->cfg.local_rank);
     atomic_store(&me->seq, target);
     if (atomic_load(&me->waiters)) futex_wake(&me->seq);
-    double last_check = now_s();
-    int L = c->cfg.local_size;
-    for (int r = 0; r < L; r++) {
+    for (int r = 0; r < c->cfg.local_size; r++) {
         rank_state *st = state_of(c, r);
-        unsigned spins = 0;
-        uint32_t v;
-        while (!reached(v = atomic_load(&st->seq), target)) {
-            spins++;
-            if (spins < 128) {
-#if defined(__x86_64__) || defined(__i386__)
-                __builtin_ia32_pause();
-#endif
-                continue;
-            }
-            if (spins < 160) {
-                sched_yield();
-                continue;
-            }
-            atomic_fetch_add(&st->waiters, 1);
-            if (!reached(v = atomic_load(&st->seq), target)) futex_wait(&st->seq, v, 5 * 1000 * 1000);
-            atomic_fetch_sub(&st->waiters, 1);
-            double t = now_s();
-            if (t - last_check < 0.005) continue;
-            last_check = t;
-            int rc = check_peer(c, st, t, err, errlen);
-            if (rc) return rc;
-        }
+        int rc = await_count(c, &st->seq, &st->waiters, target, r, err, errlen);
+        if (rc) return rc;
     }
     return STC_OK;
 }
@@ -501,24 +525,7 @@ static int reduce_shares(stc_comm *c, uint64_t s, size_t m, int dtype, int op, c
     }
     c->claimed_base[p] += ns + (uint32_t)L;
     uint32_t target = c->done_base[p] += ns;
-    unsigned spins = 0;
-    double last_check = now_s();
-    uint32_t v;
-    while (!reached(v = atomic_load(&c->hdr->done[p]), target)) {
-        if (++spins < 128) continue;
-        if (spins < 160) { sched_yield(); continue; }
-        atomic_fetch_add(&c->hdr->done_waiters[p], 1);
-        if (!reached(v = atomic_load(&c->hdr->done[p]), target)) futex_wait(&c->hdr->done[p], v, 5 * 1000 * 1000);
-        atomic_fetch_sub(&c->hdr->done_waiters[p], 1);
-        double t = now_s();
-        if (t - last_check < 0.005) continue;
-        last_check = t;
-        for (int r = 0; r < L; r++) { /* whoever holds the missing share: check everyone */
-            int rc = check_peer(c, state_of(c, r), t, err, errlen);
-            if (rc) return rc;
-        }
-    }
-    return STC_OK;
+    return await_count(c, &c->hdr->done[p], &c->hdr->done_waiters[p], target, -1, err, errlen);
 }
 
 /* checked: the first step is the collective's first (shm_step_checked); otherwise the ranks have
@@ -1282,6 +1289,9 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
         cfg->node >= cfg->num_nodes || cfg->timeout_s <= 0)
         return fail(err, errlen, STC_E_ARG, "bad topology: rank %d of %d, local %d of %d, host %d of %d", cfg->rank,
                     cfg->size, cfg->local_rank, cfg->local_size, cfg->node, cfg->num_nodes);
+    if (!(cfg->spin_s >= 0 && cfg->spin_s <= cfg->timeout_s))
+        return fail(err, errlen, STC_E_ARG, "spin_s %g: must be from 0 to the timeout (%g s)", cfg->spin_s,
+                    cfg->timeout_s);
     if (cfg->num_nodes > 1 && cfg->local_rank == 0 && (cfg->next_fd < 0 || cfg->prev_fd < 0))
         return fail(err, errlen, STC_E_ARG, "a host's leader needs its ring connections");
     stc_comm *c = calloc(1, sizeof *c);

@@ -19,8 +19,8 @@ extern "C" {
 /* 2: every collective carries its dtype and shape (so a disagreement names both and leaves the
  * communicator usable); min, max and product; int8, int16, uint16 and bool; reduce-scatter and
  * alltoall. 3: the process's current communicator (stc_set_current, stc_current_acquire),
- * stc_comm_rank and stc_comm_size. */
-#define STC_ABI_VERSION 3
+ * stc_comm_rank and stc_comm_size. 4: stc_config.spin_s. */
+#define STC_ABI_VERSION 4
 
 enum stc_dtype {
     STC_FLOAT16 = 0,
@@ -68,6 +68,8 @@ typedef struct stc_config {
                                    next and previous host's leader; the communicator owns them */
     const int32_t *rank_node;   /* size entries: each rank's host index */
     const int32_t *rank_local;  /* size entries: each rank's local rank */
+    double spin_s;              /* a wait on a local peer spins this long before it sleeps; 0: only
+                                   briefly (for ranks that outnumber their host's cores) */
 } stc_config;
 
 typedef struct stc_comm stc_comm;

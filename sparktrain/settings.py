@@ -31,6 +31,22 @@ def parse_seconds(name: str, value: Any, *, allow_none: bool = False) -> float |
     return float(value)
 
 
+def parse_spin(name: str, value: Any) -> str | float:
+    """``"auto"``, or a number of seconds from 0 to 1 (how long a collective's wait spins)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    given = value
+    if isinstance(value, str):
+        try:
+            value = float(value.strip().removesuffix("s"))
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise InvalidArgumentError(f"{name} must be 'auto' or a number of seconds from 0 to 1 (0.002 spins 2 ms; "
+                                   f"0 sleeps at once), got {given!r}")
+    return float(value)
+
+
 def parse_positive_int(name: str, value: Any) -> int:
     """A whole number of at least 1; echoes the bad value otherwise."""
     given = value
@@ -103,6 +119,9 @@ SETTINGS = {
                 lambda n, v: _choice(n, v, ("auto", "tcp")),
                 "how the native engine connects ranks on one host: 'auto' (shared memory) or 'tcp' (the ring "
                 "between hosts, forced; for tests and measurements)"),
+        Setting("spin_wait", "SPARKTRAIN_SPIN_WAIT", "spark.sparktrain.spinWait", "auto", parse_spin,
+                "seconds a native collective waiting for a rank on its host spins before it sleeps: 'auto' "
+                "(2 ms where the host's ranks do not outnumber its cores, else 0) or a number from 0 to 1"),
         Setting("tf_kernels", "SPARKTRAIN_TF_KERNELS", "spark.sparktrain.tfKernels", True, parse_bool,
                 "run the native engine's collectives as TensorFlow kernels (compiled with g++ at first use and "
                 "cached); false: through tf.numpy_function, as where no compiler is found"),
@@ -119,6 +138,10 @@ SETTINGS = {
 }
 
 
+#: Settings the ranks read from their environment; ``run`` checks them first, on the driver.
+READ_IN_RANK = ("cpu_collectives", "cpu_transport", "elastic_url", "pin_cores", "spin_wait", "tf_kernels")
+
+
 def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:
     """``env`` plus, for settings read in the rank, the Spark conf's value where ``env`` lacks one.
 
@@ -126,7 +149,7 @@ def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:
     {'SPARKTRAIN_CPU_COLLECTIVES': 'tensorflow'}
     """
     out = dict(env)
-    for name in ("cpu_collectives", "cpu_transport", "elastic_url", "pin_cores", "tf_kernels"):
+    for name in READ_IN_RANK:
         s = SETTINGS[name]
         if s.env not in out and conf.get(s.conf) not in (None, ""):
             out[s.env] = str(s.parse(s.conf, conf.get(s.conf)))

@@ -60,10 +60,10 @@ def digest(a) -> str:
 SECRET = b"test-secret"
 
 
-def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners):
+def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners, spin):
     try:
         comm = native.Communicator(rank, n, hosts, ports, SECRET, name, timeout=timeout, force_tcp=tcp,
-                                   listener=listeners.get(rank))
+                                   listener=listeners.get(rank), spin=spin)
         try:
             result = fn(comm, *args)
         finally:
@@ -74,7 +74,7 @@ def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, liste
 
 
 def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float = 60.0, name: str | None = None,
-              on_start=None, wait: float = 120.0, listeners=None, heartbeat=None):
+              on_start=None, wait: float = 120.0, listeners=None, heartbeat=None, spin: float | None = None):
     """Run ``fn(comm, *args)`` on ``n`` forked ranks; {rank: ("ok", value) or ("error", text)}.
 
     ``on_start(processes)`` runs once they are started (to kill one, say). Ranks that never
@@ -88,7 +88,8 @@ def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float =
     for r, sock in listeners.items():
         ports[r] = sock.getsockname()[1]
     name = name or f"test-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=_rank_main, args=(r, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners))
+    procs = [ctx.Process(target=_rank_main, args=(r, n, hosts, ports, name, tcp, timeout, fn, args, queue,
+                                                       listeners, spin))
              for r in range(n)]
     for p in procs:
         p.start()

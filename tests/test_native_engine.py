@@ -5,6 +5,8 @@ Ranks are plain forked processes (tests/native_ranks.py), not Spark, so this run
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sparktrain import native
@@ -33,6 +35,23 @@ def test_allreduce_matches_numpy_over_shared_memory(n):
 @pytest.mark.parametrize("n", [2, 3, 4])  # 4: segments of unequal length stream through three hops
 def test_allreduce_matches_numpy_over_forced_tcp(n):
     check_correct(nr.run_ranks(n, nr.correctness, SIZES, tcp=True), n)
+
+
+@pytest.mark.parametrize("n, spin", [(2, 0.0), (3, 0.01)])  # 3 spinning ranks outnumber CI's 2 cores
+def test_allreduce_matches_numpy_with_waits_that_spin_or_sleep_at_once(n, spin):
+    check_correct(nr.run_ranks(n, nr.correctness, SIZES, spin=spin), n)
+
+
+def test_waits_spin_by_default_only_where_the_hosts_ranks_have_cores_of_their_own():
+    cores = os.cpu_count()
+    for n in sorted({1, 2, cores, cores + 1} - {0}):
+        if n > 4:
+            continue
+        spins = nr.all_ok(nr.run_ranks(n, lambda comm: comm.spin), n)
+        assert set(spins.values()) == {native.SPIN_S if n <= cores else 0.0}, (n, cores, spins)
+    # Two hosts of one rank each: each host's one rank has a core.
+    spins = nr.all_ok(nr.run_ranks(2, lambda comm: comm.spin, tcp=True), 2)
+    assert set(spins.values()) == {native.SPIN_S}
 
 
 def test_allreduce_hierarchical_two_hosts_of_two():

@@ -81,4 +81,20 @@ def test_a_missing_library_falls_back_to_tensorflows_ring_with_one_warning(monke
 def test_the_library_is_found_and_speaks_this_abi():
     if native.unavailable_reason() is not None:
         pytest.skip(native.unavailable_reason())
-    assert native.library().stc_abi_version() == native._ABI_VERSION == 3
+    assert native.library().stc_abi_version() == native._ABI_VERSION == 4
+
+
+def test_spin_wait_is_auto_or_seconds_and_a_bad_value_fails_on_the_driver_naming_it():
+    assert settings.resolve("spin_wait", environ={}) == "auto"
+    assert settings.resolve("spin_wait", environ={"SPARKTRAIN_SPIN_WAIT": "0"}) == 0.0
+    assert settings.resolve("spin_wait", environ={"SPARKTRAIN_SPIN_WAIT": "0.005"}) == 0.005
+    assert settings.rank_env({}, {"spark.sparktrain.spinWait": "0.001"}) == {"SPARKTRAIN_SPIN_WAIT": "0.001"}
+    for bad in ("-1", "2", "fast", "nan"):
+        with pytest.raises(InvalidArgumentError, match=f"SPARKTRAIN_SPIN_WAIT must be 'auto' or a number "
+                                                       f"of seconds from 0 to 1.*got '{bad}'"):
+            settings.resolve("spin_wait", environ={"SPARKTRAIN_SPIN_WAIT": bad})
+    # run() reads the ranks' settings on the driver, before it launches anything.
+    import sparktrain
+
+    with pytest.raises(InvalidArgumentError, match="SPARKTRAIN_SPIN_WAIT.*got 'fast'"):
+        sparktrain.run(print, num_proc=-2, env={"SPARKTRAIN_SPIN_WAIT": "fast"}, verbose=0)

@@ -146,7 +146,8 @@ def run(
     args, kwargs, env = preflight.check_arguments(
         train_fn, args, kwargs, env, stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks)
     asked = preflight.check_resources(resources, use_gpu)
-    settings.resolve("pin_cores", environ={**os.environ, **env})  # read in the ranks: a bad value fails here
+    for name in settings.READ_IN_RANK:  # a bad value fails here, not in every rank
+        settings.resolve(name, environ={**os.environ, **env})
     start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
     timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
     if max_attempts is not None:
