@@ -44,7 +44,7 @@ import shlex
 import sys
 import time
 
-from common import machine_line, markdown_section, text_table, write_section
+from common import HostSteal, machine_line, markdown_section, text_table, write_section
 
 COMPARE_BEGIN = "<!-- cpu_engines:begin -->"
 COMPARE_END = "<!-- cpu_engines:end -->"
@@ -271,6 +271,7 @@ def compare(args, command: str) -> int:
     if args.contenders:
         contenders = [(label, kind) for label, kind in contenders if kind in args.contenders]
     table: dict = {}
+    steal = HostSteal()
     for n in args.ranks:
         for label, kind in contenders:
             settle()
@@ -314,7 +315,8 @@ def compare(args, command: str) -> int:
     machine = machine_line(("sparktrain", "tensorflow", "torch"))
     method = (f"float32 sum, {args.warmup} warm-up call(s), then up to {args.iters} timed calls per size (at least "
               f"{args.min_iters}, fewer where they would exceed {args.budget:g} s); rank 0's median per call. "
-              "x Gloo = Gloo's time / this contender's time at that size and rank count.")
+              "x Gloo = Gloo's time / this contender's time at that size and rank count. "
+              f"Host steal over the run: {steal.share():.1%} of the machine's CPU time (/proc/stat).")
     if args.mpi_python:
         import subprocess
 

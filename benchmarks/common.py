@@ -18,6 +18,31 @@ def settle(max_wait: float = 15.0, busy_percent: float = 25.0) -> None:
         pass
 
 
+class HostSteal:
+    """The share of this machine's CPU time that the hypervisor gave elsewhere since it was made
+    (the steal column of /proc/stat; 0 where there is none). On a shared virtual machine it comes
+    in bursts of seconds that slow every contender they hit; a benchmark reports it beside its
+    figures so that a disturbed run shows as one."""
+
+    def __init__(self):
+        self.ticks, self.started = self.read(), time.monotonic()
+
+    @staticmethod
+    def read() -> int:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+        except OSError:
+            return 0
+        return int(fields[8]) if len(fields) > 8 and fields[0] == "cpu" else 0
+
+    def share(self) -> float:
+        elapsed = time.monotonic() - self.started
+        if elapsed <= 0:
+            return 0.0
+        return (self.read() - self.ticks) / os.sysconf("SC_CLK_TCK") / (elapsed * (os.cpu_count() or 1))
+
+
 def short_reason(exc: BaseException, limit: int = 160) -> str:
     """One line out of an exception, preferring the innermost ``SomeError: message`` line.
 

@@ -51,7 +51,7 @@ import sys
 import time
 import traceback
 
-from common import machine_line, markdown_section, nproc, settle, short_reason, text_table, write_section
+from common import HostSteal, machine_line, markdown_section, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- epoch_time:begin -->"
 SECTION_END = "<!-- epoch_time:end -->"
@@ -268,13 +268,6 @@ def build_scaling(args) -> list[Contender]:
     ]
 
 
-def host_steal() -> int:
-    """CPU time the hypervisor gave to others, in clock ticks, summed over this machine's CPUs."""
-    with open("/proc/stat") as f:
-        fields = f.readline().split()
-    return int(fields[8]) if len(fields) > 8 and fields[0] == "cpu" else 0
-
-
 class Member:
     """One contender of ``take_turns``: its own ``sparktrain.run``, in a process of its own."""
 
@@ -346,14 +339,13 @@ def take_turns(contenders: list[Contender], args, argv: list[str]) -> None:
     members: list[Member] = []
     try:
         members = [Member(c, i, directory, argv) for i, c in enumerate(contenders)]
-        hz = os.sysconf("SC_CLK_TCK")
         for epoch in range(args.epochs):
             if epoch == 1 and args.settle > 0:
                 settle(args.settle)  # every process has started and traced; the machine is quiet again
             for m in members if epoch % 2 == 0 else members[::-1]:
                 if m.c.status is not None:
                     continue
-                steal, started = host_steal(), time.monotonic()
+                steal = HostSteal()
                 try:
                     seconds = m.epoch(args.timeout)
                 except Exception as e:  # noqa: BLE001 - one contender failing must not stop the others
@@ -364,7 +356,7 @@ def take_turns(contenders: list[Contender], args, argv: list[str]) -> None:
                     m.c.first.append(seconds)
                 else:
                     m.c.epochs.append(seconds)
-                    m.steal.append((host_steal() - steal) / hz / ((time.monotonic() - started) * nproc()))
+                    m.steal.append(steal.share())
             print(f"epoch {epoch}: " + "  ".join(f"{m.c.epochs[-1] if m.c.epochs else m.c.first[-1]:.3f}"
                                                  for m in members if m.c.status is None), file=sys.stderr, flush=True)
         for m in members:
