@@ -416,7 +416,7 @@ static int reached(uint32_t seq, uint32_t target) { return (int32_t)(seq - targe
  *
  * First, where the ranks have cores of their own (cfg.spin_s > 0), spin on it for up to spin_s:
  * a sleeper's wake-up goes through the scheduler and, in a virtual machine, the hypervisor's
- * wake-up of an idle vCPU, which cost a small model's step about a tenth of its time here. Then
+ * wake-up of an idle vCPU (a 4 KiB allreduce in a step: 68 us sleeping, 19 us spinning). Then
  * spin briefly, yield a little, and sleep on the counter (a futex), waking every few milliseconds
  * to check the deadline and that the peers live. Sleeping, not spinning, leaves the cores to the
  * ranks that still compute when ranks outnumber cores. */

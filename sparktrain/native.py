@@ -649,8 +649,8 @@ class Communicator:
 # -- from a rank's environment -----------------------------------------------------------------
 
 #: How long a wait spins, by default, where each of a host's ranks can have a core of its own:
-#: longer than the usual skew between ranks' steps. Measured on a 2-core virtual machine, the
-#: futex wake-up after a short spin cost the demo CNN's 2-rank step about a tenth of its time.
+#: longer than the usual skew between ranks' steps. On a 2-core virtual machine, a 4 KiB
+#: allreduce inside a step took 68 us with waits that slept almost at once, 19 us spinning.
 SPIN_S = 0.002
 
 
