@@ -411,6 +411,11 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     state = _Rank(spec, rank, host)
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
     child = warm_process.take() if warm and spec.warm_process else None
+    if child is not None and _env_changes(child.env, _early_env(spec, rank, workdir)) is None:
+        # Something it has read already differs for this run (the user's env, say): release it now,
+        # before it is moved here, for its watcher removes the directories it was moved to.
+        child.release(spec.grace_period)
+        child = None
     warm_home = None  # the warm process's own directory, removed with this run's
     if child is not None:
         warm_home = child.workdir
