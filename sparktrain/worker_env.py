@@ -79,6 +79,26 @@ def topology(hosts: Sequence[str], rank: int) -> dict[str, int]:
     }
 
 
+def ranks_by_host(task_hosts: Sequence[str]) -> list[int]:
+    """Each barrier task's rank, given every task's host in partition order (Horovod's numbering).
+
+    Hosts come in the order of their first task; within a host, ranks are contiguous and follow
+    the tasks' order. So the first ``local_size`` ranks share a machine, and on hosts that run
+    the same number of ranks ``local_rank == rank % local_size``. Every task computes the same
+    list from ``BarrierTaskContext.getTaskInfos()``, with no message between them.
+
+    >>> ranks_by_host(["a", "b", "a", "b"])
+    [0, 2, 1, 3]
+    """
+    order: dict[str, list[int]] = {}
+    for partition, host in enumerate(task_hosts):
+        order.setdefault(host, []).append(partition)
+    ranks = [0] * len(task_hosts)
+    for rank, partition in enumerate(p for partitions in order.values() for p in partitions):
+        ranks[partition] = rank
+    return ranks
+
+
 def rank_threads(task_cpus: int | None, cpu_count: int | None, local_size: int) -> int:
     """Compute threads for one rank: its task's CPUs (``spark.task.cpus``) where Spark says, else
     (local mode, no Spark) this host's cores divided among its ranks; at least 1.

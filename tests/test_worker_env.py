@@ -22,6 +22,26 @@ def test_topology_two_hosts_uneven():
     assert [(t["cross_rank"], t["cross_size"]) for t in got] == [(0, 2), (1, 2), (0, 2), (1, 2), (0, 1)]
 
 
+@pytest.mark.parametrize("hosts, expected", [
+    (["a", "b", "a", "b"], [0, 2, 1, 3]),
+    (["b", "a", "a", "b", "c"], [0, 2, 3, 1, 4]),
+    (["a", "a", "a"], [0, 1, 2]),
+    ([], []),
+])
+def test_ranks_by_host_are_contiguous_per_host(hosts, expected):
+    ranks = we.ranks_by_host(hosts)
+    assert ranks == expected
+    by_rank = [None] * len(hosts)
+    for partition, rank in enumerate(ranks):
+        by_rank[rank] = hosts[partition]
+    # Horovod's rule: a host's ranks form one block, and every rank's topology agrees with it.
+    for rank, host in enumerate(by_rank):
+        topo = we.topology(by_rank, rank)
+        first = by_rank.index(host)
+        assert topo["local_rank"] == rank - first
+        assert by_rank[first:first + topo["local_size"]] == [host] * topo["local_size"]
+
+
 def test_topology_rejects_rank_outside():
     with pytest.raises(ValueError, match="rank 3"):
         we.topology(["a", "b"], 3)

@@ -140,6 +140,8 @@ class Attempt:
                 self.server.close()
             raise
         self.hosts: dict[int, str] = {}
+        #: Each barrier task's rank by its partition: ranks are numbered by host, not by partition.
+        self.ranks_by_partition: dict[int, int] = {}
         self.failures: dict[int, RankFailure] = {}
         self.disconnected: set[int] = set()
         self.start_seconds: float | None = None
@@ -232,6 +234,7 @@ class Attempt:
             self.failures.setdefault(f.rank, f)
         elif isinstance(event, Hello):
             self.hosts[event.rank] = event.host
+            self.ranks_by_partition[event.partition] = event.rank
             if self.phase is Phase.STARTING and len(self.hosts) == self.spec.size:
                 self.phase = Phase.RUNNING
                 self.start_seconds = time.monotonic() - self.started
@@ -321,7 +324,7 @@ class Attempt:
             return RunCancelledError(f"{run} was cancelled (Spark job group sparktrain-{self.info.run_id})")
         # Lead with the executor's own Python exception, where Spark carried one, then Spark's context.
         failure = read_spark_failure(error)
-        rank = failure.rank
+        rank = self.ranks_by_partition.get(failure.partition) if failure.partition is not None else None
         if rank is not None and rank in self.hosts:
             # The rank's task died under it (its Python worker or executor was killed) before
             # sparktrain could report anything: name the rank, and what Spark saw.
@@ -331,7 +334,7 @@ class Attempt:
                 rank=rank, host=self.hosts[rank], time=time.time(),
                 local_rank=sum(1 for r, h in self.hosts.items() if r < rank and h == self.hosts[rank]),
                 message=f"{failure.cause} ({died})" if failure.cause else died)])
-        return SparkTrainError(failure.message(run))
+        return SparkTrainError(failure.message(run, rank))
 
 
 def load_result(data: bytes | None) -> Any:

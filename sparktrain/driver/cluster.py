@@ -359,17 +359,21 @@ def spark_error_reason(error: Any, *, with_cause: bool = True) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SparkFailure:
-    """What a failed barrier job's error says: which task (= rank) failed, the executor's Python
-    exception when Spark carried one, and Spark's own context."""
+    """What a failed barrier job's error says: which task (its partition) failed, the executor's
+    Python exception when Spark carried one, and Spark's own context.
 
-    rank: int | None
+    A task's partition is not its rank: ranks are numbered by host (``worker_env.ranks_by_host``),
+    so the caller names the rank where it knows which rank that task ran."""
+
+    partition: int | None
     cause: str | None
     context: str
 
-    def message(self, run: str) -> str:
+    def message(self, run: str, rank: int | None = None) -> str:
         """``rank 1: ModuleNotFoundError: ...`` first, then ``<run> failed in Spark: <context>``."""
         if self.cause:
-            where = f"rank {self.rank}: " if self.rank is not None else ""
+            where = (f"rank {rank}: " if rank is not None else
+                     f"the task of partition {self.partition}: " if self.partition is not None else "")
             return f"{where}{self.cause}\n{run} failed in Spark: {self.context}"
         return f"{run} failed in Spark: {self.context}"
 

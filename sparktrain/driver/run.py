@@ -13,7 +13,7 @@ import sys
 import uuid
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from .. import settings, tracking, versions
+from .. import payload, settings, tracking, versions
 from ..errors import InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
 from ..spec import TaskSpec
 from . import cluster, connect, preflight
@@ -183,7 +183,7 @@ def run(
         if asked is not None and asked.gpus:
             use_gpu = True
         output = preflight.normalize_output_ranks(output_ranks, size)
-        spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, cloudpickle.dumps),
+        spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, payload.dumps),
                           driver_address=("127.0.0.1", 0), use_gpu=bool(use_gpu), output_ranks=output, max_result_bytes=0,
                           env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
                           task_cpus=asked.cpus if asked is not None else None)
@@ -253,7 +253,7 @@ def run(
         max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
     log_target = _log_target(log_url, storage_options, conf)
     output = preflight.normalize_output_ranks(output_ranks, size)
-    spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, cloudpickle.dumps),
+    spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, payload.dumps),
                       driver_address=(driver_host, 0) if rendezvous != "barrier" else None, use_gpu=use_gpu,
                       output_ranks=output, max_result_bytes=max_result,
                       env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,

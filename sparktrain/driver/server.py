@@ -22,10 +22,11 @@ log = logging.getLogger("sparktrain")
 
 @dataclasses.dataclass(frozen=True)
 class Hello:
-    """A rank checked in from ``host``."""
+    """A rank checked in from ``host``, from the barrier task of ``partition`` (-1 in local mode)."""
 
     rank: int
     host: str
+    partition: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ class DriverServer:
             self._channels[rank] = chan
             self._hellos[rank] = hello
             complete = len(self._hellos) == self.size
-        self.events.put(Hello(rank, str(hello.get("host", "?"))))
+        self.events.put(Hello(rank, str(hello.get("host", "?")), int(hello.get("partition", -1))))
         if complete:
             self._send_peers()
         return True

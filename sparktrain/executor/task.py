@@ -122,6 +122,8 @@ class _Rank:
         self.rank = rank
         self.host = host
         self.local_rank = 0
+        #: The barrier task's partition (-1 in local mode); the driver maps Spark's failed task to this rank.
+        self.partition = -1
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.chan: channel.Channel | None = None
         self.abort_reason: str | None = None
@@ -195,7 +197,7 @@ class _Rank:
 
         ``checked_in`` is called once this rank has said hello and its versions match, before it
         waits for the others (the task starts the rank's process there, held)."""
-        me = {"type": "hello", "rank": self.rank, "host": self.host, "port": port,
+        me = {"type": "hello", "rank": self.rank, "partition": self.partition, "host": self.host, "port": port,
               "master_port": master_port, "pid": os.getpid(), "shard": shard}
         spec = self.spec
         if spec.driver_address is None:
@@ -397,7 +399,7 @@ def _env_changes(early: Mapping[str, str], env: Mapping[str, str]) -> dict[str, 
 
 def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] | None = None,
              barrier_ctx=None, batches=None, output: list[str] | None = None, warm: bool = False,
-             ) -> Iterator[bytes]:
+             partition: int = -1) -> Iterator[bytes]:
     """Run ``rank`` to completion. Yields rank 0's pickled result in chunks; raises RankError on failure.
 
     ``warm``: this process runs one task at a time and is reused (a Spark Python worker): the rank
@@ -409,6 +411,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     ``output``, when given, receives the rank's output tail once it succeeded.
     """
     state = _Rank(spec, rank, host)
+    state.partition = partition
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
     child = warm_process.take() if warm and spec.warm_process else None
     if child is not None and _env_changes(child.env, _early_env(spec, rank, workdir)) is None:
@@ -590,14 +593,18 @@ def barrier_task(spec: TaskSpec):
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        rank = ctx.partitionId()
+        partition = ctx.partitionId()
+        # Ranks are numbered by host, as Horovod numbers them; every task computes the same list.
+        task_hosts = [info.address.rsplit(":", 1)[0] for info in ctx.getTaskInfos()]
+        rank = worker_env.ranks_by_host(task_hosts)[partition]
         if ctx.attemptNumber() > 0:
             raise RuntimeError(f"sparktrain rank {rank}: Spark retried this task; a rank is never re-run alone, "
                                "so this attempt stops")
-        host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+        host = task_hosts[partition]
         gpu = ctx.resources().get("gpu")
         output: list[str] | None = [] if spec.return_output else None
-        rows = enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx, batches, output, warm=True))
+        rows = enumerate(run_rank(spec, rank, host, gpu.addresses if gpu else [], ctx, batches, output, warm=True,
+                                  partition=partition))
         for seq, chunk in rows:
             yield _row(rank, seq, chunk)
         if output:
