@@ -104,9 +104,8 @@ def main() -> int:
     if args.write:
         intro = (f"Wall time of a no-op on {RANKS} ranks over Spark Connect, one warm session per server, each "
                  f"contender warmed up once and then timed {args.repeats} times in a block of its own; the bare "
-                 f"stage in two blocks, before and after sparktrain's. `{SPARKTRAIN}` takes the warm rank "
-                 f"processes the run before it left; the line below it starts every rank process with its run, "
-                 f"as a session's first run does. "
+                 f"stage in two blocks, before and after sparktrain's. Each of `{SPARKTRAIN}`'s rank "
+                 f"processes starts with its run, held while the ranks meet. "
                  f"{TF_PEER} is listed to show that it does not run over Connect; {TORCH_PEER} does.")
         write_section(args.write, markdown_section(
             SECTION_BEGIN, SECTION_END, "Launch overhead over Spark Connect", intro, machine,

@@ -4,10 +4,8 @@
 Every contender runs a no-op on ``--num-proc`` ranks (default 3) as one barrier stage of one
 warm SparkSession that this script creates:
 
-- ``sparktrain.run(noop, num_proc=3, verbose=0)``, which takes the warm rank processes the run
-  before it left (README, "How a run works");
-- the same with ``SPARKTRAIN_WARM_RANK_PROCESS=0``: every rank process starts with its run, as in
-  a session's first run;
+- ``sparktrain.run(noop, num_proc=3, verbose=0)``: each rank process starts with its run, held
+  while the ranks meet (docs/process-tree.md);
 - the floor: a bare barrier stage of 3 no-op tasks, ``spark.range(0, 3, 1, 3).mapInArrow(f, schema,
   barrier=True).collect()``, the same kind of stage sparktrain launches;
 - ``MirroredStrategyRunner(num_slots=3, use_gpu=False).run(noop)`` from spark-tensorflow-distributor;
@@ -43,7 +41,6 @@ TARGET_SPEEDUP_VS_TF = 3.0
 
 NOT_INSTALLED = "skipped (not installed)"
 SPARKTRAIN = "sparktrain.run"
-SPARKTRAIN_COLD = "sparktrain.run, no warm rank process"
 FLOOR = "bare barrier stage (floor)"
 TF_PEER = "MirroredStrategyRunner"
 TORCH_PEER = "TorchDistributor"
@@ -93,18 +90,8 @@ def build_contenders(spark, n: int) -> list[Contender]:
         rows = spark.range(0, n, 1, n).mapInArrow(floor_task, "x int", barrier=True).collect()
         return rows[0]["x"]
 
-    def cold():
-        # Every rank process starts with its run: what a run costs when it is the first in its
-        # Python workers, or when spark.sparktrain.warmRankProcess is false.
-        os.environ["SPARKTRAIN_WARM_RANK_PROCESS"] = "0"
-        try:
-            return sparktrain.run(noop, num_proc=n, verbose=0)
-        finally:
-            del os.environ["SPARKTRAIN_WARM_RANK_PROCESS"]
-
     contenders = [
         Contender(SPARKTRAIN, lambda: sparktrain.run(noop, num_proc=n, verbose=0)),
-        Contender(SPARKTRAIN_COLD, cold),
         Contender(FLOOR, floor),
     ]
 
@@ -185,7 +172,7 @@ def benchmark(spark, contenders: list[Contender], repeats: int, timeout: float) 
     Spark's Python workers, which every contender uses.
     """
     floor = next(c for c in contenders if c.name == FLOOR)
-    ours = [c for c in contenders if c.name in (SPARKTRAIN, SPARKTRAIN_COLD)]
+    ours = [c for c in contenders if c.name == SPARKTRAIN]
     peers = [c for c in contenders if c is not floor and c not in ours]
     # The floor is timed again after sparktrain's blocks (before the peers, whose teardown slows
     # what follows): Spark's JVM keeps getting faster as it warms up, which would favour whoever

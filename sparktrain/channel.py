@@ -24,6 +24,8 @@ import struct
 import threading
 from typing import Any
 
+from .errors import SparkTrainError
+
 _MAGIC = b"SPKT1"
 _NONCE_BYTES = 16
 _MAC_BYTES = 32
@@ -35,8 +37,8 @@ MAX_FRAME = 1 << 20
 AUTH_TIMEOUT = 10.0
 
 
-class AuthenticationError(Exception):
-    pass
+class AuthenticationError(SparkTrainError):
+    """A message whose signature does not check out: it is dropped, never unpickled."""
 
 
 def new_secret() -> bytes:

@@ -109,7 +109,7 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
 
 
 def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float) -> None:
-    over_connect = connect.is_connect(spark)
+    over_connect = cluster.is_connect(spark)
     sc = None if over_connect else spark.sparkContext  # a Connect client has no SparkContext
     conf = connect.conf_of(spark) if over_connect else dict(sc.getConf().getAll())
     master = conf.get("spark.master", "?")
@@ -304,7 +304,7 @@ def _make_probe(packages: tuple, backends: tuple, driver: tuple[str, int]):
 
 def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: bool, timeout: float) -> list[dict]:
     """Run one barrier stage of ``size`` tasks; each reports what it sees. Returns their reports."""
-    over_connect = connect.is_connect(spark)
+    over_connect = cluster.is_connect(spark)
     # Ranks check in where run() listens: the driver, or this client over Spark Connect.
     host = connect.client_host(spark) if over_connect else conf.get("spark.driver.host", "127.0.0.1")
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

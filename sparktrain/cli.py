@@ -13,7 +13,7 @@ import sys
 from typing import Any, Callable
 
 from . import settings
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, SparkTrainError
 
 RUN_EXAMPLE = "sparktrain run train.py --num-proc 3 -- --epochs 5"
 
@@ -63,7 +63,7 @@ def _ranks(text: str):
     return ranks
 
 
-class UsageError(Exception):
+class UsageError(SparkTrainError):
     """A command-line option that cannot apply; printed with the fix, exit code 2."""
 
 

@@ -125,10 +125,9 @@ SETTINGS = {
         Setting("tf_kernels", "SPARKTRAIN_TF_KERNELS", "spark.sparktrain.tfKernels", True, parse_bool,
                 "run the native engine's collectives as TensorFlow kernels (compiled with g++ at first use and "
                 "cached); false: through tf.numpy_function, as where no compiler is found"),
-        Setting("warm_rank_process", "SPARKTRAIN_WARM_RANK_PROCESS", "spark.sparktrain.warmRankProcess", True,
-                parse_bool, "after a run, start the next run's rank process in each Spark Python worker, held "
-                "until that run, so that a run does not wait for a Python interpreter to start; it dies with "
-                "the worker. false: every rank process starts with its run"),
+        Setting("warm_rank_process", "SPARKTRAIN_WARM_RANK_PROCESS", "spark.sparktrain.warmRankProcess", False,
+                parse_bool, "retired: accepted, and does nothing but warn once; every rank process starts "
+                "with its run, held while the ranks meet"),
         Setting("pin_cores", "SPARKTRAIN_PIN_CORES", "spark.sparktrain.pinCores", "auto",
                 lambda n, v: _choice(n, v, ("auto", "on", "off")),
                 "keep each rank on cores of its own, the host's cores split among its ranks: 'auto' (where the "
@@ -188,3 +187,30 @@ def resolve(name: str, argument: Any = None, *, conf: Mapping[str, str] | None =
     if conf is not None and s.conf is not None and conf.get(s.conf) not in (None, ""):
         return s.parse(s.conf, conf.get(s.conf))
     return s.default
+
+
+#: Settings that are still accepted but no longer do anything (each warns once per process when set).
+RETIRED = ("warm_rank_process",)
+_warned: set[str] = set()
+
+
+def warn_retired(conf: Mapping[str, str] | None, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Warn once per process for each retired setting that is set; returns what it warned about.
+
+    >>> warn_retired({"spark.sparktrain.warmRankProcess": "false"}, environ={})  # doctest: +SKIP
+    ['spark.sparktrain.warmRankProcess']
+    """
+    environ = os.environ if environ is None else environ
+    said = []
+    for name in RETIRED:
+        s = SETTINGS[name]
+        found = [k for k, where in ((s.env, environ), (s.conf, conf or {})) if where.get(k) not in (None, "")]
+        for key in found:
+            if key not in _warned:
+                _warned.add(key)
+                said.append(key)
+                import warnings
+
+                warnings.warn(f"sparktrain: {key} no longer does anything ({s.doc}); remove it from your "
+                              "configuration", FutureWarning, stacklevel=3)
+    return said

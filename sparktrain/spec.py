@@ -51,8 +51,6 @@ class TaskSpec:
     #: The CPU cores each rank's task holds (its resource profile's, or ``spark.task.cpus``); the rank's
     #: compute threads follow it (``worker_env.rank_threads``). None: this host's cores shared among its ranks.
     task_cpus: int | None = None
-    #: Keep a warm rank process in each Spark Python worker for the next run (``warm_rank_process``).
-    warm_process: bool = True
     #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
 

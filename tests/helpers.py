@@ -81,7 +81,7 @@ def rank_processes(marker: str, timeout: float = 5.0) -> list[int]:
         out = []
         for p in psutil.process_iter(["pid", "cmdline", "status"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if "sparktrain.executor.child" in cmd and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if ("sparktrain.executor.child" in cmd or "sparktrain.executor.watcher" in cmd) and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
                 out.append(p.info["pid"])
         if not out or time.monotonic() >= deadline:
             return out

@@ -62,9 +62,9 @@ def hello(n):
 
 
 def test_a_connect_session_runs_and_returns_rank_zeros_value_in_chunks(spark, caplog):
-    from sparktrain.driver import connect
+    from sparktrain.driver import cluster
 
-    assert connect.is_connect(spark)
+    assert cluster.is_connect(spark)
     out = io.StringIO()
     with caplog.at_level(logging.INFO, "sparktrain"):
         got = sparktrain.run(hello, args=(3 << 20,), num_proc=3, stdout=out)  # more than one 1 MiB chunk
@@ -400,10 +400,10 @@ API_MODE = textwrap.dedent("""
     import sys
     from pyspark.sql import SparkSession
     import sparktrain
-    from sparktrain.driver import connect
+    from sparktrain.driver import cluster
 
     spark = SparkSession.builder.master("local[2]").config("spark.api.mode", "connect").getOrCreate()
-    print("CONNECT", connect.is_connect(spark), type(spark).__module__)
+    print("CONNECT", cluster.is_connect(spark), type(spark).__module__)
     print("VALUE", sparktrain.run(lambda: sparktrain.size() * 10 + sparktrain.rank(), num_proc=2, verbose=0))
     spark.stop()
 """)

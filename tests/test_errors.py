@@ -35,3 +35,23 @@ def test_failure_marker_round_trips_through_foreign_text():
     wrapped = f"py4j error: blah\n{RankError(f)}\n  at org.apache.spark..."
     assert failures_in(wrapped) == [f]
     assert failures_in("no marker here") == []
+
+
+def test_every_exception_sparktrain_defines_is_a_sparktrainerror():
+    import importlib
+    import inspect
+    import pkgutil
+
+    import sparktrain
+    from sparktrain.errors import SparkTrainError
+
+    outside = []
+    for info in pkgutil.walk_packages(sparktrain.__path__, "sparktrain."):
+        if info.name.endswith(("__main__", "._collective")):  # the engine's library is loaded by ctypes
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if (inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == info.name
+                    and not issubclass(obj, SparkTrainError)):
+                outside.append(f"{info.name}.{name}")
+    assert outside == []

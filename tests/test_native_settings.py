@@ -9,7 +9,7 @@ import pytest
 
 from sparktrain import native, settings, worker_env
 from sparktrain.errors import InvalidArgumentError
-from sparktrain.executor import task
+from sparktrain.executor import rendezvous as task
 
 
 def test_cpu_collectives_resolves_env_over_conf_and_refuses_others():

@@ -7,6 +7,7 @@ import os
 import re
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -346,71 +347,31 @@ def test_a_spark_failure_reads_as_the_rank_and_its_python_exception_first(spark)
     assert not message.rstrip().endswith((":", "Traceback (most recent call last)")), message
 
 
-def _warm_processes() -> dict[int, int]:
-    """This session's PySpark workers and the warm rank process each holds: worker pid -> warm pid
-    (None for a worker that holds none). The workers are the children of the daemon this test
-    process's Spark started; a warm process is a rank process started in a ``sparktrain-warm-``
-    directory (its watcher, forked from it, is its child, not the worker's)."""
-    import psutil
-
-    mine = {}  # pid -> (parent, command line), of the live descendants of this process
-    for p in psutil.Process().children(recursive=True):
-        try:
-            mine[p.pid] = (p.ppid(), " ".join(p.cmdline()))
-        except psutil.Error:  # gone, or a zombie
-            pass
-    daemons = {pid for pid, (_, cmd) in mine.items() if "pyspark.daemon" in cmd}
-    workers = {pid: None for pid in daemons if mine[pid][0] in daemons}
-    for pid, (parent, cmd) in mine.items():
-        if parent in workers and "sparktrain-warm-" in cmd:
-            workers[parent] = pid
-    return workers
-
-
-def _await_warm(timeout: float = 60.0) -> dict[int, int]:
-    """Run no-ops until every PySpark worker holds a warm rank process, and return them (worker ->
-    warm pid). Spark hands a task the worker idle longest, so a worker whose last rank failed (and
-    left none) may be next: the runs go round until each has run a rank that succeeded."""
-    deadline = time.monotonic() + timeout
-    while True:
-        sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
-        # A warm process starts a moment after its run: wait for those of this run's workers.
-        settle = time.monotonic() + 10
-        while None in (warm := _warm_processes()).values() and time.monotonic() < settle:
-            time.sleep(0.05)
-        if warm and None not in warm.values():
-            return warm
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"PySpark workers without a warm rank process after {timeout} s: {warm}")
-
-
 def pid_and_env(name):
     import os
 
     return os.getpid(), os.environ.get(name)
 
 
-def test_a_run_takes_the_warm_rank_processes_the_last_run_left(spark):
-    warm = _await_warm()  # one per Python worker that ran a rank
-    pid, _ = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
-    assert pid in warm.values()  # rank 0 ran in a process started before its run
-    assert wait_pids_gone([pid], timeout=10) == []
+def test_the_retired_warm_rank_process_setting_warns_once_and_changes_nothing(spark, monkeypatch):
+    from sparktrain import settings
+
+    monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.setenv("SPARKTRAIN_WARM_RANK_PROCESS", "true")
+    with pytest.warns(FutureWarning, match="SPARKTRAIN_WARM_RANK_PROCESS no longer does anything"):
+        first, _ = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "sparktrain: .* no longer does anything")  # once per process, not per run
+        pid, value = sparktrain.run(pid_and_env, args=("MY_SETTING",), num_proc=3, verbose=0,
+                                    env={"MY_SETTING": "on"})
+    # Every rank process starts with its run, and takes the run's env, even what an interpreter
+    # reads as it starts.
+    assert pid != first and value == "on"
+    assert wait_pids_gone([first, pid], timeout=10) == []
 
 
-def test_a_dead_or_unfit_warm_process_gives_way_to_a_fresh_one(spark):
-    import psutil
-
-    warm = list(_await_warm().values())
-    for pid in warm:
-        psutil.Process(pid).kill()
-    assert wait_pids_gone(warm, timeout=10) == []
-    pid, value = sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
-    assert pid not in warm and value is None
-    # env= sets a variable an interpreter may read as it starts: the warm process cannot take it.
-    warm = list(_await_warm().values())
-    pid, value = sparktrain.run(pid_and_env, args=("MY_SETTING",), num_proc=3, verbose=0,
-                                env={"MY_SETTING": "on"})
-    assert pid not in warm and value == "on"
-    # The ranks' warm processes were released, not left waiting; those of workers that ran no rank
-    # this time still wait.
-    assert len(warm) - len(wait_pids_gone(warm, timeout=10)) == 3
+def test_a_run_warns_of_nothing_the_user_did_not_cause(spark):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # the suite's own filters hide pyspark's pandas warning
+        sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
+    assert [f"{w.category.__name__}: {w.message}" for w in seen] == []

@@ -1,4 +1,5 @@
-"""The rank process dies with its parent and takes its own children with it."""
+"""The rank process dies with its parent and takes its own children with it; its watcher removes
+what the rank owns if the task dies, and never signals a process that is not the rank's."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import pytest
 from helpers import rank_processes, wait_for_file, wait_pids_gone
 from sparktrain.executor.child import EXIT_NOT_LET_GO
 from sparktrain.executor.supervisor import ChildProcess
+from sparktrain.executor.watcher import Watcher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,7 +55,10 @@ def test_rank_process_group_dies_with_its_parent(tmp_path, sig):
     parent_code = textwrap.dedent(f"""
         import time
         from sparktrain.executor.supervisor import ChildProcess
+        from sparktrain.executor.watcher import Watcher
+        watcher = Watcher({work!r})
         child = ChildProcess({work!r}, __import__("os").environ)
+        watcher.watch_rank(child.pidfd)
         time.sleep(300)
     """)
     parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env())
@@ -63,6 +68,7 @@ def test_rank_process_group_dies_with_its_parent(tmp_path, sig):
         parent.send_signal(sig)  # like Spark destroying the PySpark worker
         parent.wait(10)
         assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
+        assert rank_processes(work) == [] and not os.path.exists(work)  # the watcher removed it, and ended
     finally:
         parent.kill()
 
@@ -73,10 +79,9 @@ def test_stop_terminates_the_whole_group_after_grace(tmp_path):
     wait_for_file(str(tmp_path / "pids.json"), timeout=30)
     pids = json.loads((tmp_path / "pids.json").read_text())
     code = child.stop(grace=2.0)
-    child.close_pipes()
+    child.close()
     assert code == 128 + signal.SIGTERM  # SIGTERM became SystemExit in the rank, so finally blocks ran
     assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
-    shutil.rmtree(work)  # as run_rank does: then the rank's watcher ends too
     assert rank_processes(work) == []
 
 
@@ -89,29 +94,27 @@ def report_env(outdir):
     return 7
 
 
-def test_a_held_child_runs_nothing_until_let_go_and_then_takes_the_env_changes(tmp_path):
+def test_a_held_child_runs_nothing_until_let_go_and_then_takes_the_whole_env(tmp_path):
     work = _workdir(tmp_path, report_env, str(tmp_path))
     child = ChildProcess(work, dict(_env(), EARLY="1", GONE="x"), held=True)
-    try:
-        assert child.wait(0.5) is None
-    except subprocess.TimeoutExpired:
-        pass  # still held, as it should be
+    assert not child.exited(0.5)  # still held, as it should be
     assert not (tmp_path / "env.json").exists()
-    assert child.go({"SPARKTRAIN_RANK": "2", "GONE": None}) is True
+    env = {k: v for k, v in _env().items() if k != "GONE"}
+    assert child.go(dict(env, SPARKTRAIN_RANK="2", EARLY="1")) is True
     out = child.stdout.read(), child.stderr.read()
     assert child.reap(5.0) == 0, out
-    child.close_pipes()
+    child.close()
     assert json.loads((tmp_path / "env.json").read_text()) == {"SPARKTRAIN_RANK": "2", "EARLY": "1", "GONE": None}
-    shutil.rmtree(work)
     assert rank_processes(work) == []
 
 
-def test_a_held_child_released_exits_without_running_anything(tmp_path):
+def test_a_held_child_never_let_go_exits_without_running_anything(tmp_path):
     work = _workdir(tmp_path, report_env, str(tmp_path))
     child = ChildProcess(work, _env(), held=True)
-    assert child.release(5.0) == EXIT_NOT_LET_GO  # never 0: it did not run and succeed
+    child.close_pipes()  # the go pipe closes without a go
+    assert child.reap(5.0) == EXIT_NOT_LET_GO  # never 0: it did not run and succeed
+    child.close()
     assert not (tmp_path / "env.json").exists()
-    shutil.rmtree(work)
     assert rank_processes(work) == []
 
 
@@ -119,8 +122,8 @@ def test_go_refuses_a_pipe_closed_behind_its_back_and_never_writes_into_its_succ
     work = _workdir(tmp_path, report_env, str(tmp_path))
     child = ChildProcess(work, _env(), held=True)
     number = child._go
-    os.close(number)  # a stray close elsewhere in the task process, then the number is reused
     other = os.open(str(tmp_path / "other-file"), os.O_WRONLY | os.O_CREAT)
+    os.close(number)  # a stray close elsewhere in the task process, then the number is reused
     successor = os.dup2(other, number)
     os.close(other)
     try:
@@ -129,9 +132,9 @@ def test_go_refuses_a_pipe_closed_behind_its_back_and_never_writes_into_its_succ
         os.write(successor, b"x")  # ... and it was not closed either
     finally:
         os.close(successor)
-    assert child.release(5.0) == EXIT_NOT_LET_GO
+    assert child.reap(5.0) == EXIT_NOT_LET_GO
+    child.close()
     assert not (tmp_path / "env.json").exists()
-    shutil.rmtree(work)
     assert rank_processes(work) == []
 
 
@@ -155,42 +158,91 @@ def test_a_held_child_dies_with_its_parent(tmp_path):
         parent.kill()
 
 
-def test_a_held_child_moved_to_another_workdir_runs_there_and_its_watcher_cleans_up_both(tmp_path):
-    home = str(tmp_path / "home")
-    os.mkdir(home)
-    run_dir = _workdir(tmp_path, report_env, str(tmp_path))
-    child = ChildProcess(home, _env(), held=True)
-    child.move(run_dir)
-    assert child.go({"SPARKTRAIN_RANK": "1"}, run_dir) is True
-    out = child.stdout.read(), child.stderr.read()
-    assert child.reap(5.0) == 0, out
-    child.close_pipes()
-    assert json.loads((tmp_path / "env.json").read_text())["SPARKTRAIN_RANK"] == "1"  # the payload in run_dir ran
-    shutil.rmtree(run_dir)
-    shutil.rmtree(home)
-    assert rank_processes(home) == []
-
-    # The task dies while its moved rank runs: the watcher removes both directories.
-    os.mkdir(home)
-    again = tmp_path / "again"
-    again.mkdir()
-    run_dir = _workdir(again, spawn_and_wait, str(again))
+def test_the_watcher_removes_the_spool_and_workdir_of_a_task_that_dies(tmp_path):
+    work = _workdir(tmp_path, spawn_and_wait, str(tmp_path))
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "part-0.arrow").write_bytes(b"rows")
     parent_code = textwrap.dedent(f"""
         import time
         from sparktrain.executor.supervisor import ChildProcess
-        child = ChildProcess({home!r}, __import__("os").environ, held=True)
-        child.move({run_dir!r})
-        assert child.go({{}}, {run_dir!r})
+        from sparktrain.executor.watcher import Watcher
+        watcher = Watcher({work!r})
+        watcher.own({str(spool)!r})
+        child = ChildProcess({work!r}, __import__("os").environ)
+        watcher.watch_rank(child.pidfd)
+        print(watcher.proc.pid, flush=True)
         time.sleep(300)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env())
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env(), stdout=subprocess.PIPE, text=True)
     try:
-        wait_for_file(str(tmp_path / "again" / "pids.json"), timeout=30)
-        pids = json.loads((tmp_path / "again" / "pids.json").read_text())
+        watcher = int(parent.stdout.readline())
+        wait_for_file(str(tmp_path / "pids.json"), timeout=30)
+        pids = json.loads((tmp_path / "pids.json").read_text())
         parent.kill()
         parent.wait(10)
-        assert wait_pids_gone([pids["child"], pids["grandchild"]], timeout=5) == []
-        assert rank_processes(home) == []
-        assert not os.path.exists(home) and not os.path.exists(run_dir)
+        assert wait_pids_gone([watcher, pids["child"], pids["grandchild"]], timeout=10) == []
+        assert not spool.exists() and not os.path.exists(work)
     finally:
         parent.kill()
+
+
+def _start_with_pid(pid: int, argv: list[str], attempts: int = 20) -> subprocess.Popen | None:
+    """Start ``argv`` as process ``pid``, as a process that took a dead rank's pid would be, or None.
+
+    Root can ask the kernel for the next pid (``ns_last_pid``); other processes on the machine
+    may take it first, so this tries a few times."""
+    for _ in range(attempts):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        proc = subprocess.Popen(argv, start_new_session=True)  # a group leader: its group id is the old rank's
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+def test_the_watcher_never_signals_a_process_that_took_the_dead_ranks_pid(tmp_path):
+    """The rank exits and is reaped; a stranger takes its pid, and leads a group of that id; then
+    the task dies. The watcher removes the dead task's directory, and leaves the stranger, and a
+    live run's directory, alone."""
+    if not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("choosing a pid needs root (/proc/sys/kernel/ns_last_pid)")
+    work = _workdir(tmp_path, report_env, str(tmp_path))
+    live_run = tmp_path / "sparktrain-live-run"
+    live_run.mkdir()
+    parent_code = textwrap.dedent(f"""
+        import sys
+        from sparktrain.executor.supervisor import ChildProcess
+        from sparktrain.executor.watcher import Watcher
+        watcher = Watcher({work!r})
+        child = ChildProcess({work!r}, __import__("os").environ)
+        watcher.watch_rank(child.pidfd)
+        child.stdout.read()
+        child.reap(10.0)  # exited and reaped: its pid is free for anyone
+        print(child.pid, watcher.proc.pid, flush=True)
+        sys.stdin.read()  # the task lives until the test kills it
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env(), stdout=subprocess.PIPE,
+                              stdin=subprocess.PIPE, text=True)
+    stranger = None
+    try:
+        rank_pid, watcher_pid = map(int, parent.stdout.readline().split())
+        stranger = _start_with_pid(rank_pid, ["sleep", "300"])
+        if stranger is None:
+            pytest.skip(f"could not start a process as pid {rank_pid}: other processes took it first")
+        parent.kill()  # the task dies
+        parent.wait(10)
+        assert wait_pids_gone([watcher_pid], timeout=10) == []  # the watcher did its work, and ended
+        assert not os.path.exists(work)  # the dead task's directory went
+        assert stranger.poll() is None  # the stranger with the rank's pid, and its group, live on
+        assert live_run.exists()
+    finally:
+        parent.kill()
+        if stranger is not None:
+            stranger.kill()
+            stranger.wait()

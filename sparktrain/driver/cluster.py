@@ -20,6 +20,11 @@ from ..errors import ClusterConfigError, InsufficientResourcesError
 from . import preflight
 from .preflight import Capacity
 
+
+def is_connect(spark) -> bool:
+    """Whether ``spark`` is a Spark Connect session (its class lives in ``pyspark.sql.connect``)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
 log = logging.getLogger("sparktrain")
 
 _LOCAL = re.compile(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?")

@@ -38,11 +38,6 @@ PROBE_JOB_TIMEOUT = 60.0
 _SIZE = re.compile(r"(\d+)\s*([kmgtp]?)b?", re.IGNORECASE)
 
 
-def is_connect(spark) -> bool:
-    """Whether ``spark`` is a Spark Connect session (its class lives in ``pyspark.sql.connect``)."""
-    return type(spark).__module__.startswith("pyspark.sql.connect")
-
-
 def conf_of(spark) -> dict[str, str]:
     """The session's conf as the server reports it (a Connect client has no SparkConf)."""
     return {str(k): str(v) for k, v in dict(spark.conf.getAll).items()}

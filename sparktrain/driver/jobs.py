@@ -6,10 +6,11 @@ that ship a rank's work: ``sparktrain.executor.task`` is imported where a job st
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, Protocol
 
 from ..spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
-from .connect import is_connect
+from .cluster import is_connect
 
 
 class Job(Protocol):
@@ -66,6 +67,10 @@ class _Background:
         return self._done.wait(timeout)
 
 
+#: What pyspark warns about on every Arrow stage where pandas 3 is installed (a regular expression).
+PYSPARK_PANDAS_WARNING = "PySpark does not yet fully support pandas"
+
+
 class BarrierJob(_Background):
     """One Spark job, collected on a background thread under its own job group, so it can be cancelled.
 
@@ -93,11 +98,18 @@ class BarrierJob(_Background):
             # A Connect client has no job groups; a tag marks this thread's jobs for interruptTag.
             self.spark.addTag(self.group)
             try:
-                return self._collect()
+                return self._quiet_collect()
             finally:
                 self.spark.removeTag(self.group)
         self.spark.sparkContext.setJobGroup(self.group, self.description, interruptOnCancel=True)
-        return self._collect()
+        return self._quiet_collect()
+
+    def _quiet_collect(self) -> list:
+        """Collect, without the pandas-version FutureWarning pyspark gives for every Arrow stage:
+        the user did not cause it, and sparktrain's stages use no pandas API."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", PYSPARK_PANDAS_WARNING, FutureWarning)
+            return self._collect()
 
     def cancel(self) -> None:
         if self._connect:

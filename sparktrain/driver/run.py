@@ -201,7 +201,7 @@ def run(
         from . import feed
 
         frames = feed.frames_of(data)
-    connected = connect.is_connect(spark)
+    connected = cluster.is_connect(spark)
     sc = None if connected else spark.sparkContext  # a Connect client has no SparkContext
     conf = connect.conf_of(spark) if connected else dict(sc.getConf().getAll())
     master = conf.get("spark.master", "")
@@ -347,6 +347,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
                spill_url: str | None = None, feed: tuple[str, ...] = (), return_output: bool = False,
                log_target: bytes | None = None, task_cpus: int | None = None) -> TaskSpec:
     """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
+    settings.warn_retired(conf, {**os.environ, **(env or {})})
     return TaskSpec(
         run_id=info.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
         use_gpu=use_gpu, output_ranks=output_ranks, max_result_bytes=max_result_bytes,
@@ -355,7 +356,6 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
         return_output=return_output, log_target=log_target,
         mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus,
-        warm_process=settings.resolve("warm_rank_process", conf=conf),
     )
 
 

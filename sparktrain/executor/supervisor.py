@@ -1,14 +1,19 @@
-"""The lifecycle of one rank's child process.
+"""The lifecycle of one rank's process.
 
-The child runs in its own session and process group, so it and anything it starts can be
-stopped together. It dies with its parent in two ways (see child.py): a parent-death signal
-set right after exec, and a watcher process that watches this end's pipe and the parent pid.
-Stopping is terminate, a grace period, then kill, of the whole group.
+The rank runs in its own session and process group, so it and anything it starts can be
+stopped together. It dies with its task in two ways: a parent-death signal set right after
+exec (see child.py), and the rank's watcher (see watcher.py), which acts if the task dies.
+
+Stopping is terminate, a grace period, then kill, of the whole group. The task never signals
+a group it cannot prove is the rank's: it does not reap the rank (``waitpid``) until the group
+is dead, and a process that has not been reaped keeps its pid, which is its group's id, from
+being reused. It learns that the rank exited from a pidfd, which does not reap.
 """
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -18,14 +23,22 @@ from typing import Mapping, Sequence
 from . import child as _child
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def _group_members(pgid: int) -> bool:
+    """Whether a live process other than the group's leader is in group ``pgid``.
+
+    Read from /proc, not by signalling: the leader, exited but not reaped, answers a signal too.
+    """
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == pgid:
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -36,20 +49,21 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 class ChildProcess:
-    """A supervised child: ``python -m sparktrain.executor.child WORKDIR PARENT_PID``.
+    """A supervised rank process: ``python -m sparktrain.executor.child WORKDIR PARENT_PID``.
 
-    stdout and stderr are pipes the caller reads; stdin is the lifeline, held open until
-    :meth:`stop`, so the child sees EOF (and kills its group) the moment this process dies.
-    The caller removes WORKDIR when it is done with the child's files: the child's watcher
-    waits for that, and removes it itself if this process dies first.
+    stdout and stderr are pipes the caller reads; stdin is ``/dev/null``. :attr:`pidfd` names the
+    process for as long as this object lives (hand it to the rank's watcher).
+
+    Held (``held=True``), it starts its interpreter and waits, having read nothing of the user's,
+    until :meth:`go` gives it its whole environment: the caller starts it while the ranks meet.
     """
 
     def __init__(self, workdir: str, env: Mapping[str, str], *, python: str | None = None,
                  extra_args: Sequence[str] = (), held: bool = False):
         argv = [python or sys.executable, "-m", _child.__name__, workdir, str(os.getpid()), *extra_args]
         go_read = None
-        #: Held (``held=True``): the write end of the pipe the child waits on before it runs anything
-        #: of the user's (see :meth:`go`); None once the child was let go, or for a child never held.
+        #: Held: the write end of the pipe the child waits on before it runs anything of the user's
+        #: (see :meth:`go`); None once the child was let go, or for a child never held.
         self._go: int | None = None
         #: The go pipe's identity, so that :meth:`go` never writes into a descriptor that was closed
         #: behind its back and reused for another file.
@@ -63,7 +77,7 @@ class ChildProcess:
             self.proc = subprocess.Popen(
                 argv,
                 env=dict(env),
-                stdin=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # own session and process group: pgid == pid
@@ -79,30 +93,17 @@ class ChildProcess:
                 os.close(go_read)
         self.pid = self.proc.pid
         self.pgid = self.proc.pid
-        #: What the child was started with: a held child keeps them until :meth:`go` changes them.
+        #: Opened before anything can reap the child: it names this process, never a successor.
+        self.pidfd = os.pidfd_open(self.pid)
         self.workdir = workdir
-        self.env = dict(env)
 
-    def move(self, workdir: str) -> None:
-        """Tell a held child's watcher that the child's files will be in ``workdir`` from now on, so it
-        watches that directory instead and removes it too if this process dies; the child itself
-        learns it with its go (``go(..., workdir=workdir)``). Says nothing to a child that is gone."""
-        try:
-            self.proc.stdin.write(os.fsencode(workdir) + b"\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError):
-            pass  # gone (or stopped): go() says so
+    def go(self, env: Mapping[str, str]) -> bool:
+        """Let a held child run with ``env``, the rank's whole environment, built once: it takes it
+        as its own, then loads and calls the payload as an unheld child would.
 
-    def go(self, env_changes: Mapping[str, str | None], workdir: str | None = None) -> bool:
-        """Let a held child run: it applies ``env_changes`` to its environment (None removes a
-        variable), moves to ``workdir`` when given (see :meth:`move`), then loads and calls the
-        payload as an unheld child would. Returns whether the
-        child took the go; when it did not (it died meanwhile, or its pipe is not what it was), the
-        caller releases it and starts a fresh child.
-
-        A held child has started its interpreter, imported what it needs and installed its lifeline,
-        but has read nothing of the user's: the caller starts it early (while the ranks meet) and
-        says go once it knows the rest of the rank's environment.
+        Returns whether the child took the go; when it did not (it died meanwhile, or its pipe is
+        not what it was), the caller starts a fresh child. A child whose go pipe closes without a
+        go exits with ``EXIT_NOT_LET_GO`` having run nothing.
         """
         if self._go is None:
             raise RuntimeError("this child is not held")
@@ -114,10 +115,9 @@ class ChildProcess:
         if (st.st_dev, st.st_ino) != self._go_inode:
             return False  # the number now names another file: never write there, never close it
         try:
-            if self.proc.poll() is not None:
+            if self.exited():
                 return False
-            data = json.dumps({"env": dict(env_changes), "workdir": workdir}).encode()
-            view = memoryview(data)
+            view = memoryview(json.dumps({"env": dict(env)}).encode())
             while view:
                 view = view[os.write(fd, view):]
             return True
@@ -125,19 +125,6 @@ class ChildProcess:
             return False  # the child is gone
         finally:
             os.close(fd)
-
-    def release(self, grace: float) -> int:
-        """A held child that is not needed: it exits without running anything; returns its exit code."""
-        if self._go is not None:
-            os.close(self._go)  # EOF instead of go: the child exits at once
-            self._go = None
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-        code = self.stop(grace)
-        self.close_pipes()
-        return code
 
     @property
     def stdout(self):
@@ -147,28 +134,22 @@ class ChildProcess:
     def stderr(self):
         return self.proc.stderr
 
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.proc.wait(timeout)
+    def exited(self, timeout: float = 0.0) -> bool:
+        """Whether the child has exited (waiting up to ``timeout`` s); it stays unreaped."""
+        return bool(select.select([self.pidfd], [], [], timeout)[0])
 
     def stop(self, grace: float) -> int:
         """Terminate the whole group, wait up to ``grace`` seconds, then kill what is left.
 
         Returns the child's exit code (negative: killed by that signal).
         """
-        if self.proc.poll() is None or _group_alive(self.pgid):
+        if self.proc.returncode is None:  # not reaped: the group's id is still the rank's own
             _signal_group(self.pgid, signal.SIGTERM)
             deadline = time.monotonic() + grace
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-            # The child itself is reaped; its descendants have no exit event we can await, so poll,
-            # briefly at first: the rank's watcher usually leaves the group within milliseconds.
+            self.exited(grace)
+            # The descendants have no exit event to await, so poll, briefly at first.
             pause = 0.002
-            while _group_alive(self.pgid) and time.monotonic() < deadline:
+            while (not self.exited() or _group_members(self.pgid)) and time.monotonic() < deadline:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.05)
             _signal_group(self.pgid, signal.SIGKILL)
@@ -179,30 +160,31 @@ class ChildProcess:
 
         A child that closed its pipes but does not exit within ``grace`` is stopped.
         """
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            return self.stop(grace)
-        if _group_alive(self.pgid):
+        if not self.exited(grace) or _group_members(self.pgid):
             return self.stop(grace)
         return self._finish()
 
     def _finish(self) -> int:
-        code = self.proc.wait()
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        return code
+        return self.proc.wait()
 
     def close_pipes(self) -> None:
+        """Close the go pipe (a held child never let go exits) and the output pipes.
+
+        The pidfd stays open while the rank's watcher may still be handed it; it closes with
+        :meth:`close`."""
         if self._go is not None:
-            os.close(self._go)  # a held child never let go exits
+            os.close(self._go)
             self._go = None
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        for f in (self.proc.stdout, self.proc.stderr):
             if f is not None and not f.closed:
                 try:
                     f.close()
                 except OSError:
                     pass
+
+    def close(self) -> None:
+        """Close everything, the pidfd included. The child must have been reaped or be ended elsewhere."""
+        self.close_pipes()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1

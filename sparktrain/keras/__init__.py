@@ -18,7 +18,7 @@ collective per dtype. Keras 3 runs without any tf.distribute strategy scope.
 
 By role: ``optimizer`` (``DistributedOptimizer``, ``PartialDistributedOptimizer``),
 ``callbacks`` (broadcast, metric averaging, learning-rate warm-up and schedule, checkpoints),
-``sync_batch_norm`` (``SyncBatchNormalization``), ``elastic`` (state that outlives a failed
+``SyncBatchNormalization`` (from ``sparktrain.tensorflow``), ``elastic`` (state that outlives a failed
 attempt) and ``tracking`` (MLflow, TensorBoard); the collectives and ``Compression`` are
 ``sparktrain.tensorflow``'s.
 """
@@ -36,8 +36,8 @@ from ..tensorflow import (Compression, ProcessSet, add_process_set, cross_rank, 
 from ..tensorflow import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,  # noqa: F401
                           mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from . import callbacks, elastic  # noqa: F401
-from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, _distributed_class  # noqa: F401
-from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
+from ..tensorflow.keras_optimizer import DistributedOptimizer, PartialDistributedOptimizer, _distributed_class  # noqa: F401
+from ..tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -73,7 +73,7 @@ def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compr
     """
     import keras
 
-    from .optimizer import GradientReduction, _check_arguments
+    from ..tensorflow.keras_optimizer import GradientReduction, _check_arguments
 
     _check_arguments(None, compression, False, 1.0, Average, 1, False, 0, None, None, True)
     custom = {}

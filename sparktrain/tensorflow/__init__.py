@@ -25,8 +25,9 @@ from .collectives import (ProcessSet, add_process_set, allgather, allreduce, all
                           broadcast_global_variables, broadcast_variables, global_process_set, grouped_allgather, grouped_allreduce,
                           grouped_reducescatter, join, reducescatter, remove_process_set)
 from .compression import Compression
-from .gradients import (DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape, allreduce_gradients,
+from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
                         average_gradients, reduce_except_local)
+from .keras_optimizer import tensorflow_distributed_optimizer as DistributedOptimizer
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
 from .ops import (Adasum, Average, Max, Min, Product, Sum, check_num_rank_power_of_2, check_op,
                   handle_average_backwards_compatibility)
@@ -60,13 +61,9 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f"{__name__}.elastic")
-    # Horovod exports SyncBatchNormalization here too; it is a Keras layer, so it lives in
-    # sparktrain.keras (which builds on this package) and is fetched when first asked for.
+    # Horovod exports SyncBatchNormalization here too; it imports Keras, so only when asked for.
     if name == "SyncBatchNormalization":
-        from .. import keras as _keras
+        from .sync_batch_norm import SyncBatchNormalization
 
-        try:
-            return _keras.SyncBatchNormalization
-        except AttributeError:
-            pass
+        return SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -212,35 +212,3 @@ def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_spar
         for w in layer.trainable_weights:
             tape.register_local_source(w)
     return tape
-
-
-def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False,  # noqa: N802 - Horovod's
-                         device_dense: str = "", device_sparse: str = "", compression=Compression.none,
-                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op=Average,
-                         gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
-                         num_groups: int = 0, groups=None, process_set=collectives.global_process_set,
-                         scale_local_gradients: bool = True):
-    """Horovod's ``horovod.tensorflow.DistributedOptimizer``: for a Keras optimizer, the same as
-    ``sparktrain.keras.DistributedOptimizer`` (as Horovod hands Keras optimizers to its Keras
-    wrapper). TensorFlow 1 optimizers (``tf.compat.v1.train.*``) are not supported: use a Keras
-    optimizer, or :func:`DistributedGradientTape` in a custom loop.
-    """
-    import keras
-
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise InvalidArgumentError(
-            f"DistributedOptimizer wraps Keras optimizers (keras.optimizers.*), got {type(optimizer).__name__}; "
-            "TensorFlow 1 optimizers are not supported: use a Keras optimizer, or DistributedGradientTape")
-    from .. import keras as _keras  # sparktrain.keras builds on this package: imported when used
-
-    given = dict(name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
-                 sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step, op=op,
-                 gradient_predivide_factor=gradient_predivide_factor,
-                 average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
-                 process_set=process_set, scale_local_gradients=scale_local_gradients)
-    defaults = dict(name=None, device_dense="", device_sparse="", compression=Compression.none,
-                    sparse_as_dense=False, backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
-                    average_aggregated_gradients=False, num_groups=0, groups=None,
-                    process_set=collectives.global_process_set, scale_local_gradients=True)
-    return _keras.DistributedOptimizer(optimizer, **{k: v for k, v in given.items() if v is not defaults[k]
-                                                     and v != defaults[k]})

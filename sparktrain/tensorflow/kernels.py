@@ -208,9 +208,7 @@ def load():
                              "Install a C++ compiler (apt-get install g++, or set CXX) where the ranks run, or set "
                              "SPARKTRAIN_TF_KERNELS=0 to choose that path without this warning", _failure)
             return None
-        from . import timeline
-
-        if timeline.active():
+        if _timeline_on:  # a timeline started before the kernels loaded
             lib.sparktrain_tk_timeline(1)
         return _loaded
 
@@ -225,7 +223,14 @@ def ops():
     return _loaded[0] if _loaded is not None else None
 
 
+#: Whether the kernels record a timeline: set by ``timeline`` (which imports this module, never
+#: the other way round) and applied when the kernels load.
+_timeline_on = False
+
+
 def set_timeline(on: bool) -> None:
+    global _timeline_on
+    _timeline_on = bool(on)
     if _loaded is not None:
         _loaded[1].sparktrain_tk_timeline(1 if on else 0)
 

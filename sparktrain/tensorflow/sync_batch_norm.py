@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import keras
 
-from .. import tensorflow as _tfc
+from . import runtime
+from .collectives import allreduce
+from .ops import Sum
 
 
 def _summed_over_ranks(x):
@@ -17,9 +19,9 @@ def _summed_over_ranks(x):
     @tf.custom_gradient
     def summed(t):
         def grad(dy):
-            return _tfc.allreduce(dy, op=_tfc.Sum)
+            return allreduce(dy, op=Sum)
 
-        return _tfc.allreduce(t, op=_tfc.Sum), grad
+        return allreduce(t, op=Sum), grad
 
     return summed(x)
 
@@ -32,11 +34,13 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     (every rank must call the layer the same number of times, as ``model.fit`` does). At
     inference it is a plain BatchNormalization with its moving statistics, which stay equal on
     every rank. With one rank it is BatchNormalization. Ranks may have batches of different
-    sizes. Horovod exports it as ``hvd.SyncBatchNormalization``; so does ``sparktrain.keras``.
+    sizes. Horovod exports it as ``hvd.SyncBatchNormalization`` from both ``horovod.tensorflow`` and
+    ``horovod.tensorflow.keras``; so do ``sparktrain.tensorflow`` and ``sparktrain.keras``. It lives in
+    the TensorFlow layer, which the Keras layer builds on.
     """
 
     def _moments(self, inputs, mask):
-        if _tfc.size() == 1:
+        if runtime.size() == 1:
             return super()._moments(inputs, mask)
         from keras import ops
 

@@ -13,9 +13,12 @@ import dataclasses
 import warnings
 from typing import Any
 
-from .. import tensorflow as _tfc
 from ..errors import InvalidArgumentError, SparkTrainError
-from ..tensorflow import Average, Compression, Sum, global_process_set
+from .collectives import allreduce, global_process_set
+from .compression import Compression
+from .gradients import reduce_except_local
+from .ops import Average, Min, Sum
+from .runtime import size
 
 _wrapped_classes: dict[type, type] = {}
 #: The one LossScaleOptimizer subclass whose ranks agree on overflow (see _AgreeingLossScale).
@@ -202,9 +205,9 @@ def _AgreeingLossScale() -> type:  # noqa: N802 - returns a class
             import tensorflow as tf
 
             finite = keras.optimizers.LossScaleOptimizer.check_finite(self, grads)
-            if _tfc.size() == 1:
+            if size() == 1:
                 return finite
-            return _tfc.allreduce(tf.cast(finite, tf.int32), op=_tfc.Min) > 0
+            return allreduce(tf.cast(finite, tf.int32), op=Min) > 0
 
         cls = type("LossScaleOptimizer", (keras.optimizers.LossScaleOptimizer,), {
             "check_finite": check_finite,
@@ -308,7 +311,7 @@ def reduce_gradients(grads: list, variables: list, reduction: GradientReduction)
     local = reduction.local_ids()
     f = reduction.gradient_predivide_factor
     # Horovod's split of the average around the sum: 1/f before, f after (and Average's 1/size).
-    out = _tfc.reduce_except_local(grads, variables, lambda v: id(v) in local, reduction.scale_local_gradients,
+    out = reduce_except_local(grads, variables, lambda v: id(v) in local, reduction.scale_local_gradients,
                                    op=reduction.op, compression=reduction.compression,
                                    sparse_as_dense=reduction.sparse_as_dense, prescale_factor=1.0 / f,
                                    postscale_factor=f, groups=reduction.groups)
@@ -318,3 +321,34 @@ def reduce_gradients(grads: list, variables: list, reduction: GradientReduction)
         out = [g if g is None else tf.IndexedSlices(g.values * passes, g.indices, g.dense_shape)
                if isinstance(g, tf.IndexedSlices) else g * tf.cast(passes, g.dtype) for g in out]
     return out
+
+
+def tensorflow_distributed_optimizer(optimizer, name: str | None = None, use_locking: bool = False,
+                                     device_dense: str = "", device_sparse: str = "", compression=Compression.none,
+                                     sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op=Average,
+                                     gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
+                                     num_groups: int = 0, groups=None, process_set=global_process_set,
+                                     scale_local_gradients: bool = True):
+    """Horovod's ``horovod.tensorflow.DistributedOptimizer``: for a Keras optimizer, the same as
+    ``sparktrain.keras.DistributedOptimizer`` (as Horovod hands Keras optimizers to its Keras
+    wrapper). TensorFlow 1 optimizers (``tf.compat.v1.train.*``) are not supported: use a Keras
+    optimizer, or :func:`DistributedGradientTape` in a custom loop.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise InvalidArgumentError(
+            f"DistributedOptimizer wraps Keras optimizers (keras.optimizers.*), got {type(optimizer).__name__}; "
+            "TensorFlow 1 optimizers are not supported: use a Keras optimizer, or DistributedGradientTape")
+
+    given = dict(name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+                 sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step, op=op,
+                 gradient_predivide_factor=gradient_predivide_factor,
+                 average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
+                 process_set=process_set, scale_local_gradients=scale_local_gradients)
+    defaults = dict(name=None, device_dense="", device_sparse="", compression=Compression.none,
+                    sparse_as_dense=False, backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                    average_aggregated_gradients=False, num_groups=0, groups=None,
+                    process_set=global_process_set, scale_local_gradients=True)
+    return DistributedOptimizer(optimizer, **{k: v for k, v in given.items() if v is not defaults[k]
+                                                     and v != defaults[k]})

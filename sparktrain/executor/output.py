@@ -1,0 +1,200 @@
+"""A rank's output and its line to the driver, as the barrier task sees them.
+
+:class:`RankIO` holds what the task knows of its rank while it runs: the channel to the driver,
+the output tail kept for a failure report, and the copy of the output written to storage
+(``log_url``). :meth:`RankIO.pump` forwards the rank process's output, line by line, until the
+process exits or the driver says stop.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import selectors
+import sys
+import time
+
+from .. import channel
+from ..errors import RankFailure
+from ..spec import TaskSpec
+from .supervisor import ChildProcess
+
+#: Lines of output each rank keeps for its failure report.
+TAIL_LINES = 100
+#: Longest output line forwarded; longer lines are split.
+MAX_LINE = 16 * 1024
+#: A C++ log line in absl's format, severity letter first (``I0000 00:00:17.5 123 port.cc:153] ...``).
+_CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] ")
+_CPP_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
+#: What each of TensorFlow's two copies of absl prints once before its first line.
+_ABSL_PREINIT = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+#: What TensorFlow logs as an error at start-up when it finds no GPU: expected in a rank told to use none.
+_NO_GPU_LINE = re.compile(r"^E\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ cuda_\w+\.cc:\d+\] failed call to cuInit: ")
+
+
+def below_log_level(line: str, level: int) -> bool:
+    """Whether ``TF_CPP_MIN_LOG_LEVEL=level`` should have hidden this C++ log line.
+
+    TensorFlow 2.21 prints its start-up lines (oneDNN, the CUDA stubs) through absl before it
+    reads the variable, twice: once per copy of absl in its shared libraries. The rank's output
+    pump drops them as the variable asks.
+
+    >>> below_log_level("I0000 00:00:1795356405.409084    3599 port.cc:153] oneDNN custom operations are on.", 2)
+    True
+    >>> below_log_level("E0000 00:00:1795356405.409084    3599 rpc.cc:1] peer gone", 2)
+    False
+    """
+    if line == _ABSL_PREINIT:
+        return level >= 1
+    m = _CPP_LOG_LINE.match(line)
+    return m is not None and _CPP_SEVERITY[m.group(1)] < level
+
+
+class RankIO:
+    """The state of one rank while it runs."""
+
+    def __init__(self, spec: TaskSpec, rank: int, host: str):
+        self.spec = spec
+        self.rank = rank
+        self.host = host
+        self.local_rank = 0
+        #: The barrier task's partition (-1 in local mode); the driver maps Spark's failed task to this rank.
+        self.partition = -1
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.chan: channel.Channel | None = None
+        self.abort_reason: str | None = None
+        self.show = spec.output_ranks is None or rank in spec.output_ranks
+        #: The rank's TF_CPP_MIN_LOG_LEVEL: C++ log lines below it are dropped (see below_log_level).
+        self.log_level = 0
+        #: Where the output also goes when the run has a log_url (see sparktrain.storage.outputlog).
+        self.log = None
+        #: The key the ranks' collective connections prove they hold (see collective_key).
+        self.collective_key = b""
+
+    def open_log(self) -> None:
+        if self.spec.log_target is None or not self.show:
+            return
+        import cloudpickle
+
+        from ..storage.outputlog import RankLog
+
+        url, options = cloudpickle.loads(self.spec.log_target)
+        try:
+            self.log = RankLog(url, options, self.spec.run_id, self.rank)
+        except Exception as e:  # noqa: BLE001 - the output's copy must never stop training
+            print(f"sparktrain rank {self.rank}: cannot write output under {url}: {e}", file=sys.stderr)
+
+    def flush_log(self, force: bool = False) -> None:
+        if self.log is None:
+            return
+        try:
+            self.log.flush(force)
+        except Exception as e:  # noqa: BLE001 - the output's copy must never stop training
+            print(f"sparktrain rank {self.rank}: stopped writing output to storage: {e}", file=sys.stderr)
+            self.log = None
+
+    # -- channel -----------------------------------------------------------------------------
+    def send(self, msg: dict) -> bool:
+        """Send to the driver; False if there is no channel. If streaming fails, training does not:
+        the channel is dropped."""
+        if self.chan is None:
+            return False
+        try:
+            self.chan.send(msg)
+            return True
+        except (OSError, ValueError) as e:
+            print(f"sparktrain rank {self.rank}: lost the driver channel ({e}); output now goes to this "
+                  f"executor's log", file=sys.stderr)
+            self.chan.close()
+            self.chan = None
+            return False
+
+    def failure(self, **kw) -> RankFailure:
+        kw.setdefault("time", time.time())  # the child records when its exception happened
+        return RankFailure(rank=self.rank, host=self.host, local_rank=self.local_rank,
+                           output_tail=tuple(self.tail), **kw)
+
+    # -- output ------------------------------------------------------------------------------
+    def emit(self, stream: str, line: str) -> None:
+        if stream == "stderr" and self.log_level and (
+                below_log_level(line, self.log_level) or (not self.spec.use_gpu and _NO_GPU_LINE.match(line))):
+            return
+        self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
+        if not self.show:
+            return
+        if self.log is not None:
+            self.log.add(stream, line, time.time())
+        if self.chan is not None:
+            self.send({"type": "out", "stream": stream, "line": line, "time": time.time()})
+        if self.chan is None:
+            print(f"[{self.rank}]<{stream}>:{line}", file=sys.stderr if stream == "stderr" else sys.stdout)
+
+    def pump(self, child: ChildProcess) -> None:
+        """Forward the child's output until it exits or the driver says stop."""
+        sel = selectors.DefaultSelector()
+        buffers = {}
+        for stream, f in (("stdout", child.stdout), ("stderr", child.stderr)):
+            os.set_blocking(f.fileno(), False)
+            sel.register(f.fileno(), selectors.EVENT_READ, stream)
+            buffers[stream] = b""
+        driver_sock = self.chan.sock if self.chan is not None else None
+        if driver_sock is not None:
+            sel.register(driver_sock, selectors.EVENT_READ, "driver")
+        open_pipes = 2
+        exited_at = None
+        try:
+            while open_pipes:
+                if driver_sock is not None and self.chan is None:  # the channel broke in send()
+                    sel.unregister(driver_sock)
+                    driver_sock = None
+                for key, _ in sel.select(timeout=0.5):
+                    if key.data == "driver" and self.chan is None:
+                        continue
+                    if key.data == "driver":
+                        self._on_driver_message(child)
+                        continue
+                    try:
+                        chunk = os.read(key.fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        open_pipes -= 1
+                        if buffers[key.data]:
+                            self.emit(key.data, buffers[key.data].decode(errors="replace"))
+                        continue
+                    buffers[key.data] = self._lines(key.data, buffers[key.data] + chunk)
+                self.flush_log()
+                if child.exited():
+                    # A grandchild may hold the pipes open after the child exited: give the
+                    # last lines a moment to arrive, then stop waiting for EOF.
+                    exited_at = exited_at or time.monotonic()
+                    if time.monotonic() - exited_at > 1.0:
+                        break
+        finally:
+            sel.close()
+            self.flush_log(force=True)
+
+    def _lines(self, stream: str, data: bytes) -> bytes:
+        *lines, rest = data.split(b"\n")
+        for raw in lines:
+            self.emit(stream, raw.rstrip(b"\r").decode(errors="replace"))
+        while len(rest) > MAX_LINE:
+            self.emit(stream, rest[:MAX_LINE].decode(errors="replace"))
+            rest = rest[MAX_LINE:]
+        return rest
+
+    def _on_driver_message(self, child: ChildProcess) -> None:
+        try:
+            msg = self.chan.recv()
+        except (OSError, channel.AuthenticationError):
+            msg = None
+        if msg is None:
+            self.chan.close()
+            self.chan = None  # pump() unregisters the socket
+            return
+        if msg.get("type") == "abort" and self.abort_reason is None:
+            self.abort_reason = msg.get("reason", "stopped by the driver")
+            child.stop(self.spec.grace_period)
+
+

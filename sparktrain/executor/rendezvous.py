@@ -1,0 +1,123 @@
+"""Meeting the other ranks: every rank's host and ports, and its share of the fed DataFrames.
+
+Through the driver's channel (one hello each, one answer from the driver), or, where executors
+cannot reach the driver (Spark Connect), through one Spark barrier ``allGather``.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+from typing import Callable
+
+from .. import channel, versions
+from ..errors import SparkTrainError, VersionMismatchError
+from .output import RankIO
+
+
+def reserve_port(attempts: int = 8) -> socket.socket:
+    """Bind a free TCP port and hold it, so nobody else takes it before the child needs it.
+
+    The caller closes the socket right before starting the child ("late handover"); the
+    child's collective runtime then binds the same port.
+    """
+    last: OSError | None = None
+    for _ in range(attempts):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("", 0))
+            return s
+        except OSError as e:
+            s.close()
+            if e.errno != errno.EADDRINUSE:
+                raise
+            last = e
+    raise OSError(errno.EADDRINUSE, f"no free port after {attempts} attempts: {last}")
+
+
+def check_versions(state: RankIO) -> None:
+    """Fail this rank at once, with a readable diff, when its versions differ from the driver's."""
+    if state.spec.versions is None:
+        return
+    diff = versions.mismatches(state.spec.versions, versions.collect())
+    if diff:
+        raise VersionMismatchError(
+            f"rank {state.rank} on {state.host} runs other versions than the driver:\n  " + "\n  ".join(diff)
+            + "\nInstall the same versions on the executors as on the driver (for example with the same "
+            "requirements file or cluster library list)")
+
+def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: dict[str, int],
+               checked_in: Callable[[], None] = lambda: None,
+               ) -> tuple[list[str], list[int], int, list[dict[str, int]]]:
+    """Meet the other ranks: every rank's host and ports, and its row count per fed DataFrame.
+
+    ``checked_in`` is called once this rank has said hello and its versions match, before it
+    waits for the others (the task starts the rank's process there, held)."""
+    me = {"type": "hello", "rank": state.rank, "partition": state.partition, "host": state.host, "port": port,
+          "master_port": master_port, "pid": os.getpid(), "shard": shard}
+    spec = state.spec
+    if spec.driver_address is None:
+        # One Spark barrier sync (about a second): the path for executors that cannot reach
+        # the driver, such as under Spark Connect. With no driver secret, rank 0 makes the
+        # collective key and shares it through the sync.
+        check_versions(state)
+        checked_in()
+        if state.rank == 0:
+            me["collective_key"] = secrets.token_hex(32)
+        infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
+        infos.sort(key=lambda i: i["rank"])
+        state.collective_key = bytes.fromhex(infos[0]["collective_key"])
+        return ([i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"]),
+                [i["shard"] for i in infos])
+    state.collective_key = collective_key(spec.secret, spec.run_id, spec.attempt)
+    try:
+        state.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout))
+    except OSError as e:
+        raise SparkTrainError(
+            f"rank {state.rank} on {state.host} cannot reach the driver's channel at "
+            f"{spec.driver_address[0]}:{spec.driver_address[1]}: {e}. If executors cannot open "
+            "connections to the driver, set spark.sparktrain.rendezvous=barrier"
+        ) from None
+    state.chan.send(me)
+    check_versions(state)  # after the hello, so the failure report reaches the driver at once
+    checked_in()
+    state.chan.sock.settimeout(spec.start_timeout)
+    try:
+        msg = state.chan.recv()
+    except socket.timeout:
+        raise SparkTrainError(
+            f"rank {state.rank} waited {spec.start_timeout:.0f} s for the other ranks to start "
+            "(start_timeout); see the driver's error for which ranks never started"
+        ) from None
+    # A driver that stops reading must not block this rank's output (and so its training)
+    # for ever: a send that cannot finish in 30 s drops the channel instead.
+    state.chan.sock.settimeout(30.0)
+    if msg is None:
+        raise SparkTrainError(f"rank {state.rank}: the driver closed the channel during rendezvous")
+    if msg["type"] == "abort":
+        state.abort_reason = msg.get("reason", "stopped by the driver")
+        raise SparkTrainError(f"rank {state.rank} was stopped before it started: {state.abort_reason}")
+    return (msg["hosts"], [int(p) for p in msg["ports"]], int(msg["master_port"]),
+            msg.get("shards") or [{}] * len(msg["hosts"]))
+
+
+def collective_key(secret: bytes, run_id: str, attempt: int) -> bytes:
+    """The key of the ranks' collective connections, derived from the attempt's channel secret.
+
+    The rank's process gets this derived key, never the channel's secret itself.
+    """
+    return hmac.new(secret, f"sparktrain-collective|{run_id}|{attempt}".encode(), hashlib.sha256).digest()
+
+
+def _write_key(workdir: str, key: bytes) -> str:
+    path = os.path.join(workdir, "collective.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return path
+
+
