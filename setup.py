@@ -2,7 +2,7 @@
 
 The library is loaded with ctypes, not imported, so it needs no Python headers. The extension
 is optional: where there is no C compiler the install still succeeds, and sparktrain falls back
-to TensorFlow's own ring with one warning (see ``sparktrain.native``).
+to TensorFlow's own ring with one warning (see ``sparktrain.engine``).
 
 The TensorFlow kernels over the engine (``native/tf_kernels.cc``) are not built here: pip builds
 in an environment without TensorFlow. Their source and the engine's header are copied into the

@@ -140,9 +140,9 @@ def worker(kind: str, rank: int, n: int, port: int, sizes: list[int], iters: int
     import numpy as np
 
     if kind.startswith("native"):
-        from sparktrain import native
+        from sparktrain import engine
 
-        comm = native.Communicator(rank, n, ["127.0.0.1"] * n, [port + r for r in range(n)], b"bench", f"bench-{port}",
+        comm = engine.Communicator(rank, n, ["127.0.0.1"] * n, [port + r for r in range(n)], b"bench", f"bench-{port}",
                                    timeout=300, force_tcp=kind == "native-tcp")
 
         def make(nbytes):

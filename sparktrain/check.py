@@ -248,9 +248,9 @@ def _facts_function() -> Callable[[tuple, tuple], dict]:
                  # what a rank's barrier task imports besides sparktrain (cluster.TASK_MODULES)
                  "missing": [m for m in ("cloudpickle", "pyarrow") if util.find_spec(m) is None]}
         try:  # which engine a rank's CPU collectives would run on here
-            from sparktrain import native
+            from sparktrain import engine
 
-            found["cpu_engine"] = "native" if native.available() else f"tensorflow ({native.unavailable_reason()})"
+            found["cpu_engine"] = "native" if engine.available() else f"tensorflow ({engine.unavailable_reason()})"
         except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
             found["cpu_engine"] = f"unknown ({type(e).__name__})"
         for name in packages:

@@ -22,13 +22,16 @@ MAX_ATTEMPTS = "SPARKTRAIN_ATTEMPTS_ALLOWED"
 #: The directory holding this rank's spool of the DataFrames fed with ``run(..., data=...)``.
 DATA_DIR = "SPARKTRAIN_DATA_DIR"
 
-#: A file holding the key every collective connection of the run proves it holds (sparktrain.native).
+#: A file holding the key every collective connection of the run proves it holds (sparktrain.engine).
 COLLECTIVE_KEY_FILE = "SPARKTRAIN_COLLECTIVE_KEY_FILE"
 
 #: How many compute threads the rank should use: its task's CPUs (see :func:`thread_defaults`).
 THREADS = "SPARKTRAIN_THREADS"
 #: The cores the rank keeps to, comma-separated, when it is pinned (see :func:`rank_cores`).
 CORES = "SPARKTRAIN_CORES"
+#: The CPUs this host's ranks can use together (``sparktrain.cpus.host_budget``): the native engine
+#: spin-waits only where the host's ranks do not outnumber them.
+CPU_BUDGET = "SPARKTRAIN_CPU_BUDGET"
 #: The variables :func:`thread_defaults` sets, unless the user or the executor already does.
 THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
@@ -38,7 +41,7 @@ TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
 #: Every variable the contract sets; user ``env`` may not override these.
 RESERVED_VARS = frozenset(
     TOPOLOGY_VARS
-    + (RUN_ID, ATTEMPT, MAX_ATTEMPTS, DATA_DIR, COLLECTIVE_KEY_FILE, THREADS, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    + (RUN_ID, ATTEMPT, MAX_ATTEMPTS, DATA_DIR, COLLECTIVE_KEY_FILE, THREADS, CPU_BUDGET, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK",
        "LOCAL_WORLD_SIZE",
        "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
 )
@@ -101,14 +104,14 @@ def ranks_by_host(task_hosts: Sequence[str]) -> list[int]:
 
 def rank_threads(task_cpus: int | None, cpu_count: int | None, local_size: int) -> int:
     """Compute threads for one rank: its task's CPUs (``spark.task.cpus``) where Spark says, else
-    (local mode, no Spark) this host's cores divided among its ranks; at least 1.
+    (local mode, no Spark) this host's cores divided among its ranks; never more than its share of
+    the CPUs the host's ranks can really use (``cpu_count``, from ``sparktrain.cpus``); at least 1.
 
-    >>> rank_threads(4, 16, 2), rank_threads(None, 2, 3), rank_threads(None, 8, 2)
-    (4, 1, 4)
+    >>> rank_threads(4, 16, 2), rank_threads(None, 2, 3), rank_threads(None, 8, 2), rank_threads(4, 2, 2)
+    (4, 1, 4, 1)
     """
-    if task_cpus:
-        return max(1, int(task_cpus))
-    return max(1, (cpu_count or 1) // max(1, local_size))
+    share = max(1, (cpu_count or 1) // max(1, local_size))
+    return max(1, min(int(task_cpus), share)) if task_cpus else share
 
 
 def rank_cores(allowed: Sequence[int], local_rank: int, local_size: int) -> list[int] | None:

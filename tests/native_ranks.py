@@ -13,7 +13,7 @@ import uuid
 
 import numpy as np
 
-from sparktrain import native
+from sparktrain import engine
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 LOOPBACK = "127.0.0.1"
@@ -62,7 +62,7 @@ SECRET = b"test-secret"
 
 def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners, spin):
     try:
-        comm = native.Communicator(rank, n, hosts, ports, SECRET, name, timeout=timeout, force_tcp=tcp,
+        comm = engine.Communicator(rank, n, hosts, ports, SECRET, name, timeout=timeout, force_tcp=tcp,
                                    listener=listeners.get(rank), spin=spin)
         try:
             result = fn(comm, *args)
@@ -179,7 +179,7 @@ def listening_sockets(comm):
 
 
 def segment_left(comm, name):
-    return os.path.exists("/dev/shm" + native.segment_name(name, comm.node))
+    return os.path.exists("/dev/shm" + engine.segment_name(name, comm.node))
 
 
 def allreduce_forever(comm, victim, started):
@@ -208,7 +208,7 @@ def allreduce_until_it_fails(comm, victim, started):
         t0 = time.monotonic()
         try:
             comm.allreduce_(x, "sum")
-        except native.CollectiveError as e:
+        except engine.CollectiveError as e:
             took = time.monotonic() - t0
             text = str(e)
             prefix = f"rank {comm.rank}: "
@@ -227,7 +227,7 @@ def one_rank_leaves_early(comm, early):
         return "left"
     try:
         comm.allreduce(np.ones(5, np.float32), "sum")
-    except native.CollectiveError as e:
+    except engine.CollectiveError as e:
         return {"code": e.code, "message": str(e)}
     return "no error"
 
@@ -253,7 +253,7 @@ def gather_mismatched_shapes(comm):
 
 # -- every op and dtype, reducescatter, alltoall, disagreements ----------------------------------
 
-ALL_DTYPES = native.DTYPES
+ALL_DTYPES = engine.DTYPES
 UNSIGNED = ("uint8", "uint16")
 
 
@@ -307,7 +307,7 @@ def every_op(comm, sizes, dtypes=ALL_DTYPES):
     n, r = comm.size, comm.rank
     bad, digests = [], {}
     for dtype in dtypes:
-        for op in native.OPS:
+        for op in engine.OPS:
             if dtype == "bool" and op == "average":
                 continue
             for size in sizes:
@@ -347,21 +347,21 @@ def reducescatter_cases(comm):
 
                 got = comm.reducescatter(make(r), op)
                 full = op_expected([make(k) for k in range(n)], dtype, op)
-                lo = sum(native.split_rows(rows, n)[:r])
+                lo = sum(engine.split_rows(rows, n)[:r])
                 _compare(bad, f"reducescatter {op} {dtype}{(rows,) + trailing}", got,
-                         full[lo:lo + native.split_rows(rows, n)[r]])
+                         full[lo:lo + engine.split_rows(rows, n)[r]])
     try:  # a scalar has no rows: refused on every rank together, and the communicator goes on
         comm.reducescatter(np.float32(r), "sum")
         bad.append("reducescatter of a scalar: no error")
-    except native.CollectiveError as e:
+    except engine.CollectiveError as e:
         if "scalar" not in str(e):
             bad.append(f"reducescatter of a scalar: {e}")
     # Over the 256 KiB shared-memory chunk: two large chunks; a large one and then a small one.
     for big in (40_003, 22_700):
         got = comm.reducescatter(np.arange(big * 3, dtype=np.float32).reshape(big, 3) * (r + 1), "average")
         full = np.arange(big * 3, dtype=np.float32).reshape(big, 3) * np.float32(n * (n + 1) // 2) / np.float32(n)
-        lo = sum(native.split_rows(big, n)[:r])
-        _compare(bad, f"reducescatter big {big}", got, full[lo:lo + native.split_rows(big, n)[r]])
+        lo = sum(engine.split_rows(big, n)[:r])
+        _compare(bad, f"reducescatter big {big}", got, full[lo:lo + engine.split_rows(big, n)[r]])
     return bad
 
 
@@ -414,7 +414,7 @@ def _expect_mismatch(comm, label: str, call, out: dict) -> None:
     try:
         call()
         out[label] = "no error"
-    except native.CollectiveError as e:
+    except engine.CollectiveError as e:
         text = str(e)
         prefix = f"rank {comm.rank}: "
         out[label] = (e.code, text[len(prefix):] if text.startswith(prefix) else text)

@@ -38,7 +38,7 @@ LAYERS = "Keras builds on TensorFlow, which builds on the native engine"
      ["The driver side imports the executor side only where jobs ships the task"]),
     ("spec.py", "from .storage import put_bytes", ["The pure modules import neither side"]),
     ("tensorflow/ops.py", "from ..keras import callbacks", [LAYERS, CIRCLES]),
-    ("native.py", "from .tensorflow import runtime", ["The pure modules import neither side", LAYERS, CIRCLES]),
+    ("engine/topology.py", "from ..tensorflow import runtime", ["The pure modules import neither side", LAYERS, CIRCLES]),
     ("driver/feed.py", "from . import run", [CIRCLES]),
     ("tensorflow/kernels.py", "from . import timeline", [CIRCLES]),
 ])

@@ -13,7 +13,7 @@ import pytest
 
 import sparktrain
 from helpers import read_ranks, record_rank
-from sparktrain import native
+from sparktrain import engine
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.timeout(300)
@@ -296,7 +296,7 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
     return bad
 
 
-@pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+@pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))
 @pytest.mark.parametrize("num_proc", [3, 2])
 def test_every_collective_op_and_dtype_on_the_native_engine(tmp_path, num_proc):
     got, engines = run_all(tmp_path, num_proc, {})
@@ -304,7 +304,7 @@ def test_every_collective_op_and_dtype_on_the_native_engine(tmp_path, num_proc):
     assert check_everything(got, num_proc, tmp_path, "native") == []
 
 
-@pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+@pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))
 def test_every_collective_op_and_dtype_on_the_native_engine_through_numpy_function(tmp_path):
     got, engines = run_all(tmp_path, 2, {"SPARKTRAIN_TF_KERNELS": "0"})
     assert engines == {("native", False)}

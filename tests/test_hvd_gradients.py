@@ -11,7 +11,7 @@ import pytest
 
 import sparktrain
 from helpers import read_ranks, record_rank
-from sparktrain import native
+from sparktrain import engine
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.timeout(300)
@@ -185,7 +185,7 @@ def check(got):
         assert "GradientDescentOptimizer" in g["bad_optimizer"] and "Keras optimizer" in g["bad_optimizer"]
 
 
-@pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+@pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy_function"])
 def test_gradients_tapes_and_mismatches_on_the_native_engine(tmp_path, kernels):
     # Without a compiler the ranks fall back to numpy_function (test_tf_kernels.py: with one warning).

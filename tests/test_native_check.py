@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from sparktrain import native
+from sparktrain import engine
 
 SPARKTRAIN = os.path.join(os.path.dirname(sys.executable), "sparktrain")
 
 pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))]
+              pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))]
 
 
 def test_check_names_the_cpu_engine_of_every_executor():

@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from sparktrain import native
+from sparktrain import engine
 
 import native_ranks as nr
 
 pytestmark = [pytest.mark.timeout(180),
-              pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))]
+              pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))]
 
 SIZES = (0, 1, 7, 1024, 1_000_003)
 
@@ -43,15 +43,17 @@ def test_allreduce_matches_numpy_with_waits_that_spin_or_sleep_at_once(n, spin):
 
 
 def test_waits_spin_by_default_only_where_the_hosts_ranks_have_cores_of_their_own():
-    cores = os.cpu_count()
+    from sparktrain import cpus
+
+    cores = cpus.usable_cpus()
     for n in sorted({1, 2, cores, cores + 1} - {0}):
         if n > 4:
             continue
         spins = nr.all_ok(nr.run_ranks(n, lambda comm: comm.spin), n)
-        assert set(spins.values()) == {native.SPIN_S if n <= cores else 0.0}, (n, cores, spins)
+        assert set(spins.values()) == {engine.SPIN_S if n <= cores else 0.0}, (n, cores, spins)
     # Two hosts of one rank each: each host's one rank has a core.
     spins = nr.all_ok(nr.run_ranks(2, lambda comm: comm.spin, tcp=True), 2)
-    assert set(spins.values()) == {native.SPIN_S}
+    assert set(spins.values()) == {engine.SPIN_S}
 
 
 def test_allreduce_hierarchical_two_hosts_of_two():
@@ -147,7 +149,7 @@ def test_a_disagreement_is_the_same_error_on_every_rank_and_the_communicator_goe
     v = values[0]
     for label, says in SAYS.items():
         code, text = v[label]
-        assert code == native.MISMATCH, (label, v[label])
+        assert code == engine.MISMATCH, (label, v[label])
         assert says in text, (label, text)
         assert any(f"rank {d}" in text for d in deviants), (label, text)
         assert v[label + " then"] == [float(n)] * 3, (label, v[label + " then"])
@@ -157,20 +159,20 @@ def test_a_disagreement_is_the_same_error_on_every_rank_and_the_communicator_goe
 def test_a_bad_op_or_dtype_is_refused_before_the_call_naming_the_choices():
     import numpy as np
 
-    with native.Communicator(0, 1, ["127.0.0.1"], [0], b"k", "refuse") as comm:
-        with pytest.raises(native.CollectiveError, match=r"op must be one of sum, average, min, max, product; "
+    with engine.Communicator(0, 1, ["127.0.0.1"], [0], b"k", "refuse") as comm:
+        with pytest.raises(engine.CollectiveError, match=r"op must be one of sum, average, min, max, product; "
                                                          r"got 'mean'"):
             comm.allreduce(np.ones(3, np.float32), "mean")
-        with pytest.raises(native.CollectiveError, match=r"reduces float16, .*bool; got dtype complex64"):
+        with pytest.raises(engine.CollectiveError, match=r"reduces float16, .*bool; got dtype complex64"):
             comm.allreduce(np.ones(3, np.complex64), "sum")
-        with pytest.raises(native.CollectiveError, match="bool has no average"):
+        with pytest.raises(engine.CollectiveError, match="bool has no average"):
             comm.reducescatter(np.ones(3, bool), "average")
-        with pytest.raises(native.CollectiveError, match="op must be one of"):
+        with pytest.raises(engine.CollectiveError, match="op must be one of"):
             comm.allreduce_(np.ones(3, np.float32), None)
         # None of that reached the engine: the communicator works.
         assert comm.allreduce(np.ones(3, bool), "sum").tolist() == [True] * 3
         assert comm.broadcast(np.ones(2, np.complex64)).tolist() == [1, 1]  # moved as opaque bytes
         assert comm.allgather(np.array(["ab", "c"])).tolist() == ["ab", "c"]
-    assert native.OPS == ("sum", "average", "min", "max", "product")
-    assert set(native.DTYPES) >= {"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+    assert engine.OPS == ("sum", "average", "min", "max", "product")
+    assert set(engine.DTYPES) >= {"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
                                   "uint8", "uint16", "bool"}

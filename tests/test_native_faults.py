@@ -13,12 +13,12 @@ import uuid
 
 import pytest
 
-from sparktrain import native
+from sparktrain import engine
 
 import native_ranks as nr
 
 pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))]
+              pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))]
 
 
 TWO_HOSTS_OF_TWO = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
@@ -49,12 +49,12 @@ def test_a_rank_killed_inside_an_allreduce_fails_every_other_naming_it(n, tcp, h
         status, v = results[r]
         assert status == "ok", (r, v)
         # A peer failure naming the victim, and no other rank: not a neighbour whose socket closed.
-        assert v["code"] == native.PEER, (r, v)
+        assert v["code"] == engine.PEER, (r, v)
         assert set(re.findall(r"\brank (\d+)", v["message"])) == {str(victim)}, (r, v["message"])
         assert v["took"] < timeout, (r, v)
         assert v["sockets"] == [], (r, v)  # nothing listening, no ring connection left open
     for node in range(n):
-        assert not os.path.exists("/dev/shm" + native.segment_name(name, node))
+        assert not os.path.exists("/dev/shm" + engine.segment_name(name, node))
 
 
 def test_a_rank_that_closes_early_is_named_not_taken_for_dead():
@@ -65,7 +65,7 @@ def test_a_rank_that_closes_early_is_named_not_taken_for_dead():
     for r in (0, 1):
         status, v = results[r]
         assert status == "ok" and isinstance(v, dict), (r, v)
-        assert v["code"] == native.PEER, (r, v)
+        assert v["code"] == engine.PEER, (r, v)
         assert "rank 2 closed its communicator" in v["message"], (r, v)
 
 

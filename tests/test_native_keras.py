@@ -7,11 +7,11 @@ import pytest
 import sparktrain
 from conftest import module_spark
 from helpers import assert_collectives, read_ranks, record_rank
-from sparktrain import native
+from sparktrain import engine
 
 pytest.importorskip("tensorflow")
 pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))]
+              pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))]
 
 from test_keras import ENV, collectives, fit_digits  # noqa: E402 - the same training as TensorFlow's ring
 

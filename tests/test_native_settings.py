@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from sparktrain import native, settings, worker_env
+from sparktrain import engine, settings, worker_env
 from sparktrain.errors import InvalidArgumentError
+from sparktrain.executor import rankenv
 from sparktrain.executor import rendezvous as task
 
 
@@ -46,8 +47,8 @@ def test_thread_defaults_leave_what_is_set_and_keep_two_inter_op_threads():
 
 
 def test_layout_groups_ranks_by_host_or_makes_each_its_own_with_tcp():
-    assert native.layout(["a", "b", "a", "b"]) == ([0, 1, 0, 1], [0, 0, 1, 1])
-    assert native.layout(["a", "a", "a"], force_tcp=True) == ([0, 1, 2], [0, 0, 0])
+    assert engine.layout(["a", "b", "a", "b"]) == ([0, 1, 0, 1], [0, 0, 1, 1])
+    assert engine.layout(["a", "a", "a"], force_tcp=True) == ([0, 1, 2], [0, 0, 0])
 
 
 def test_the_collective_key_is_derived_per_attempt_and_never_the_secret():
@@ -57,7 +58,7 @@ def test_the_collective_key_is_derived_per_attempt_and_never_the_secret():
 
 
 def test_the_key_file_is_for_the_rank_only(tmp_path):
-    path = task._write_key(str(tmp_path), b"k" * 32)
+    path = rankenv._write_key(str(tmp_path), b"k" * 32)
     assert open(path, "rb").read() == b"k" * 32
     assert os.stat(path).st_mode & 0o077 == 0
 
@@ -65,8 +66,10 @@ def test_the_key_file_is_for_the_rank_only(tmp_path):
 def test_a_missing_library_falls_back_to_tensorflows_ring_with_one_warning(monkeypatch, caplog):
     import sparktrain.tensorflow as hvd
 
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_lib_error", "sparktrain's native collective engine was not built")
+    from sparktrain.engine import loader
+
+    monkeypatch.setattr(loader, "_lib", None)
+    monkeypatch.setattr(loader, "_lib_error", "sparktrain's native collective engine was not built")
     monkeypatch.delenv("SPARKTRAIN_CPU_COLLECTIVES", raising=False)
     with caplog.at_level(logging.WARNING):
         assert hvd._cpu_engine() == "tensorflow"
@@ -79,9 +82,9 @@ def test_a_missing_library_falls_back_to_tensorflows_ring_with_one_warning(monke
 
 
 def test_the_library_is_found_and_speaks_this_abi():
-    if native.unavailable_reason() is not None:
-        pytest.skip(native.unavailable_reason())
-    assert native.library().stc_abi_version() == native._ABI_VERSION == 4
+    if engine.unavailable_reason() is not None:
+        pytest.skip(engine.unavailable_reason())
+    assert engine.library().stc_abi_version() == engine._ABI_VERSION == 4
 
 
 def test_spin_wait_is_auto_or_seconds_and_a_bad_value_fails_on_the_driver_naming_it():

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from sparktrain import native
+from sparktrain import engine
 
 pytest.importorskip("tensorflow")
 pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))]
+              pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))]
 
 BUILD = """
 import sys

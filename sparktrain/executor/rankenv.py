@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from .. import settings, tracking, worker_env
+from .. import cpus, settings, tracking, worker_env
 from ..errors import SparkTrainError
 from ..spec import TaskSpec
 
@@ -33,14 +33,17 @@ def rank_env(spec: TaskSpec, rank: int, hosts: Sequence[str], ports: Sequence[in
     """The rank's whole environment: :func:`start_env` plus what the rendezvous decided."""
     env = start_env(spec)
     # The task's CPUs (its resource profile's, or spark.task.cpus on a cluster); on a local
-    # master or in local mode, this host's cores shared among its ranks.
-    threads = worker_env.rank_threads(spec.task_cpus, os.cpu_count(), topo["local_size"])
+    # master or in local mode, this host's cores shared among its ranks. Either way, no more than
+    # the CPUs its affinity mask and cgroup quota leave.
+    usable = cpus.usable_cpus()
+    threads = worker_env.rank_threads(spec.task_cpus, usable, topo["local_size"])
     env.update(worker_env.build_worker_env(
         rank=rank, hosts=hosts, ports=ports, master_port=master_port,
         gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
         attempt=spec.attempt, max_attempts=spec.max_attempts, threads=threads,
     ))
     env.update(worker_env.thread_defaults(threads, spec.user_env))
+    env[worker_env.CPU_BUDGET] = str(cpus.host_budget(spec.task_cpus, topo["local_size"], usable))
     cores = _pinned_cores(spec, topo)
     if cores:
         env[worker_env.CORES] = ",".join(map(str, cores))

@@ -7,7 +7,7 @@ Inside ``train_fn``::
     total = hvd.allreduce(tf.constant([hvd.rank()]), op=hvd.Sum)
 
 On GPU the collectives are TensorFlow's own (``CollectiveReduceV2`` and friends) over NCCL. On
-CPU they run on sparktrain's native engine (``sparktrain.native``: shared memory within a host,
+CPU they run on sparktrain's native engine (``sparktrain.engine``: shared memory within a host,
 a TCP ring between hosts), called through one ``tf.numpy_function`` per collective, so they
 work eagerly and inside ``model.fit``'s compiled step alike. ``SPARKTRAIN_CPU_COLLECTIVES`` /
 ``spark.sparktrain.cpuCollectives=tensorflow`` chooses TensorFlow's gRPC ring instead, as does

@@ -27,7 +27,7 @@ from .ops import Average, Sum
 from .runtime import require_init, state
 from ..errors import InvalidArgumentError
 
-from ..native import OPS as _ENGINE_OPS
+from ..engine import OPS as _ENGINE_OPS
 
 #: The engine's op codes (``enum stc_op``), by op name; Adasum is not among them.
 _OP_CODES = {name: code for code, name in enumerate(_ENGINE_OPS)}
@@ -92,15 +92,15 @@ def _native_call(kind: str, fn, inputs: list, tout):
     tf = _tf()
 
     def call(*arrays):
-        from .. import native
+        from .. import engine
 
         start = timeline.now_us()
         try:
             out = fn(*arrays)
-        except native.CollectiveError as e:
-            cls = {native.TIMEOUT: tf.errors.DeadlineExceededError, native.PEER: tf.errors.UnavailableError,
-                   native.MISMATCH: tf.errors.FailedPreconditionError,
-                   native.BROKEN: tf.errors.FailedPreconditionError}.get(e.code, tf.errors.InternalError)
+        except engine.CollectiveError as e:
+            cls = {engine.TIMEOUT: tf.errors.DeadlineExceededError, engine.PEER: tf.errors.UnavailableError,
+                   engine.MISMATCH: tf.errors.FailedPreconditionError,
+                   engine.BROKEN: tf.errors.FailedPreconditionError}.get(e.code, tf.errors.InternalError)
             raise cls(None, None, str(e)) from None
         if timeline.active():
             timeline.record(kind, sum(a.nbytes for a in arrays), start, timeline.now_us())
@@ -133,13 +133,13 @@ def _native() -> bool:
 def _comm():
     """The native engine's communicator when the collective runs (not when it was traced: a
     function traced before shutdown() and init() runs on the new one)."""
-    from .. import native
+    from .. import engine
 
     comm = state.comm
     if comm is None:
-        raise native.CollectiveError("sparktrain's native collective engine is not running in this process; "
+        raise engine.CollectiveError("sparktrain's native collective engine is not running in this process; "
                                      "call sparktrain.tensorflow.init() first (after shutdown(), init() again)",
-                                     native.BROKEN)
+                                     engine.BROKEN)
     return comm
 
 

@@ -1,4 +1,4 @@
-"""The collectives on numpy arrays over the native engine (``sparktrain.native.Communicator``).
+"""The collectives on numpy arrays over the native engine (``sparktrain.engine.Communicator``).
 
 The engine runs every op but Adasum itself, and checks on every collective that the ranks
 agree (kind, shape, dtype, op, root): a disagreement is the same ``MISMATCH`` error on every

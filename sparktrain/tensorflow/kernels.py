@@ -10,7 +10,7 @@ engine's own time, and the engine's failures surface as TensorFlow's errors even
 pip builds sparktrain without TensorFlow, so the kernels are compiled here, the first time a
 rank's ``init()`` brings the engine up: with ``$CXX`` (default ``g++``) and TensorFlow's own
 compile and link flags (``tf.sysconfig``), linked against the engine library
-``sparktrain.native`` loaded (by its path, with an rpath, so the process holds one engine and
+``sparktrain.engine`` loaded (by its path, with an rpath, so the process holds one engine and
 the kernels find the communicator ``init()`` made current). The library goes to a cache
 directory, ``$SPARKTRAIN_CACHE_DIR`` or else ``~/.cache/sparktrain`` (a directory under the temp
 dir where HOME is not writable), named by TensorFlow's version and a hash of the sources, the
@@ -89,14 +89,14 @@ def _flags(tf) -> tuple[list[str], list[str]]:
 
 def library_path(tf, engine: str, src: str, cxx: str, directory: str) -> str:
     """The cached library's path for this TensorFlow, source, engine and compiler."""
-    from .. import native
+    from .. import engine
 
     h = hashlib.sha256()
     for name in (SOURCE, HEADER):
         with open(os.path.join(src, name), "rb") as f:
             h.update(f.read())
     compile_flags, link_flags = _flags(tf)
-    for part in (str(native._ABI_VERSION), os.path.realpath(engine), cxx, *compile_flags, *link_flags):
+    for part in (str(engine._ABI_VERSION), os.path.realpath(engine), cxx, *compile_flags, *link_flags):
         h.update(b"\0" + part.encode())
     return os.path.join(directory, f"tf_kernels-tf{tf.__version__}-{h.hexdigest()[:16]}.so")
 
@@ -143,12 +143,12 @@ def _locked(path: str, deadline: float):
 
 def build(tf=None) -> str:
     """The path of the kernels' library, compiled first where the cache lacks it; OSError why not."""
-    from .. import native
+    from .. import engine as _engine
 
     tf = tf or __import__("tensorflow")
-    engine = native._library_path()
-    if engine is None or not native.available():
-        raise OSError(native.unavailable_reason() or "the native engine is not available")
+    engine = _engine._library_path()
+    if engine is None or not _engine.available():
+        raise OSError(_engine.unavailable_reason() or "the native engine is not available")
     engine = os.path.abspath(engine)
     src = _source_dir()
     if src is None:
@@ -185,14 +185,14 @@ def load():
         try:
             import tensorflow as tf
 
-            from .. import native
+            from .. import engine
 
             path = build(tf)
             ops = tf.load_op_library(path)
             lib = ctypes.CDLL(path)
-            if lib.sparktrain_tk_abi_version() != native._ABI_VERSION:
+            if lib.sparktrain_tk_abi_version() != engine._ABI_VERSION:
                 raise OSError(f"{path} was built for engine ABI {lib.sparktrain_tk_abi_version()}, not "
-                              f"{native._ABI_VERSION}")
+                              f"{engine._ABI_VERSION}")
             lib.sparktrain_tk_timeline.argtypes = [ctypes.c_int]
             lib.sparktrain_tk_timeline.restype = None
             lib.sparktrain_tk_timeline_drain.restype = ctypes.c_void_p

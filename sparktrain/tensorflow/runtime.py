@@ -99,9 +99,9 @@ def _bring_up(tf, timeout: float) -> None:
     state.timeout = timeout
     state.engine = "nccl" if state.gpu else cpu_engine()
     if state.size > 1 and state.engine == "native":
-        from .. import native
+        from .. import engine
 
-        state.comm = native.from_env(state.timeout)
+        state.comm = engine.from_env(state.timeout)
         state.comm.make_current()  # where the TensorFlow kernels find it
         from . import kernels
 
@@ -144,12 +144,12 @@ def cpu_engine() -> str:
     wanted = settings.resolve("cpu_collectives")
     if wanted == "tensorflow":
         return "tensorflow"
-    from .. import native
+    from .. import engine
 
-    if native.available():
+    if engine.available():
         return "native"
     logging.getLogger(__name__).warning("%s; using TensorFlow's ring for collectives on CPU instead",
-                                        native.unavailable_reason())
+                                        engine.unavailable_reason())
     return "tensorflow"
 
 

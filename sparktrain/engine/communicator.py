@@ -1,292 +1,38 @@
-"""The native CPU collective engine (``native/``), seen from Python.
-
-The engine is a small C library built into the package (``sparktrain/_collective*.so``) and
-loaded with ctypes, which releases the GIL for every call. Within a host the ranks meet in
-shared memory; between hosts, one leader per host joins a TCP ring. This module owns the
-policy the library leaves to its caller: the topology, the deadline, and the ring's
-connections, each of which must prove it holds the run's secret before the library sees it.
-:meth:`Communicator.make_current` publishes a communicator to code in the process that holds no
-handle: sparktrain's TensorFlow kernels (``sparktrain.tensorflow.kernels``), which link against
-this same library and call it without Python.
-
-Pure of Spark and TensorFlow: it needs numpy only, so tests run ranks as plain processes::
-
-    comm = Communicator(rank=r, size=3, hosts=["h"] * 3, ports=[p0, p1, p2], secret=key, name=run)
-    total = comm.allreduce(np.arange(4.0), op="sum")
-    mine = comm.reducescatter(np.ones((7, 2), np.float32), op="max")   # rows 3, 2 and 2
-    got, got_splits = comm.alltoall(np.arange(6), splits=[1, 2, 3])
-    comm.close()
-
-Ranks that pass different shapes, dtypes, ops or roots, or call different collectives, all get
-the same :class:`CollectiveError` (code :data:`MISMATCH`), and the communicator goes on working;
-a dead peer or a timeout (:data:`PEER`, :data:`TIMEOUT`) ends it (:data:`BROKEN` after).
-"""
+"""The :class:`Communicator`: one rank's handle on the engine, with numpy arrays in and out."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import hmac
-import importlib.machinery
-import json
 import os
-import secrets
 import socket
-import struct
 import threading
 import time
 from typing import Sequence
 
-from . import settings, worker_env
-from .errors import SparkTrainError
-
-#: ``SPARKTRAIN_NATIVE_LIBRARY``: load the engine from this path instead (a sanitizer build, say).
-LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"
-#: The file holding the run's collective key; ``run`` writes it into the rank's work directory.
-KEY_FILE_ENV = worker_env.COLLECTIVE_KEY_FILE
-
-_ABI_VERSION = 4
-_ERRLEN = 1024
-_HELLO = b"STC1"
-
-#: The reductions, by the names every reducing call takes (``op=``); codes of ``enum stc_op``.
-OPS = ("sum", "average", "min", "max", "product")
-#: The dtypes the engine reduces (numpy names; bfloat16 is ml_dtypes'); codes of ``enum stc_dtype``.
-#: Broadcast, allgather and alltoall also move any other fixed-size dtype, as opaque bytes.
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8", "int16", "uint16", "bool")
-_OP_CODES = {name: code for code, name in enumerate(OPS)}
-_DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
-_OPAQUE, _OPAQUE_MAX = 256, 1024  # STC_OPAQUE + itemsize: moved, never reduced
-_MAX_DIMS = 64  # numpy's limit
+from .. import cpus, worker_env
+from .handshake import _connect_ring
+from .loader import (CollectiveError, DTYPES, OPS, _Config, _DTYPE_CODES, _ERRLEN, _MAX_DIMS, _OPAQUE, _OPAQUE_MAX, _OP_CODES, available, library, unavailable_reason)
+from .topology import layout, segment_name
 
 
-#: The library's return codes (``native/collective.h``), by name.
-TIMEOUT, PEER, MISMATCH, BROKEN = -2, -3, -4, -6
+#: How long a wait spins, by default, where each of a host's ranks can have a CPU of its own:
+#: longer than the usual skew between ranks' steps. On a 2-core virtual machine, a 4 KiB
+#: allreduce inside a step took 68 us with waits that slept almost at once, 19 us spinning.
+SPIN_S = 0.002
 
 
-class CollectiveError(SparkTrainError):
-    """A native collective failed: a peer died, ranks disagreed, or a wait passed its deadline.
+def default_spin(local_size: int, budget: int | None = None) -> float:
+    """``SPIN_S`` where this host's ``local_size`` ranks do not outnumber the CPUs they can use
+    together, else 0: a spinning rank would take the CPU its peer needs.
 
-    ``code`` is the library's return code (:data:`TIMEOUT`, :data:`PEER`, :data:`MISMATCH`,
-    :data:`BROKEN`, ...), or :data:`MISMATCH` for disagreements found in Python.
+    ``budget`` defaults to what the rank's task measured (``worker_env.CPU_BUDGET``: the affinity
+    mask and cgroup quota of the executor, capped by Spark's task CPUs), or else what this
+    process can use (``sparktrain.cpus.usable_cpus``).
     """
+    if budget is None:
+        given = os.environ.get(worker_env.CPU_BUDGET, "")
+        budget = int(given) if given.isdigit() else cpus.usable_cpus()
+    return SPIN_S if local_size <= budget else 0.0
 
-    def __init__(self, message: str, code: int = MISMATCH):
-        super().__init__(message)
-        self.code = code
-
-    def __reduce__(self):
-        return type(self), (str(self), self.code)
-
-
-class _Config(ctypes.Structure):
-    _fields_ = [
-        ("rank", ctypes.c_int), ("size", ctypes.c_int),
-        ("local_rank", ctypes.c_int), ("local_size", ctypes.c_int),
-        ("node", ctypes.c_int), ("num_nodes", ctypes.c_int),
-        ("shm_name", ctypes.c_char_p),
-        ("chunk_bytes", ctypes.c_size_t),
-        ("timeout_s", ctypes.c_double), ("heartbeat_s", ctypes.c_double),
-        ("next_fd", ctypes.c_int), ("prev_fd", ctypes.c_int),
-        ("rank_node", ctypes.POINTER(ctypes.c_int32)), ("rank_local", ctypes.POINTER(ctypes.c_int32)),
-        ("spin_s", ctypes.c_double),
-    ]
-
-
-_lib = None
-_lib_error: str | None = None
-_lib_lock = threading.Lock()
-
-
-def _library_path() -> str | None:
-    override = os.environ.get(LIBRARY_ENV)
-    if override:
-        return override
-    here = os.path.dirname(os.path.abspath(__file__))
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = os.path.join(here, "_collective" + suffix)
-        if os.path.exists(path):
-            return path
-    return None
-
-
-def library():
-    """The loaded engine (a ``ctypes.CDLL``), or None when it was not built or does not load."""
-    global _lib, _lib_error
-    with _lib_lock:
-        if _lib is not None or _lib_error is not None:
-            return _lib
-        path = _library_path()
-        if path is None:
-            _lib_error = ("sparktrain's native collective engine was not built (no sparktrain/_collective*.so); "
-                          "reinstall sparktrain where gcc is available: pip install -e . or pip install sparktrain")
-            return None
-        try:
-            lib = ctypes.CDLL(path)
-            if lib.stc_abi_version() != _ABI_VERSION:
-                raise OSError(f"ABI version {lib.stc_abi_version()}, expected {_ABI_VERSION}")
-        except (OSError, AttributeError) as e:
-            _lib_error = f"sparktrain's native collective engine at {path} does not load: {e}"
-            return None
-        err = ctypes.c_char_p
-        lib.stc_create.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(ctypes.c_void_p), err, ctypes.c_size_t]
-        lib.stc_destroy.argtypes = [ctypes.c_void_p]
-        lib.stc_destroy.restype = None
-        i64p, vp, i = ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p, ctypes.c_int
-        lib.stc_allreduce.argtypes = [vp, vp, i, i, i, i64p, err, ctypes.c_size_t]
-        lib.stc_reducescatter.argtypes = [vp, vp, vp, i, i, i, i64p, err, ctypes.c_size_t]
-        lib.stc_broadcast.argtypes = [vp, vp, i, i, i64p, i, err, ctypes.c_size_t]
-        lib.stc_allgatherv.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_uint64), i, i, i64p, err,
-                                       ctypes.c_size_t]
-        lib.stc_alltoallv.argtypes = [vp, vp, vp, ctypes.POINTER(ctypes.c_uint64), i, i, i64p, err,
-                                      ctypes.c_size_t]
-        lib.stc_barrier.argtypes = [ctypes.c_void_p, err, ctypes.c_size_t]
-        lib.stc_comm_rank.argtypes = [ctypes.c_void_p]
-        lib.stc_comm_size.argtypes = [ctypes.c_void_p]
-        lib.stc_set_current.argtypes = [ctypes.c_void_p]
-        lib.stc_set_current.restype = None
-        lib.stc_current_acquire.argtypes = []
-        lib.stc_current_acquire.restype = ctypes.c_void_p
-        lib.stc_current_release.argtypes = []
-        lib.stc_current_release.restype = None
-        _lib = lib
-        return _lib
-
-
-def unavailable_reason() -> str | None:
-    """Why the engine cannot be used here, or None when it can."""
-    library()
-    return _lib_error
-
-
-def available() -> bool:
-    return library() is not None
-
-
-# -- topology ----------------------------------------------------------------------------------
-
-def layout(hosts: Sequence[str], force_tcp: bool = False) -> tuple[list[int], list[int]]:
-    """Each rank's host index (in order of first appearance) and local rank.
-
-    With ``force_tcp`` every rank is a host of its own, so ranks on one machine use the ring.
-
-    >>> layout(["a", "b", "a"])
-    ([0, 1, 0], [0, 0, 1])
-    """
-    if force_tcp:
-        return list(range(len(hosts))), [0] * len(hosts)
-    index: dict[str, int] = {}
-    nodes, locals_ = [], []
-    counts: dict[str, int] = {}
-    for h in hosts:
-        nodes.append(index.setdefault(h, len(index)))
-        locals_.append(counts.get(h, 0))
-        counts[h] = counts.get(h, 0) + 1
-    return nodes, locals_
-
-
-def segment_name(name: str, node: int) -> str:
-    """The shared-memory segment of run ``name`` on host ``node`` (``/dev/shm`` + this, on Linux)."""
-    return f"/sparktrain-{hashlib.sha256(name.encode()).hexdigest()[:16]}-h{node}"
-
-
-# -- the ring's connections --------------------------------------------------------------------
-
-def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("connection closed during the handshake")
-        data += chunk
-    return data
-
-
-def _authenticate_client(sock: socket.socket, key: bytes, name: bytes, rank: int) -> None:
-    hello = _recv_exact(sock, len(_HELLO) + 32)
-    if hello[:len(_HELLO)] != _HELLO:
-        raise ConnectionError("the peer is not a sparktrain collective endpoint")
-    nonce_s, nonce_c = hello[len(_HELLO):], secrets.token_bytes(32)
-    r = struct.pack("!i", rank)
-    sock.sendall(r + nonce_c + _mac(key, b"client", name, nonce_s, nonce_c, r))
-    if not hmac.compare_digest(_recv_exact(sock, 32), _mac(key, b"server", name, nonce_s, nonce_c, r)):
-        raise ConnectionError("the peer does not hold the run's secret")
-
-
-def _authenticate_server(sock: socket.socket, key: bytes, name: bytes, expected_rank: int) -> None:
-    nonce_s = secrets.token_bytes(32)
-    sock.sendall(_HELLO + nonce_s)
-    reply = _recv_exact(sock, 4 + 32 + 32)
-    r, nonce_c, mac = reply[:4], reply[4:36], reply[36:]
-    if not hmac.compare_digest(mac, _mac(key, b"client", name, nonce_s, nonce_c, r)):
-        raise ConnectionError("refused a connection that does not hold the run's secret")
-    if struct.unpack("!i", r)[0] != expected_rank:
-        raise ConnectionError(f"rank {struct.unpack('!i', r)[0]} connected where rank {expected_rank} was expected")
-    sock.sendall(_mac(key, b"server", name, nonce_s, nonce_c, r))
-
-
-def _connect_ring(listener: socket.socket, next_addr: tuple[str, int], key: bytes, name: bytes, rank: int,
-                  next_rank: int, prev_rank: int, deadline: float) -> tuple[socket.socket, socket.socket]:
-    """Connect to the next leader and accept the previous one, both authenticated."""
-    out: dict[str, object] = {}
-
-    def dial():
-        delay = 0.01
-        while True:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                s.settimeout(max(0.1, deadline - time.monotonic()))
-                s.connect(next_addr)
-                _authenticate_client(s, key, name, rank)
-                s.settimeout(None)
-                out["next"] = s
-                return
-            except (OSError, ConnectionError) as e:
-                s.close()
-                if time.monotonic() + delay > deadline:
-                    out["error"] = f"rank {rank} could not connect to rank {next_rank} at {next_addr[0]}:{next_addr[1]}: {e}"
-                    return
-                time.sleep(delay)  # the peer is not listening yet: nothing to wait on but time
-                delay = min(delay * 2, 0.5)
-
-    dialer = threading.Thread(target=dial, name="sparktrain-ring-dial", daemon=True)
-    dialer.start()
-    prev = None
-    try:
-        while prev is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CollectiveError(f"rank {rank} waited for rank {prev_rank} to connect until the collective "
-                                      f"timeout passed")
-            listener.settimeout(left)
-            try:
-                s, _ = listener.accept()
-            except socket.timeout:
-                continue
-            s.settimeout(min(5.0, max(0.1, deadline - time.monotonic())))  # a silent stranger cannot stall us long
-            try:
-                _authenticate_server(s, key, name, prev_rank)
-                s.settimeout(None)
-                prev = s
-            except (OSError, ConnectionError):
-                s.close()
-        dialer.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        if "next" not in out:
-            raise CollectiveError(str(out.get("error", f"rank {rank} timed out connecting to rank {next_rank}")))
-        return out["next"], prev  # type: ignore[return-value]
-    except BaseException:
-        if prev is not None:
-            prev.close()
-        dialer.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        if isinstance(out.get("next"), socket.socket):
-            out["next"].close()  # type: ignore[union-attr]
-        raise
-
-
-# -- the communicator --------------------------------------------------------------------------
 
 def _op_code(op, what: str) -> int:
     code = _OP_CODES.get(op) if isinstance(op, str) else None
@@ -646,42 +392,3 @@ class Communicator:
         self.close()
 
 
-# -- from a rank's environment -----------------------------------------------------------------
-
-#: How long a wait spins, by default, where each of a host's ranks can have a core of its own:
-#: longer than the usual skew between ranks' steps. On a 2-core virtual machine, a 4 KiB
-#: allreduce inside a step took 68 us with waits that slept almost at once, 19 us spinning.
-SPIN_S = 0.002
-
-
-def default_spin(local_size: int) -> float:
-    """``SPIN_S`` where ``local_size`` ranks do not outnumber this host's cores, else 0."""
-    return SPIN_S if local_size <= (os.cpu_count() or 1) else 0.0
-
-def from_env(timeout: float | None = None, environ=None) -> Communicator:
-    """The communicator of a rank of ``sparktrain.run``, from its env contract.
-
-    Addresses come from the run's rendezvous (``TF_CONFIG``: every rank's host and the port
-    reserved for its collective runtime); the key from the file ``run`` wrote for this rank.
-    """
-    environ = os.environ if environ is None else environ
-    timeout = settings.resolve("collective_timeout", timeout, environ=environ)
-    try:
-        cluster = json.loads(environ["TF_CONFIG"])["cluster"]["worker"]
-        rank, size = int(environ["SPARKTRAIN_RANK"]), int(environ["SPARKTRAIN_SIZE"])
-    except (KeyError, ValueError) as e:
-        raise CollectiveError(f"the native engine needs the run's env contract (TF_CONFIG, SPARKTRAIN_RANK): {e}") \
-            from None
-    hosts = [w.rsplit(":", 1)[0] for w in cluster]
-    ports = [int(w.rsplit(":", 1)[1]) for w in cluster]
-    key_file = environ.get(KEY_FILE_ENV)
-    if not key_file or not os.path.exists(key_file):
-        raise CollectiveError(f"the native engine needs the run's key ({KEY_FILE_ENV}); is this a rank of "
-                              "sparktrain.run?")
-    with open(key_file, "rb") as f:
-        key = f.read()
-    name = f"{environ.get('SPARKTRAIN_RUN_ID', 'run')}-a{environ.get('SPARKTRAIN_ATTEMPT', '1')}"
-    force_tcp = settings.resolve("cpu_transport", environ=environ) == "tcp"
-    spin = settings.resolve("spin_wait", environ=environ)
-    return Communicator(rank, size, hosts, ports, key, name, timeout=timeout, force_tcp=force_tcp,
-                        spin=None if spin == "auto" else spin)

@@ -1,0 +1,33 @@
+"""Where each rank sits: its host's node number and its place on the host, and the name of a
+host's shared-memory segment."""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+
+def layout(hosts: Sequence[str], force_tcp: bool = False) -> tuple[list[int], list[int]]:
+    """Each rank's host index (in order of first appearance) and local rank.
+
+    With ``force_tcp`` every rank is a host of its own, so ranks on one machine use the ring.
+
+    >>> layout(["a", "b", "a"])
+    ([0, 1, 0], [0, 0, 1])
+    """
+    if force_tcp:
+        return list(range(len(hosts))), [0] * len(hosts)
+    index: dict[str, int] = {}
+    nodes, locals_ = [], []
+    counts: dict[str, int] = {}
+    for h in hosts:
+        nodes.append(index.setdefault(h, len(index)))
+        locals_.append(counts.get(h, 0))
+        counts[h] = counts.get(h, 0) + 1
+    return nodes, locals_
+
+
+def segment_name(name: str, node: int) -> str:
+    """The shared-memory segment of run ``name`` on host ``node`` (``/dev/shm`` + this, on Linux)."""
+    return f"/sparktrain-{hashlib.sha256(name.encode()).hexdigest()[:16]}-h{node}"
+
+
