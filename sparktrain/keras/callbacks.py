@@ -71,14 +71,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local_vars[id(var)] = var
 
     def _global(self, variables) -> list:
-        from .optimizer import local_variables
+        from ..tensorflow.keras_optimizer import local_variables
 
         local = set(self._local_vars)
         local.update(id(v) for v in local_variables(getattr(self.model, "optimizer", None)))
         return [v for v in variables if id(v) not in local]
 
     def on_train_begin(self, logs=None):
-        from .optimizer import agree_on_overflow
+        from ..tensorflow.keras_optimizer import agree_on_overflow
 
         _tfc.init()
         check_equal_steps(self.params.get("steps") if self.params else None)

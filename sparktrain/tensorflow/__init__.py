@@ -14,16 +14,19 @@ work eagerly and inside ``model.fit``'s compiled step alike. ``SPARKTRAIN_CPU_CO
 a build without the engine (with one warning). ``init`` brings the chosen runtime up from the
 ``TF_CONFIG`` that ``run`` wrote; :func:`collective_engine` says which it is.
 
-The package, by role: ``runtime`` (init, shutdown, rank and size, what was built), ``ops`` (the
-reductions), ``compression``, ``collectives`` (tensor collectives and their gradients, over
-``hostops`` on the native engine or ``ringops`` on TensorFlow's), ``objects`` (Python objects),
-``gradients`` (gradient reduction and the gradient tapes) and ``timeline``.
+The package, by role: ``runtime`` (init, shutdown, rank and size, what was built, and the
+backend the collectives run on, chosen once), ``ops`` (the reductions), ``compression``,
+``collectives`` (allreduce, allgather, broadcast and their gradients) and ``scatter``
+(reducescatter, alltoall), both over ``backends`` (one rank; the native engine through
+TensorFlow kernels or ``hostops``; TensorFlow's ``ringops``), ``objects`` (Python objects),
+``gradients`` (gradient reduction and the gradient tapes), ``keras_optimizer`` (the Keras 3
+optimizer wrapper), ``sync_batch_norm`` and ``timeline``.
 """
 from __future__ import annotations
 
-from .collectives import (ProcessSet, add_process_set, allgather, allreduce, alltoall, barrier, broadcast, broadcast_,
+from .collectives import (ProcessSet, add_process_set, allgather, allreduce, barrier, broadcast, broadcast_,
                           broadcast_global_variables, broadcast_variables, global_process_set, grouped_allgather, grouped_allreduce,
-                          grouped_reducescatter, join, reducescatter, remove_process_set)
+                          join, remove_process_set)
 from .compression import Compression
 from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
                         average_gradients, reduce_except_local)
@@ -31,6 +34,7 @@ from .keras_optimizer import tensorflow_distributed_optimizer as DistributedOpti
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
 from .ops import (Adasum, Average, Max, Min, Product, Sum, check_num_rank_power_of_2, check_op,
                   handle_average_backwards_compatibility)
+from .scatter import alltoall, grouped_reducescatter, reducescatter
 from .runtime import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_TIMEOUT, ccl_built, collective_engine, collective_kernels,
                       cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous,
                       is_initialized, local_rank, local_rank_op, local_size, local_size_op, mpi_built, mpi_enabled, mpi_threads_supported,

@@ -21,16 +21,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from . import hostops, ops, ringops, runtime, timeline
+from . import backends, ops, runtime
 from .compression import Compression
 from .ops import Average, Sum
 from .runtime import require_init, state
 from ..errors import InvalidArgumentError
-
-from ..engine import OPS as _ENGINE_OPS
-
-#: The engine's op codes (``enum stc_op``), by op name; Adasum is not among them.
-_OP_CODES = {name: code for code, name in enumerate(_ENGINE_OPS)}
 
 
 def _tf():
@@ -80,76 +75,9 @@ def _check_process_set(process_set) -> None:
 
 # -- running one collective --------------------------------------------------------------------
 
-def _native_call(kind: str, fn, inputs: list, tout):
-    """Run ``fn`` (numpy in, numpy out) on the native engine as one op, eager or in a graph.
-
-    Its failures surface as TensorFlow's own errors: a wait past the collective timeout as
-    ``DeadlineExceededError``, a dead peer as ``UnavailableError``, ranks that disagree (and a
-    broken communicator) as ``FailedPreconditionError`` (inside a graph TensorFlow wraps it
-    in an ``UnknownError`` that names it; the kernels, see :func:`_kernel_ops`, do not), each with
-    the engine's message naming the ranks.
-    """
-    tf = _tf()
-
-    def call(*arrays):
-        from .. import engine
-
-        start = timeline.now_us()
-        try:
-            out = fn(*arrays)
-        except engine.CollectiveError as e:
-            cls = {engine.TIMEOUT: tf.errors.DeadlineExceededError, engine.PEER: tf.errors.UnavailableError,
-                   engine.MISMATCH: tf.errors.FailedPreconditionError,
-                   engine.BROKEN: tf.errors.FailedPreconditionError}.get(e.code, tf.errors.InternalError)
-            raise cls(None, None, str(e)) from None
-        if timeline.active():
-            timeline.record(kind, sum(a.nbytes for a in arrays), start, timeline.now_us())
-        return out
-
-    return tf.numpy_function(call, inputs, tout, stateful=True)
-
-
-def _ring_call(kind: str, nbytes, fn):
-    """Run ``fn`` (TensorFlow's collective ops); eagerly, also record it on the timeline."""
-    if not (timeline.active() and _tf().executing_eagerly()):
-        return fn()
-    start = timeline.now_us()
-    out = fn()
-    timeline.record(kind, nbytes, start, timeline.now_us())
-    return out
-
-
-def _nbytes(t) -> int:
-    try:
-        return int(t.shape.num_elements() or 0) * t.dtype.size
-    except (TypeError, ValueError):
-        return 0
-
-
-def _native() -> bool:
-    return state.comm is not None
-
-
-def _comm():
-    """The native engine's communicator when the collective runs (not when it was traced: a
-    function traced before shutdown() and init() runs on the new one)."""
-    from .. import engine
-
-    comm = state.comm
-    if comm is None:
-        raise engine.CollectiveError("sparktrain's native collective engine is not running in this process; "
-                                     "call sparktrain.tensorflow.init() first (after shutdown(), init() again)",
-                                     engine.BROKEN)
-    return comm
-
-
-def _kernel_ops():
-    """The kernels' op module where the native engine runs them (``kernels``), else None."""
-    if not state.kernels:
-        return None
-    from . import kernels
-
-    return kernels.ops()
+def _backend() -> backends.Backend:
+    """Where this rank's collectives run, as ``init()`` chose (see ``backends``)."""
+    return backends.get(state.backend)
 
 
 def _scale(t, factor):
@@ -186,17 +114,7 @@ def _tensor(t, what: str):
 
 def _allreduce_raw(t, op: str, name=None):
     """The collective alone, no scaling, no gradient."""
-    tf = _tf()
-    if state.size == 1:
-        return tf.identity(t)
-    if _native():
-        k = _kernel_ops()
-        if k is not None and op in _OP_CODES:
-            return k.sparktrain_allreduce(t, reduce_op=_OP_CODES[op], label=name or f"allreduce.{op}")
-        out = _native_call(name or f"allreduce.{op}", lambda a: hostops.allreduce(_comm(), a, op), [t], t.dtype)
-        out.set_shape(t.shape)
-        return out
-    return _ring_call(name or f"allreduce.{op}", _nbytes(t), lambda: ringops.allreduce(t, op, name=name))
+    return _backend().allreduce(t, op, name)
 
 
 def _allreduce(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
@@ -319,68 +237,15 @@ def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_fa
 
 
 def _grouped_raw(tensors: list, op: str) -> list:
-    tf = _tf()
-    if state.size == 1:
-        return [tf.identity(t) for t in tensors]
-    if _native():
-        k = _kernel_ops()
-        if k is not None and op in _OP_CODES:
-            return _grouped_kernels(k, tensors, op)
-        outs = _native_call(f"grouped_allreduce.{op}",
-                            lambda *arrays: hostops.grouped_allreduce(_comm(), list(arrays), op),
-                            tensors, [t.dtype for t in tensors])
-        if not isinstance(outs, (list, tuple)):  # TensorFlow unwraps a list of one
-            outs = [outs]
-        for o, t in zip(outs, tensors):
-            o.set_shape(t.shape)
-        return list(outs)
-    if op == ops.Adasum:  # Horovod's Adasum is per tensor
-        return [_allreduce_raw(t, op) for t in tensors]
-    return _fused(tensors, lambda flat: _allreduce_raw(flat, op))
-
-
-def _grouped_kernels(k, tensors: list, op: str) -> list:
-    """One kernel (one engine call over one buffer) per dtype, the dtypes in name order, as
-    ``hostops.grouped_allreduce`` does: the same calls, so ranks on either path agree."""
-    out: list = [None] * len(tensors)
-    for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
-        reduced = k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=_OP_CODES[op],
-                                                 label=f"grouped_allreduce.{op}")
-        for i, r in zip(idx, reduced):
-            out[i] = r
-    return out
-
-
-def _fused(tensors: list, collective) -> list:
-    """Run ``collective`` once per dtype on one flat buffer of all ``tensors`` of that dtype, and
-    return each tensor's part, reshaped. The dtypes go in name order, the same on every rank."""
-    tf = _tf()
-    out: list = [None] * len(tensors)
-    for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
-        flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in idx], axis=0)
-        parts = tf.split(collective(flat), [tf.size(tensors[i]) for i in idx])
-        for i, part in zip(idx, parts):
-            out[i] = tf.reshape(part, tf.shape(tensors[i]))
-            out[i].set_shape(tensors[i].shape)
-    return out
+    return _backend().grouped_allreduce(tensors, op)
 
 
 # -- allgather ---------------------------------------------------------------------------------
 
 def _allgather_raw(t, name=None):
-    tf = _tf()
     if t.shape.rank == 0:
-        t = tf.reshape(t, [1])
-    if state.size == 1:
-        return tf.identity(t)
-    if _native():
-        k = _kernel_ops()
-        if k is not None:
-            return k.sparktrain_allgather(t, label=name or "allgather")
-        out = _native_call(name or "allgather", lambda a: hostops.allgather(_comm(), a), [t], t.dtype)
-        out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-        return out
-    return _ring_call(name or "allgather", _nbytes(t), lambda: ringops.allgather(t, name=name))
+        t = _tf().reshape(t, [1])
+    return _backend().allgather(t, name)
 
 
 def _allgather(t, name=None):
@@ -429,17 +294,7 @@ def grouped_allgather(tensors: Iterable, name: str | None = None, ignore_name_sc
 # -- broadcast ---------------------------------------------------------------------------------
 
 def _broadcast_raw(t, root_rank: int, name=None):
-    tf = _tf()
-    if state.size == 1:
-        return tf.identity(t)
-    if _native():
-        k = _kernel_ops()
-        if k is not None:
-            return k.sparktrain_broadcast(t, root=root_rank, label=name or "broadcast")
-        out = _native_call(name or "broadcast", lambda a: hostops.broadcast(_comm(), a, root_rank), [t], t.dtype)
-        out.set_shape(t.shape)
-        return out
-    return _ring_call(name or "broadcast", _nbytes(t), lambda: ringops.broadcast(t, root_rank, name=name))
+    return _backend().broadcast(t, root_rank, name)
 
 
 def _broadcast(t, root_rank: int, name=None):
@@ -483,7 +338,7 @@ def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=glo
     if state.size == 1 or not variables:
         return
     values = [tf.convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
-    for v, value in zip(variables, _fused(values, lambda flat: _broadcast_raw(flat, root_rank))):
+    for v, value in zip(variables, backends.fused(values, lambda flat: _broadcast_raw(flat, root_rank))):
         v.assign(value)
 
 
@@ -507,153 +362,6 @@ def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_s
     broadcast_variables(items, root_rank, process_set=process_set)
     values = [_tf().convert_to_tensor(v) for v in items]
     return values[0] if single else values
-
-
-# -- reducescatter -----------------------------------------------------------------------------
-
-def _reducescatter_raw(t, op: str, name=None):
-    tf = _tf()
-    if state.size == 1:
-        return tf.identity(t)
-    if _native():
-        k = _kernel_ops()
-        if k is not None and op in _OP_CODES:
-            return k.sparktrain_reducescatter(t, reduce_op=_OP_CODES[op], label=name or f"reducescatter.{op}")
-        out = _native_call(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(_comm(), a, op), [t], t.dtype)
-        out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-        return out
-    return _ring_call(name or f"reducescatter.{op}", _nbytes(t), lambda: ringops.reducescatter(t, op, name=name))
-
-
-def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
-    tf = _tf()
-
-    def forward(x):
-        return _scale(_reducescatter_raw(_scale(x, prescale_factor), op, name), postscale_factor)
-
-    if not _differentiable(t):
-        return forward(t)
-
-    @tf.custom_gradient
-    def scatter(x):
-        def grad(dy):
-            if op == Sum:
-                dy = dy * tf.cast(state.size, dy.dtype)
-            dy = _scale(_scale(dy, prescale_factor), postscale_factor)
-            return _allgather(dy)
-
-        return forward(x), grad
-
-    return scatter(t)
-
-
-def reducescatter(tensor, device_dense: str = "", compression=Compression.none, op=Average, name: str | None = None,
-                  process_set=global_process_set, ignore_name_scope: bool = False, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0):
-    """Reduce ``tensor`` over all ranks, then keep this rank's rows of the result.
-
-    The first dimension is split as evenly as possible, the first ``n % size`` ranks getting
-    one row more, as Horovod does; ops Sum, Average, Min, Max and Product.
-    """
-    require_init()
-    _check_process_set(process_set)
-    ops.check_scale(prescale_factor, postscale_factor)
-    op = ops.check_op(op)
-    if op == ops.Adasum:
-        raise InvalidArgumentError("reducescatter does not support op=Adasum; use Sum or Average")
-    tensor = _tensor(tensor, "reducescatter")
-    if tensor.shape.rank == 0:
-        raise InvalidArgumentError("reducescatter splits the first dimension and cannot take a scalar; reshape it "
-                                   "to [1] or use allreduce")
-    ops.check_dtype(tensor.dtype.name, op, "reducescatter")
-    compressed, ctx = compression.compress(tensor)
-    return compression.decompress(_reducescatter(compressed, op, prescale_factor, postscale_factor, name), ctx)
-
-
-def grouped_reducescatter(tensors: Iterable, device_dense: str = "", compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list:
-    """:func:`reducescatter` of each tensor, in order."""
-    return [reducescatter(t, device_dense, compression, op, process_set=process_set, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor) for t in tensors]
-
-
-# -- alltoall ----------------------------------------------------------------------------------
-
-def _alltoall_raw(t, splits):
-    tf = _tf()
-    if state.size == 1:
-        return tf.identity(t), tf.cast(tf.reshape(tf.shape(t)[:1], [1]), tf.int32)
-    if _native():
-        k = _kernel_ops()
-        if k is not None:
-            out, received = k.sparktrain_alltoall(t, splits, label="alltoall")
-            received.set_shape([state.size])
-            return out, received
-        out, received = _native_call("alltoall", lambda a, s: hostops.alltoall(_comm(), a, s), [t, splits],
-                                     [t.dtype, tf.int32])
-        out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-        received.set_shape([state.size])
-        return out, received
-    return _ring_call("alltoall", _nbytes(t), lambda: ringops.alltoall(t, splits))
-
-
-def _alltoall(t, splits):
-    tf = _tf()
-    if not _differentiable(t):
-        return _alltoall_raw(t, splits)
-
-    @tf.custom_gradient
-    def exchange(x):
-        out, received = _alltoall_raw(x, splits)
-
-        def grad(dy, _d_received=None):
-            back, _ = _alltoall(dy, received)
-            return back
-
-        return (out, received), grad
-
-    out, received = exchange(t)
-    return out, received
-
-
-def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
-             process_set=global_process_set):
-    """Send rows of ``tensor`` to every rank and receive theirs: returns ``(received,
-    received_splits)`` as Horovod does.
-
-    ``splits[k]`` rows (in order) go to rank ``k``; without ``splits`` the first dimension is
-    split evenly (it must divide by the size). ``received`` holds the rows from rank 0, then
-    rank 1, ...; ``received_splits[k]`` says how many came from rank ``k``. Rows may be 0.
-    """
-    require_init()
-    tf = _tf()
-    _check_process_set(process_set)
-    tensor = _tensor(tensor, "alltoall")
-    ops.check_dtype(tensor.dtype.name, None, "alltoall")
-    if tensor.shape.rank == 0:
-        raise InvalidArgumentError("alltoall sends rows of the first dimension and cannot take a scalar; reshape it "
-                                   "to [1]")
-    n = tensor.shape[0]
-    if splits is None:
-        if n is None:
-            raise InvalidArgumentError("alltoall without splits needs a known first dimension; pass splits")
-        if n % state.size:
-            raise InvalidArgumentError(f"alltoall without splits splits the first dimension evenly, but {n} rows do "
-                                       f"not divide by {state.size} ranks; pass splits (one count per rank)")
-        splits = [n // state.size] * state.size
-    splits = tf.convert_to_tensor(splits)
-    if splits.dtype not in (tf.int32, tf.int64):
-        raise InvalidArgumentError(f"alltoall splits must be int32 or int64 counts, got {splits.dtype.name}")
-    splits = tf.cast(splits, tf.int32)
-    static = tf.get_static_value(splits)
-    if static is not None:
-        bad = (static.ndim != 1 or static.shape[0] != state.size or (static < 0).any()
-               or (n is not None and int(static.sum()) != n))
-        if bad:
-            raise InvalidArgumentError(f"alltoall splits must be {state.size} non-negative row counts (one per rank) "
-                                       f"summing to the first dimension, {n}; got {static.tolist()}")
-    return _alltoall(tensor, splits)
 
 
 # -- synchronisation ---------------------------------------------------------------------------

@@ -89,14 +89,14 @@ def _flags(tf) -> tuple[list[str], list[str]]:
 
 def library_path(tf, engine: str, src: str, cxx: str, directory: str) -> str:
     """The cached library's path for this TensorFlow, source, engine and compiler."""
-    from .. import engine
+    from .. import engine as _engine
 
     h = hashlib.sha256()
     for name in (SOURCE, HEADER):
         with open(os.path.join(src, name), "rb") as f:
             h.update(f.read())
     compile_flags, link_flags = _flags(tf)
-    for part in (str(engine._ABI_VERSION), os.path.realpath(engine), cxx, *compile_flags, *link_flags):
+    for part in (str(_engine._ABI_VERSION), os.path.realpath(engine), cxx, *compile_flags, *link_flags):
         h.update(b"\0" + part.encode())
     return os.path.join(directory, f"tf_kernels-tf{tf.__version__}-{h.hexdigest()[:16]}.so")
 

@@ -42,6 +42,8 @@ class _State:
         self.comm = None
         #: Whether the native engine's collectives run as TensorFlow kernels (``kernels``).
         self.kernels = False
+        #: Where the collectives run (``backends.NAMES``), chosen by ``init()``.
+        self.backend = "single"
 
 
 state = _State()
@@ -120,6 +122,9 @@ def _bring_up(tf, timeout: float) -> None:
         # (measured: 6,700 per process after 468 tf_keras steps, then a crash).
         options = tf.distribute.experimental.CommunicationOptions(implementation=impl)
         state.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    # The collectives' backend, chosen here once (see ``backends``), not in every collective.
+    state.backend = ("single" if state.size == 1 else "kernels" if state.kernels else
+                     "numpy" if state.comm is not None else "ring")
 
 
 def shutdown() -> None:
@@ -135,6 +140,7 @@ def shutdown() -> None:
             state.comm.close()  # clears the current communicator first, waiting for a kernel in flight
             state.comm = None
         state.kernels = False
+        state.backend = "single"
         state.initialized = False
 
 

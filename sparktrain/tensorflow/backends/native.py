@@ -1,0 +1,141 @@
+"""The native engine's backends: ``Numpy`` (one ``tf.numpy_function`` calling ``hostops`` per
+collective) and ``Kernels`` (sparktrain's TensorFlow kernels, which call the engine without
+Python; Adasum and any op the engine does not know go through ``Numpy``)."""
+from __future__ import annotations
+
+from .. import hostops, timeline
+from ...engine import OPS as _ENGINE_OPS
+from ..runtime import state
+from .base import Backend, tf
+
+#: The engine's op codes (``enum stc_op``), by op name; Adasum is not among them.
+OP_CODES = {name: code for code, name in enumerate(_ENGINE_OPS)}
+
+
+def _comm():
+    """The native engine's communicator when the collective runs (not when it was traced: a
+    function traced before shutdown() and init() runs on the new one)."""
+    from ... import engine
+
+    comm = state.comm
+    if comm is None:
+        raise engine.CollectiveError("sparktrain's native collective engine is not running in this process; "
+                                     "call sparktrain.tensorflow.init() first (after shutdown(), init() again)",
+                                     engine.BROKEN)
+    return comm
+
+
+def _call(kind: str, fn, inputs: list, tout):
+    """Run ``fn`` (numpy in, numpy out) on the native engine as one op, eager or in a graph.
+
+    Its failures surface as TensorFlow's own errors: a wait past the collective timeout as
+    ``DeadlineExceededError``, a dead peer as ``UnavailableError``, ranks that disagree (and a
+    broken communicator) as ``FailedPreconditionError`` (inside a graph TensorFlow wraps it
+    in an ``UnknownError`` that names it; the kernels do not), each with the engine's message
+    naming the ranks.
+    """
+    tf_ = tf()
+
+    def call(*arrays):
+        from ... import engine
+
+        start = timeline.now_us()
+        try:
+            out = fn(*arrays)
+        except engine.CollectiveError as e:
+            cls = {engine.TIMEOUT: tf_.errors.DeadlineExceededError, engine.PEER: tf_.errors.UnavailableError,
+                   engine.MISMATCH: tf_.errors.FailedPreconditionError,
+                   engine.BROKEN: tf_.errors.FailedPreconditionError}.get(e.code, tf_.errors.InternalError)
+            raise cls(None, None, str(e)) from None
+        if timeline.active():
+            timeline.record(kind, sum(a.nbytes for a in arrays), start, timeline.now_us())
+        return out
+
+    return tf_.numpy_function(call, inputs, tout, stateful=True)
+
+
+def _rows_shape(t):
+    return tf().TensorShape([None]).concatenate(t.shape[1:])
+
+
+class Numpy(Backend):
+    def allreduce(self, t, op, name=None):
+        out = _call(name or f"allreduce.{op}", lambda a: hostops.allreduce(_comm(), a, op), [t], t.dtype)
+        out.set_shape(t.shape)
+        return out
+
+    def grouped_allreduce(self, tensors, op):
+        outs = _call(f"grouped_allreduce.{op}", lambda *arrays: hostops.grouped_allreduce(_comm(), list(arrays), op),
+                     tensors, [t.dtype for t in tensors])
+        if not isinstance(outs, (list, tuple)):  # TensorFlow unwraps a list of one
+            outs = [outs]
+        for o, t in zip(outs, tensors):
+            o.set_shape(t.shape)
+        return list(outs)
+
+    def allgather(self, t, name=None):
+        out = _call(name or "allgather", lambda a: hostops.allgather(_comm(), a), [t], t.dtype)
+        out.set_shape(_rows_shape(t))
+        return out
+
+    def broadcast(self, t, root_rank, name=None):
+        out = _call(name or "broadcast", lambda a: hostops.broadcast(_comm(), a, root_rank), [t], t.dtype)
+        out.set_shape(t.shape)
+        return out
+
+    def reducescatter(self, t, op, name=None):
+        out = _call(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(_comm(), a, op), [t], t.dtype)
+        out.set_shape(_rows_shape(t))
+        return out
+
+    def alltoall(self, t, splits):
+        out, received = _call("alltoall", lambda a, s: hostops.alltoall(_comm(), a, s), [t, splits],
+                              [t.dtype, tf().int32])
+        out.set_shape(_rows_shape(t))
+        received.set_shape([state.size])
+        return out, received
+
+
+class Kernels(Numpy):
+    """Each collective as one of sparktrain's TensorFlow kernels (``tensorflow.kernels``)."""
+
+    @staticmethod
+    def _ops():
+        from .. import kernels
+
+        return kernels.ops()
+
+    def allreduce(self, t, op, name=None):
+        if op not in OP_CODES:
+            return super().allreduce(t, op, name)
+        return self._ops().sparktrain_allreduce(t, reduce_op=OP_CODES[op], label=name or f"allreduce.{op}")
+
+    def grouped_allreduce(self, tensors, op):
+        """One kernel (one engine call over one buffer) per dtype, the dtypes in name order, as
+        ``hostops.grouped_allreduce`` does: the same calls, so ranks on either path agree."""
+        if op not in OP_CODES:
+            return super().grouped_allreduce(tensors, op)
+        k = self._ops()
+        out: list = [None] * len(tensors)
+        for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
+            reduced = k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=OP_CODES[op],
+                                                     label=f"grouped_allreduce.{op}")
+            for i, r in zip(idx, reduced):
+                out[i] = r
+        return out
+
+    def allgather(self, t, name=None):
+        return self._ops().sparktrain_allgather(t, label=name or "allgather")
+
+    def broadcast(self, t, root_rank, name=None):
+        return self._ops().sparktrain_broadcast(t, root=root_rank, label=name or "broadcast")
+
+    def reducescatter(self, t, op, name=None):
+        if op not in OP_CODES:
+            return super().reducescatter(t, op, name)
+        return self._ops().sparktrain_reducescatter(t, reduce_op=OP_CODES[op], label=name or f"reducescatter.{op}")
+
+    def alltoall(self, t, splits):
+        out, received = self._ops().sparktrain_alltoall(t, splits, label="alltoall")
+        received.set_shape([state.size])
+        return out, received

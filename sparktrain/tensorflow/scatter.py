@@ -1,0 +1,137 @@
+"""Horovod's collectives that split rows between ranks: reducescatter (each rank keeps its rows of
+the reduced tensor) and alltoall (each rank sends rows to every other). See ``collectives`` for
+what all collectives share: the backend, the checks, the scale factors and the gradients."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from . import ops
+from .collectives import (_allgather, _backend, _check_process_set, _differentiable, _scale, _tensor, _tf,
+                          global_process_set)
+from .compression import Compression
+from .ops import Average, Sum
+from .runtime import require_init, state
+from ..errors import InvalidArgumentError
+
+
+# -- reducescatter -----------------------------------------------------------------------------
+
+def _reducescatter_raw(t, op: str, name=None):
+    return _backend().reducescatter(t, op, name)
+
+
+def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    tf = _tf()
+
+    def forward(x):
+        return _scale(_reducescatter_raw(_scale(x, prescale_factor), op, name), postscale_factor)
+
+    if not _differentiable(t):
+        return forward(t)
+
+    @tf.custom_gradient
+    def scatter(x):
+        def grad(dy):
+            if op == Sum:
+                dy = dy * tf.cast(state.size, dy.dtype)
+            dy = _scale(_scale(dy, prescale_factor), postscale_factor)
+            return _allgather(dy)
+
+        return forward(x), grad
+
+    return scatter(t)
+
+
+def reducescatter(tensor, device_dense: str = "", compression=Compression.none, op=Average, name: str | None = None,
+                  process_set=global_process_set, ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0):
+    """Reduce ``tensor`` over all ranks, then keep this rank's rows of the result.
+
+    The first dimension is split as evenly as possible, the first ``n % size`` ranks getting
+    one row more, as Horovod does; ops Sum, Average, Min, Max and Product.
+    """
+    require_init()
+    _check_process_set(process_set)
+    ops.check_scale(prescale_factor, postscale_factor)
+    op = ops.check_op(op)
+    if op == ops.Adasum:
+        raise InvalidArgumentError("reducescatter does not support op=Adasum; use Sum or Average")
+    tensor = _tensor(tensor, "reducescatter")
+    if tensor.shape.rank == 0:
+        raise InvalidArgumentError("reducescatter splits the first dimension and cannot take a scalar; reshape it "
+                                   "to [1] or use allreduce")
+    ops.check_dtype(tensor.dtype.name, op, "reducescatter")
+    compressed, ctx = compression.compress(tensor)
+    return compression.decompress(_reducescatter(compressed, op, prescale_factor, postscale_factor, name), ctx)
+
+
+def grouped_reducescatter(tensors: Iterable, device_dense: str = "", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list:
+    """:func:`reducescatter` of each tensor, in order."""
+    return [reducescatter(t, device_dense, compression, op, process_set=process_set, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor) for t in tensors]
+
+
+# -- alltoall ----------------------------------------------------------------------------------
+
+def _alltoall_raw(t, splits):
+    return _backend().alltoall(t, splits)
+
+
+def _alltoall(t, splits):
+    tf = _tf()
+    if not _differentiable(t):
+        return _alltoall_raw(t, splits)
+
+    @tf.custom_gradient
+    def exchange(x):
+        out, received = _alltoall_raw(x, splits)
+
+        def grad(dy, _d_received=None):
+            back, _ = _alltoall(dy, received)
+            return back
+
+        return (out, received), grad
+
+    out, received = exchange(t)
+    return out, received
+
+
+def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set=global_process_set):
+    """Send rows of ``tensor`` to every rank and receive theirs: returns ``(received,
+    received_splits)`` as Horovod does.
+
+    ``splits[k]`` rows (in order) go to rank ``k``; without ``splits`` the first dimension is
+    split evenly (it must divide by the size). ``received`` holds the rows from rank 0, then
+    rank 1, ...; ``received_splits[k]`` says how many came from rank ``k``. Rows may be 0.
+    """
+    require_init()
+    tf = _tf()
+    _check_process_set(process_set)
+    tensor = _tensor(tensor, "alltoall")
+    ops.check_dtype(tensor.dtype.name, None, "alltoall")
+    if tensor.shape.rank == 0:
+        raise InvalidArgumentError("alltoall sends rows of the first dimension and cannot take a scalar; reshape it "
+                                   "to [1]")
+    n = tensor.shape[0]
+    if splits is None:
+        if n is None:
+            raise InvalidArgumentError("alltoall without splits needs a known first dimension; pass splits")
+        if n % state.size:
+            raise InvalidArgumentError(f"alltoall without splits splits the first dimension evenly, but {n} rows do "
+                                       f"not divide by {state.size} ranks; pass splits (one count per rank)")
+        splits = [n // state.size] * state.size
+    splits = tf.convert_to_tensor(splits)
+    if splits.dtype not in (tf.int32, tf.int64):
+        raise InvalidArgumentError(f"alltoall splits must be int32 or int64 counts, got {splits.dtype.name}")
+    splits = tf.cast(splits, tf.int32)
+    static = tf.get_static_value(splits)
+    if static is not None:
+        bad = (static.ndim != 1 or static.shape[0] != state.size or (static < 0).any()
+               or (n is not None and int(static.sum()) != n))
+        if bad:
+            raise InvalidArgumentError(f"alltoall splits must be {state.size} non-negative row counts (one per rank) "
+                                       f"summing to the first dimension, {n}; got {static.tolist()}")
+    return _alltoall(tensor, splits)
