@@ -9,18 +9,13 @@ what may bite later.
 """
 from __future__ import annotations
 
-import json
 import platform
 import re
-import socket
 import sys
-import threading
-import time
-import uuid
 from typing import Any, Callable, Mapping, TextIO
 
 from . import __version__, settings, versions
-from .driver import cluster, connect, jobs, preflight
+from .driver import capacity, cluster, connect, preflight, probe
 from .errors import ClusterConfigError, InsufficientResourcesError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
@@ -161,7 +156,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
                         "executors that fail to start, or pass --wait to wait longer")
     else:
         try:
-            preflight.check_capacity(size, cap, use_gpu)
+            capacity.check_capacity(size, cap, use_gpu)
             report.ok(f"capacity: {size} rank(s) fit at once ({cap.slots(use_gpu)} {'GPU ' if use_gpu else ''}"
                       "task slot(s))")
         except InsufficientResourcesError as e:
@@ -178,7 +173,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     _backends(report, driver, tasks)
 
 
-def _slots(report: Report, cap: preflight.Capacity, master: str, use_gpu: bool) -> None:
+def _slots(report: Report, cap: capacity.Capacity, master: str, use_gpu: bool) -> None:
     slots = f"{cap.cpu_slots}: {cap.executors} executor(s) x {cap.cores_per_executor} core(s) / " \
             f"spark.task.cpus={cap.task_cpus}"
     if cap.spark_slots is not None and cap.spark_slots != cap.cpu_slots:
@@ -192,12 +187,12 @@ def _slots(report: Report, cap: preflight.Capacity, master: str, use_gpu: bool) 
 
 def _check_gpu_conf(report: Report, master: str, conf: Mapping[str, str]) -> bool:
     """Whether runs will use GPUs, with a FAIL when GPUs are asked for but cannot be found."""
-    task = preflight.gpu_amount(conf)
+    task = capacity.gpu_amount(conf)
     if task <= 0:
         report.ok("GPU scheduling: off (spark.task.resource.gpu.amount is not set), so ranks train on CPU; "
                   "conf/spark-defaults.conf turns it on")
         return False
-    preflight.check_gpu_conf(conf, True)
+    capacity.check_gpu_conf(conf, True)
     # Who finds the GPUs: the driver in local mode, the workers on local-cluster (they read the
     # driver's conf), the executors under YARN and Kubernetes. A standalone cluster's workers
     # read their own conf, which the driver cannot see.
@@ -232,74 +227,9 @@ def _check_gpu_conf(report: Report, master: str, conf: Mapping[str, str]) -> boo
     return True
 
 
-def _facts_function() -> Callable[[tuple, tuple], dict]:
-    """What a process reports about itself: Python, package versions, storage backends.
-
-    Made inside a function so that cloudpickle ships it by value: the probing tasks need no
-    sparktrain, which may be what is missing there. The driver calls the same function.
-    """
-
-    def facts(packages: tuple, backends: tuple) -> dict:
-        import platform
-        import sys
-        from importlib import metadata, util
-
-        found = {"executable": sys.executable, "versions": {"python": platform.python_version()}, "backends": {},
-                 # what a rank's barrier task imports besides sparktrain (cluster.TASK_MODULES)
-                 "missing": [m for m in ("cloudpickle", "pyarrow") if util.find_spec(m) is None]}
-        try:  # which engine a rank's CPU collectives would run on here
-            from sparktrain import engine
-
-            found["cpu_engine"] = "native" if engine.available() else f"tensorflow ({engine.unavailable_reason()})"
-        except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
-            found["cpu_engine"] = f"unknown ({type(e).__name__})"
-        for name in packages:
-            try:
-                found["versions"][name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                found["versions"][name] = None
-        for name in backends:  # the version of each that imports; None if absent; "!error" if its import fails
-            try:
-                module = __import__(name)
-                found["backends"][name] = str(getattr(module, "__version__", "installed"))
-            except ModuleNotFoundError as e:
-                found["backends"][name] = None if e.name == name else f"!{type(e).__name__}: {e}"
-            except Exception as e:  # noqa: BLE001 - a broken install is a finding
-                found["backends"][name] = f"!{type(e).__name__}: {e}"
-        return found
-
-    return facts
-
-
 def _local_facts() -> dict:
     """The driver's side of the versions table."""
-    return _facts_function()(PACKAGES, tuple(BACKENDS))
-
-
-def _make_probe(packages: tuple, backends: tuple, driver: tuple[str, int]):
-    """The function each probing task runs; a closure, so it travels by value and needs no sparktrain there."""
-    facts = _facts_function()
-
-    def probe(_rows):
-        import json
-        import socket
-
-        from pyspark import BarrierTaskContext
-
-        ctx = BarrierTaskContext.get()
-        me = ctx.partitionId()
-        gpu = ctx.resources().get("gpu")
-        info = {"task": me, "address": ctx.getTaskInfos()[me].address, "gpus": list(gpu.addresses) if gpu else [],
-                **facts(packages, backends)}
-        # Ranks check in with the driver over TCP (the default rendezvous); can this executor connect?
-        try:
-            with socket.create_connection(driver, timeout=10):
-                info["reach"] = None
-        except OSError as e:
-            info["reach"] = f"{type(e).__name__}: {e}"
-        yield json.dumps(info)
-
-    return probe
+    return probe.facts_function()(PACKAGES, tuple(BACKENDS))
 
 
 def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: bool, timeout: float) -> list[dict]:
@@ -307,39 +237,17 @@ def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: b
     over_connect = cluster.is_connect(spark)
     # Ranks check in where run() listens: the driver, or this client over Spark Connect.
     host = connect.client_host(spark) if over_connect else conf.get("spark.driver.host", "127.0.0.1")
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((host, 0))
-    listener.listen(max(16, size))
-
-    def accept():
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed: the check is over
-            conn.close()
-
-    threading.Thread(target=accept, name="sparktrain-check-accept", daemon=True).start()
-    probe = _make_probe(PACKAGES, tuple(BACKENDS), (host, listener.getsockname()[1]))
-    job = jobs.BarrierJob(spark, f"sparktrain-check-{uuid.uuid4().hex[:8]}",
-                          f"sparktrain check: a barrier stage of {size} task(s)",
-                          lambda: _probe_stage(spark, size, probe, over_connect))
-    started = time.monotonic()
-    job.start()
-    try:
-        if not job.wait(timeout):
-            job.cancel()
-            job.wait(30)
-            report.fail(f"the barrier stage of {size} task(s) did not finish within {timeout:g} s; every rank needs a "
-                        "task slot at the same time. Look for pending tasks in the Spark UI, or pass --timeout")
-            return []
-    finally:
-        listener.close()
-    if job.error is not None:
-        report.fail(f"the barrier stage of {size} task(s) failed: {cluster.spark_error_reason(job.error)}")
+    found = probe.run(spark, size, host, PACKAGES, tuple(BACKENDS), timeout=timeout,
+                      description=f"sparktrain check: a barrier stage of {size} task(s)")
+    if found.timed_out:
+        report.fail(f"the barrier stage of {size} task(s) did not finish within {timeout:g} s; every rank needs a "
+                    "task slot at the same time. Look for pending tasks in the Spark UI, or pass --timeout")
         return []
-    tasks = sorted((json.loads(r) for r in job.rows), key=lambda t: t["task"])
-    report.ok(f"barrier mode: a barrier stage of {size} task(s) ran in {time.monotonic() - started:.1f} s")
+    if found.error is not None:
+        report.fail(f"the barrier stage of {size} task(s) failed: {cluster.spark_error_reason(found.error)}")
+        return []
+    tasks = found.tasks
+    report.ok(f"barrier mode: a barrier stage of {size} task(s) ran in {found.seconds:.1f} s")
     if use_gpu:
         without = [t["task"] for t in tasks if not t["gpus"]]
         if without:
@@ -363,20 +271,6 @@ def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: b
                     "where ranks check in. Fix: open the driver's ports to the executors (spark.driver.host must be "
                     "an address they can reach), or set spark.sparktrain.rendezvous=barrier")
     return tasks
-
-
-def _probe_stage(spark, size: int, probe, over_connect: bool) -> list[str]:
-    """The probing barrier stage: an RDD one on a classic session, where it needs nothing but Python
-    on the executors (so it can report a missing pyarrow); mapInArrow over Connect, which has no RDDs."""
-    if not over_connect:
-        return spark.sparkContext.parallelize(range(size), size).barrier().mapPartitions(probe).collect()
-
-    def in_arrow(batches):
-        import pyarrow as pa
-
-        yield pa.RecordBatch.from_arrays([pa.array(list(probe(batches)))], names=["info"])
-
-    return [r["info"] for r in spark.range(0, size, 1, size).mapInArrow(in_arrow, "info string", barrier=True).collect()]
 
 
 def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
@@ -405,8 +299,9 @@ def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
                     "on Synapse, or pip install on every node)")
     lacking: dict[tuple, list[dict]] = {}
     for t in tasks:
-        if t.get("missing"):
-            lacking.setdefault((t["executable"], *t["missing"]), []).append(t)
+        others = [m for m in t.get("missing", ()) if m != "sparktrain"]  # sparktrain's absence: the line above
+        if others:
+            lacking.setdefault((t["executable"], *others), []).append(t)
     for (exe, *modules), ts in lacking.items():
         report.fail(f"the executors' Python {exe} cannot import {', '.join(modules)} ({_where(ts)}), which every "
                     "rank's task imports; install them there (pip install sparktrain brings both)")

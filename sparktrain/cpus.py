@@ -3,8 +3,8 @@
 ``os.cpu_count()`` counts the machine. A container on Databricks, Kubernetes or YARN, or an
 executor confined to a cpuset, can use fewer: the cores in its affinity mask, and no more CPU
 time than its cgroup's quota (v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, v2 ``cpu.max``).
-The barrier task measures this once for its rank (``worker_env.CPU_BUDGET``): the rank's compute
-threads and the native engine's decision to spin-wait both follow it.
+The barrier task measures this once for its rank (``worker_env.CPU_BUDGET``): the compute
+threads of a rank Spark granted no CPUs, and the native engine's decision to spin-wait, follow it.
 """
 from __future__ import annotations
 

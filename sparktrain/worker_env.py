@@ -49,6 +49,41 @@ RESERVED_VARS = frozenset(
 #: What CUDA_VISIBLE_DEVICES is set to when a rank must see no GPU.
 NO_GPU = "-1"
 
+#: The env contract: what every rank's process finds in its environment, as
+#: ``(variables, meaning)``. The docs' env-contract table is generated from it.
+CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
+    ((RANK, SIZE), "this rank, and the number of ranks; ranks are numbered host by host"),
+    ((LOCAL_RANK, LOCAL_SIZE), "index among, and number of, the run's ranks on this host"),
+    ((CROSS_RANK, CROSS_SIZE), "index of this host among, and number of, the hosts that run a rank with this "
+                               "local rank"),
+    ((RUN_ID,), "the run's id, the same for every attempt"),
+    ((ATTEMPT,), "which attempt this is, 1-based (``run(..., max_attempts=N)``)"),
+    ((MAX_ATTEMPTS,), "how many attempts the run has in all; elastic state reads it"),
+    (("TF_CONFIG",), 'TensorFlow\'s cluster: ``{"cluster": {"worker": ["host:port", ...]}, "task": {"type": '
+                     '"worker", "index": rank}}``; each port was reserved by the task that owns it'),
+    (("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+     "the same, under the names PyTorch reads; ``MASTER_PORT`` is a second port reserved by rank 0"),
+    (("CUDA_VISIBLE_DEVICES",), "the GPU(s) Spark assigned to this task, translated through any mask the "
+                                "executor already has; ``-1`` when the run uses no GPU"),
+    ((THREADS,), "the rank's compute threads: the CPUs Spark granted its task (``resources={'cpus': n}`` or "
+                 "``spark.task.cpus`` on a cluster), else the CPUs this host's ranks can use, shared among them"),
+    (THREAD_VARS, "``SPARKTRAIN_THREADS`` (the inter-op pool at least 2), unless ``env`` or the executor's own "
+                  "environment sets them"),
+    ((CPU_BUDGET,), "the CPUs this host's ranks can use together (affinity mask, cgroup quota, task CPUs); "
+                    "the native engine spin-waits only where the ranks do not outnumber them"),
+    ((CORES,), "the cores the rank keeps to (comma-separated) when it is pinned (``SPARKTRAIN_PIN_CORES``); "
+               "unset when it is not"),
+    ((COLLECTIVE_KEY_FILE,), "a file only the rank can read, holding the key its collective connections prove "
+                             "they hold"),
+    ((DATA_DIR,), "only with ``run(..., data=...)``: this rank's spool, which ``sparktrain.data`` reads"),
+    (("PYTHONUNBUFFERED",), "``1``, so that output reaches the driver line by line; ``env`` may override it"),
+    (("TF_CPP_MIN_LOG_LEVEL",), "``2`` (TensorFlow's C++ INFO and WARNING lines hidden), ``0`` with "
+                                "``run(verbose=2)``; ``env`` or the executor's environment wins"),
+    (("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "SPARKTRAIN_MLFLOW", "SPARKTRAIN_MLFLOW_RUN_ID"),
+     "only when the driver uses MLflow: on rank 0 the driver's run and credentials, on the other ranks a "
+     "throwaway local store"),
+)
+
 
 def topology(hosts: Sequence[str], rank: int) -> dict[str, int]:
     """Horovod's topology numbers for ``rank`` given every rank's host, in rank order.
@@ -103,15 +138,20 @@ def ranks_by_host(task_hosts: Sequence[str]) -> list[int]:
 
 
 def rank_threads(task_cpus: int | None, cpu_count: int | None, local_size: int) -> int:
-    """Compute threads for one rank: its task's CPUs (``spark.task.cpus``) where Spark says, else
-    (local mode, no Spark) this host's cores divided among its ranks; never more than its share of
-    the CPUs the host's ranks can really use (``cpu_count``, from ``sparktrain.cpus``); at least 1.
+    """Compute threads for one rank: its task's CPUs (``spark.task.cpus`` or the run's
+    ``resources={"cpus": n}``) where Spark granted them, as TorchDistributor and Horovod do; else
+    (local mode, no Spark grant) its share of the CPUs this host's ranks can really use
+    (``cpu_count``, from ``sparktrain.cpus``); at least 1.
+
+    A grant is the operator's statement about the executor and is kept even where it exceeds
+    the cores this process sees; the engine's spin policy still follows the measured budget.
 
     >>> rank_threads(4, 16, 2), rank_threads(None, 2, 3), rank_threads(None, 8, 2), rank_threads(4, 2, 2)
-    (4, 1, 4, 1)
+    (4, 1, 4, 4)
     """
-    share = max(1, (cpu_count or 1) // max(1, local_size))
-    return max(1, min(int(task_cpus), share)) if task_cpus else share
+    if task_cpus:
+        return max(1, int(task_cpus))
+    return max(1, (cpu_count or 1) // max(1, local_size))
 
 
 def rank_cores(allowed: Sequence[int], local_rank: int, local_size: int) -> list[int] | None:

@@ -7,7 +7,7 @@ import pytest
 
 import sparktrain
 from sparktrain import settings
-from sparktrain.driver import preflight
+from sparktrain.driver import capacity, preflight
 from sparktrain.errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
 
 
@@ -150,30 +150,30 @@ def test_ssl_refused_unless_overridden():
 
 def test_use_gpu_without_gpu_conf():
     with pytest.raises(ClusterConfigError, match="spark.task.resource.gpu.amount=1"):
-        preflight.check_gpu_conf({}, True)
-    preflight.check_gpu_conf({"spark.task.resource.gpu.amount": "1"}, True)
+        capacity.check_gpu_conf({}, True)
+    capacity.check_gpu_conf({"spark.task.resource.gpu.amount": "1"}, True)
 
 
 def test_slot_arithmetic():
-    cap = preflight.Capacity(executors=3, cores_per_executor=4, task_cpus=2, gpus_per_executor=1, task_gpus=0.5)
+    cap = capacity.Capacity(executors=3, cores_per_executor=4, task_cpus=2, gpus_per_executor=1, task_gpus=0.5)
     assert (cap.cpu_slots, cap.gpu_slots) == (6, 6)
     assert cap.slots(use_gpu=False) == 6
-    cap = preflight.Capacity(3, 4, 1, gpus_per_executor=1, task_gpus=1)
+    cap = capacity.Capacity(3, 4, 1, gpus_per_executor=1, task_gpus=1)
     assert (cap.cpu_slots, cap.gpu_slots, cap.slots(True), cap.slots(False)) == (12, 3, 3, 12)
-    assert preflight.Capacity(3, 4, 1, spark_slots=5).slots(False) == 5
-    assert preflight.Capacity(2, 1, 1, gpus_per_executor=1, task_gpus=0.1).gpu_slots == 20
+    assert capacity.Capacity(3, 4, 1, spark_slots=5).slots(False) == 5
+    assert capacity.Capacity(2, 1, 1, gpus_per_executor=1, task_gpus=0.1).gpu_slots == 20
 
 
 def test_capacity_error_names_required_available_limit_and_fix():
-    cap = preflight.Capacity(executors=3, cores_per_executor=1, task_cpus=1, gpus_per_executor=1, task_gpus=1)
+    cap = capacity.Capacity(executors=3, cores_per_executor=1, task_cpus=1, gpus_per_executor=1, task_gpus=1)
     with pytest.raises(InsufficientResourcesError) as e:
-        preflight.check_capacity(4, cap, use_gpu=True)
+        capacity.check_capacity(4, cap, use_gpu=True)
     msg = str(e.value)
     assert "num_proc=4 needs 4 GPU task slots" in msg and "the cluster has 3" in msg
     assert "limited by GPUs" in msg and "lower num_proc to 3" in msg
     with pytest.raises(InsufficientResourcesError, match="limited by CPU task slots.*spark.executor.cores"):
-        preflight.check_capacity(5, preflight.Capacity(2, 2, 1), use_gpu=False)
-    preflight.check_capacity(3, cap, use_gpu=True)
+        capacity.check_capacity(5, capacity.Capacity(2, 2, 1), use_gpu=False)
+    capacity.check_capacity(3, cap, use_gpu=True)
 
 
 def test_run_refuses_bad_input_before_spark(monkeypatch):

@@ -9,8 +9,8 @@ import pytest
 
 import sparktrain
 from sparktrain import worker_env
-from sparktrain.driver import preflight
-from sparktrain.driver.preflight import TaskResources
+from sparktrain.driver import capacity
+from sparktrain.driver.capacity import TaskResources
 from sparktrain.errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,7 +31,7 @@ def noop():
     ({"gpus": 0}, False, TaskResources(None, 0.0)),
 ])
 def test_resources_accepted(resources, use_gpu, expected):
-    assert preflight.check_resources(resources, use_gpu) == expected
+    assert capacity.check_resources(resources, use_gpu) == expected
 
 
 @pytest.mark.parametrize("resources, use_gpu, words", [
@@ -50,7 +50,7 @@ def test_resources_accepted(resources, use_gpu, expected):
 ])
 def test_bad_resources_echo_the_value_and_the_fix(resources, use_gpu, words):
     with pytest.raises(InvalidArgumentError, match=words):
-        preflight.check_resources(resources, use_gpu)
+        capacity.check_resources(resources, use_gpu)
 
 
 def test_run_refuses_bad_resources_before_spark(monkeypatch):
@@ -75,62 +75,62 @@ def test_run_refuses_bad_resources_before_spark(monkeypatch):
 
 
 def test_default_profile_needs_no_stage_profile():
-    assert preflight.stage_resources({}, None, use_gpu=False) is None
+    assert capacity.stage_resources({}, None, use_gpu=False) is None
     # The application's tasks already ask for a GPU each: today's behaviour, no profile.
-    assert preflight.stage_resources({"spark.task.resource.gpu.amount": "1", **GPU_EXECUTORS}, None, True) is None
+    assert capacity.stage_resources({"spark.task.resource.gpu.amount": "1", **GPU_EXECUTORS}, None, True) is None
     # Asking for what the default profile gives anyway needs no profile either.
-    assert preflight.stage_resources({"spark.task.cpus": "2"}, TaskResources(2, None), False) is None
+    assert capacity.stage_resources({"spark.task.cpus": "2"}, TaskResources(2, None), False) is None
 
 
 def test_use_gpu_on_a_cpu_application_builds_a_one_gpu_profile():
-    assert preflight.stage_resources(GPU_EXECUTORS, None, use_gpu=True) == TaskResources(1, 1.0)
+    assert capacity.stage_resources(GPU_EXECUTORS, None, use_gpu=True) == TaskResources(1, 1.0)
     conf = {**GPU_EXECUTORS, "spark.task.cpus": "2"}
-    assert preflight.stage_resources(conf, None, use_gpu=True) == TaskResources(2, 1.0)
-    assert preflight.stage_resources(conf, TaskResources(4, None), use_gpu=True) == TaskResources(4, 1.0)
-    assert preflight.stage_resources(conf, TaskResources(None, 2.0), use_gpu=True) == TaskResources(2, 2.0)
+    assert capacity.stage_resources(conf, None, use_gpu=True) == TaskResources(2, 1.0)
+    assert capacity.stage_resources(conf, TaskResources(4, None), use_gpu=True) == TaskResources(4, 1.0)
+    assert capacity.stage_resources(conf, TaskResources(None, 2.0), use_gpu=True) == TaskResources(2, 2.0)
 
 
 def test_cpu_run_on_a_gpu_application_gives_its_gpus_back():
     conf = {"spark.task.resource.gpu.amount": "1", **GPU_EXECUTORS}
-    assert preflight.stage_resources(conf, TaskResources(2, None), use_gpu=False) == TaskResources(2, 0.0)
+    assert capacity.stage_resources(conf, TaskResources(2, None), use_gpu=False) == TaskResources(2, 0.0)
 
 
 def test_gpus_without_gpu_executors_are_refused_with_the_fix():
     with pytest.raises(ClusterConfigError, match=r"use_gpu=True asks for 1 GPU\(s\) per rank, but "
                                                  r"spark.executor.resource.gpu.amount is not set"):
-        preflight.stage_resources({}, None, use_gpu=True)
+        capacity.stage_resources({}, None, use_gpu=True)
     with pytest.raises(ClusterConfigError, match=r"resources\['gpus'\]=2 asks for 2 GPU"):
-        preflight.stage_resources({}, TaskResources(None, 2.0), use_gpu=True)
+        capacity.stage_resources({}, TaskResources(None, 2.0), use_gpu=True)
 
 
 def test_local_master_keeps_todays_gpu_error_and_refuses_a_profile():
     with pytest.raises(ClusterConfigError, match="spark.task.resource.gpu.amount=1"):
-        preflight.stage_resources({}, None, use_gpu=True, local_master=True)
+        capacity.stage_resources({}, None, use_gpu=True, local_master=True)
     with pytest.raises(ClusterConfigError, match=r"local\[N\] master does not schedule stages by resource profile"):
-        preflight.stage_resources({}, TaskResources(2, None), use_gpu=False, local_master=True)
+        capacity.stage_resources({}, TaskResources(2, None), use_gpu=False, local_master=True)
 
 
 def test_pyspark_35_gets_a_clear_error():
     with pytest.raises(ClusterConfigError, match=r"new in pyspark 4.0; this is pyspark 3.5.3\. Upgrade"):
-        preflight.check_profile_support("3.5.3")
-    preflight.check_profile_support("4.0.0")
-    preflight.check_profile_support("4.3.0")
+        capacity.check_profile_support("3.5.3")
+    capacity.check_profile_support("4.0.0")
+    capacity.check_profile_support("4.3.0")
 
 
 def test_slots_are_counted_for_the_profile_and_the_error_gives_the_figures():
-    cap = preflight.Capacity(executors=2, cores_per_executor=4, task_cpus=3, gpus_per_executor=2, task_gpus=1,
+    cap = capacity.Capacity(executors=2, cores_per_executor=4, task_cpus=3, gpus_per_executor=2, task_gpus=1,
                              profile=True)
     assert (cap.cpu_slots, cap.gpu_slots, cap.slots(True)) == (2, 4, 2)
     with pytest.raises(InsufficientResourcesError) as e:
-        preflight.check_capacity(3, cap, use_gpu=True)
+        capacity.check_capacity(3, cap, use_gpu=True)
     msg = str(e.value)
     assert "num_proc=3 needs 3 GPU task slots" in msg and "the cluster has 2" in msg, msg
     assert "2 executor(s) x 4 core(s) / cpus per rank (the run's resource profile)=3 = 2 CPU slot(s)" in msg, msg
     assert "gpus per rank (the run's resource profile)=1 = 4 GPU slot(s)" in msg, msg
     assert "limited by CPU task slots" in msg and "lower num_proc to 2" in msg, msg
-    none_fit = preflight.Capacity(2, 4, 8, profile=True)
+    none_fit = capacity.Capacity(2, 4, 8, profile=True)
     with pytest.raises(InsufficientResourcesError, match="ask for fewer cpus per rank"):
-        preflight.check_capacity(1, none_fit, use_gpu=False)
+        capacity.check_capacity(1, none_fit, use_gpu=False)
 
 
 def test_threads_follow_the_cpus_unless_the_user_sets_them():

@@ -17,8 +17,8 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import ClusterConfigError, InsufficientResourcesError
-from . import preflight
-from .preflight import Capacity
+from . import capacity as rules
+from .capacity import Capacity
 
 
 def is_connect(spark) -> bool:
@@ -141,14 +141,14 @@ def quiet_task_failures(spark) -> None:
 
 # -- capacity ----------------------------------------------------------------------------------------
 
-def task_profile(sc, task: preflight.TaskResources):
+def task_profile(sc, task: rules.TaskResources):
     """The pyspark ResourceProfile asking ``task.cpus`` cores and ``task.gpus`` GPUs for each task
     of the run's barrier stage (a task-only profile: the executors stay as they are).
 
     Built once per run and, with a SparkContext ``sc``, registered with Spark, so that the capacity
     check can ask Spark how many tasks of it fit at once; over Spark Connect (``sc=None``) it is built
     on the client and the server registers it with the stage. Needs pyspark 4.0 or later
-    (``preflight.check_profile_support``).
+    (``capacity.check_profile_support``).
     """
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
@@ -168,16 +168,15 @@ def task_profile(sc, task: preflight.TaskResources):
     return profile
 
 
-def capacity(sc, conf: Mapping[str, str], task: preflight.TaskResources | None = None, profile=None) -> Capacity:
+def capacity(sc, conf: Mapping[str, str], task: rules.TaskResources | None = None, profile=None) -> Capacity:
     """Ask Spark what the cluster offers one barrier stage right now.
 
     With ``task`` (and its ``profile``, see :func:`task_profile`) the slots are counted for the
     run's own task resources instead of the application's default task profile.
     """
     jsc = sc._jsc.sc()
-    master = sc.master
     task_cpus = int(conf.get("spark.task.cpus", "1"))
-    task_gpus = preflight.gpu_amount(conf, "task")
+    task_gpus = rules.gpu_amount(conf, "task")
     spark_slots = None
     try:
         spark_slots = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
@@ -203,17 +202,17 @@ def _default_capacity(sc, conf: Mapping[str, str], task_cpus: int, task_gpus: fl
     master = sc.master
     cores = local_cores(master)
     if cores is not None:
-        return Capacity(1, cores, task_cpus, preflight.gpu_amount(conf, "driver"), task_gpus, spark_slots)
+        return Capacity(1, cores, task_cpus, rules.gpu_amount(conf, "driver"), task_gpus, spark_slots)
     executors = max(0, jsc.getExecutorMemoryStatus().size() - 1)  # minus the driver
     shape = local_cluster_shape(master)
     cores = shape[1] if shape else int(conf.get("spark.executor.cores", "0") or 0)
     if not cores and executors:
         cores = max(1, (spark_slots or 0) * task_cpus // executors)
-    return Capacity(executors, cores, task_cpus, preflight.gpu_amount(conf, "executor"), task_gpus, spark_slots)
+    return Capacity(executors, cores, task_cpus, rules.gpu_amount(conf, "executor"), task_gpus, spark_slots)
 
 
 def wait_for_executors(sc, conf: Mapping[str, str], enough: Callable[[Capacity], bool], wait: float,
-                       task: preflight.TaskResources | None = None, profile=None) -> Capacity:
+                       task: rules.TaskResources | None = None, profile=None) -> Capacity:
     """Poll the cluster's capacity until ``enough(capacity)`` or ``wait`` seconds pass; return the last."""
     deadline = time.monotonic() + wait
     cap = capacity(sc, conf, task, profile)
@@ -224,7 +223,7 @@ def wait_for_executors(sc, conf: Mapping[str, str], enough: Callable[[Capacity],
 
 
 def wait_for_capacity(sc, conf: Mapping[str, str], size: int, use_gpu: bool, wait: float,
-                      task: preflight.TaskResources | None = None, profile=None) -> None:
+                      task: rules.TaskResources | None = None, profile=None) -> None:
     """Fail within seconds when the cluster cannot run every rank at once.
 
     Spark's own barrier check retries for about 10 minutes. sparktrain decides at once when it
@@ -235,15 +234,15 @@ def wait_for_capacity(sc, conf: Mapping[str, str], size: int, use_gpu: bool, wai
     cap = capacity(sc, conf, task, profile)
     expected = expected_executors(sc.master, conf)
     if expected is not None and cap.executors < expected and cap.cores_per_executor:
-        preflight.check_capacity(size, dataclasses.replace(cap, executors=expected, spark_slots=None), use_gpu)
+        rules.check_capacity(size, dataclasses.replace(cap, executors=expected, spark_slots=None), use_gpu)
     try:
-        preflight.check_capacity(size, cap, use_gpu)
+        rules.check_capacity(size, cap, use_gpu)
         return
     except InsufficientResourcesError:
         if expected is not None and cap.executors >= expected:
             raise
     cap = wait_for_executors(sc, conf, lambda c: c.slots(use_gpu) >= size, wait, task, profile)
-    preflight.check_capacity(size, cap, use_gpu)
+    rules.check_capacity(size, cap, use_gpu)
 
 
 #: What a rank's barrier task imports in the executors' Python before sparktrain can report anything.

@@ -20,13 +20,13 @@ import logging
 import re
 import socket
 import sys
-import uuid
 from typing import Mapping
 
 from .. import versions
 from ..errors import ClusterConfigError
-from . import cluster
-from .preflight import Capacity, gpu_amount
+from . import cluster, jobs
+from . import probe as executor_probe
+from .capacity import Capacity, gpu_amount
 
 log = logging.getLogger("sparktrain")
 
@@ -181,40 +181,20 @@ _PYTHON_FAILURES = re.compile(r"(\[PYTHON_VERSION_MISMATCH\][^\n]*|No module nam
 
 
 def _probe(spark, host: str | None) -> Probed:
-    from .jobs import BarrierJob
-
-    listener = None
     try:
-        port = 0
-        if host is not None:
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind((host, 0))
-            listener.listen(4)
-            port = listener.getsockname()[1]
-        schema = "reached boolean, python string, version string, missing string"
-        task = _reach(host, port, cluster.TASK_MODULES)
-        job = BarrierJob(spark, f"sparktrain-probe-{uuid.uuid4().hex[:12]}",
-                         "sparktrain: the executors' Python, and can they reach the client?",
-                         lambda: spark.range(0, 1, 1, 1).mapInArrow(task, schema).collect())
-        job.start()
-        if not job.wait(PROBE_JOB_TIMEOUT):
-            job.cancel()
-            return Probed(False)
-        if job.error is not None:
-            m = _PYTHON_FAILURES.search(str(job.error))
-            log.debug("sparktrain: the probe job failed: %s", job.error)
-            return Probed(False, failure=m.group(1) if m else None)
-        row = job.rows[0] if job.rows else None
-        if row is None:
-            return Probed(False)
-        return Probed(bool(row["reached"]), row["python"], row["version"],
-                      tuple(m for m in (row["missing"] or "").split(",") if m))
+        found = executor_probe.run(spark, 1, host, barrier=False, timeout=PROBE_JOB_TIMEOUT,
+                                   description="sparktrain: the executors' Python, and can they reach the client?")
     except OSError as e:
         log.debug("sparktrain: no probe listener on %s: %s", host, e)
         return Probed(False)
-    finally:
-        if listener is not None:
-            listener.close()
+    if found.error is not None:
+        m = _PYTHON_FAILURES.search(str(found.error))
+        log.debug("sparktrain: the probe job failed: %s", found.error)
+        return Probed(False, failure=m.group(1) if m else None)
+    if not found.tasks:
+        return Probed(False)
+    task = found.tasks[0]
+    return Probed(task["reach"] is None, task["executable"], task["versions"]["python"], tuple(task["missing"]))
 
 
 def concurrent_slots(spark, host: str, wanted: int, wait: float) -> int:
@@ -227,8 +207,6 @@ def concurrent_slots(spark, host: str, wanted: int, wait: float) -> int:
     """
     import time
 
-    from .jobs import BarrierJob
-
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     held: list[socket.socket] = []
     job = None
@@ -236,7 +214,7 @@ def concurrent_slots(spark, host: str, wanted: int, wait: float) -> int:
         listener.bind((host, 0))
         listener.listen(max(8, wanted))
         port = listener.getsockname()[1]
-        job = BarrierJob(spark, f"sparktrain-slots-{port}", f"sparktrain: do {wanted} tasks run at once?",
+        job = jobs.BarrierJob(spark, f"sparktrain-slots-{port}", f"sparktrain: do {wanted} tasks run at once?",
                          lambda: spark.range(0, wanted, 1, wanted).mapInArrow(_hold(host, port, wait),
                                                                              "held boolean").collect())
         job.start()
@@ -277,34 +255,3 @@ def _hold(host: str, port: int, wait: float):
         yield pa.RecordBatch.from_arrays([pa.array([ok])], names=["held"])
 
     return hold
-
-
-def _reach(host: str | None, port: int, modules: tuple[str, ...]):
-    def reach(batches):
-        import importlib.util
-        import socket
-        import sys
-
-        import pyarrow as pa
-
-        for _ in batches:
-            pass
-        ok = False
-        if host is not None:
-            try:
-                socket.create_connection((host, port), timeout=PROBE_CONNECT_TIMEOUT).close()
-                ok = True
-            except OSError:
-                pass
-        missing = []
-        for name in modules:
-            try:
-                if importlib.util.find_spec(name) is None:
-                    missing.append(name)
-            except (ImportError, ValueError):
-                missing.append(name)
-        yield pa.RecordBatch.from_arrays(
-            [pa.array([ok]), pa.array([sys.executable]), pa.array(["%d.%d.%d" % sys.version_info[:3]]),
-             pa.array([",".join(missing)])], names=["reached", "python", "version", "missing"])
-
-    return reach

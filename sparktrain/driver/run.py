@@ -16,7 +16,7 @@ from typing import IO, Any, Callable, Iterable, Mapping
 from .. import payload, settings, tracking, versions
 from ..errors import InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
 from ..spec import TaskSpec
-from . import cluster, connect, preflight
+from . import capacity, cluster, connect, preflight
 from .attempt import RunInfo, run_attempts
 from .jobs import LocalJob, SparkJob
 
@@ -145,7 +145,7 @@ def run(
     size, local = preflight.check_num_proc(num_proc, local_mode)
     args, kwargs, env = preflight.check_arguments(
         train_fn, args, kwargs, env, stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks)
-    asked = preflight.check_resources(resources, use_gpu)
+    asked = capacity.check_resources(resources, use_gpu)
     for name in settings.READ_IN_RANK:  # a bad value fails here, not in every rank
         settings.resolve(name, environ={**os.environ, **env})
     start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
@@ -215,24 +215,24 @@ def run(
         # The probe that chooses the rendezvous reports the executors' Python too, once per session.
         connect.check_executors_python(spark, driver_host if rendezvous == "auto" else None)
     if use_gpu is None:
-        use_gpu = bool(asked.gpus) if asked is not None and asked.gpus is not None else preflight.gpu_amount(conf) > 0
+        use_gpu = bool(asked.gpus) if asked is not None and asked.gpus is not None else capacity.gpu_amount(conf) > 0
     local_master = cluster.is_local(master)
-    stage = preflight.stage_resources(conf, asked, use_gpu, local_master)
+    stage = capacity.stage_resources(conf, asked, use_gpu, local_master)
     profile = None
     if stage is not None:
         import pyspark
 
-        preflight.check_profile_support(pyspark.__version__)
+        capacity.check_profile_support(pyspark.__version__)
         profile = cluster.task_profile(sc, stage)  # sc is None over Connect: the server registers it
         if connected:
             connect.register_profile(spark, profile)
         log.info("sparktrain: each rank's task asks for %d CPU(s) and %g GPU(s) through its own resource profile",
                  stage.cpus, stage.gpus)
     else:
-        preflight.check_gpu_conf(conf, use_gpu)
+        capacity.check_gpu_conf(conf, use_gpu)
     # A local master's task cpus are a count of slots, not of cores: threads follow only a cluster's.
     task_cpus = stage.cpus if stage is not None else \
-        None if local_master else preflight.default_task_resources(conf).cpus
+        None if local_master else capacity.default_task_resources(conf).cpus
     capacity_wait = settings.resolve("capacity_wait", conf=conf)
     if connected:
         size = _check_connect_capacity(spark, conf, size, use_gpu, stage, capacity_wait)
@@ -300,7 +300,7 @@ def _log_target(log_url: str | None, storage_options: Mapping[str, Any] | None,
 
 
 def _check_connect_capacity(spark, conf: Mapping[str, str], size: int | None, use_gpu: bool,
-                            stage: preflight.TaskResources | None = None, wait: float = 10.0) -> int:
+                            stage: capacity.TaskResources | None = None, wait: float = 10.0) -> int:
     """Over Connect the client cannot list executors: count slots from the conf, or, where the
     conf does not say, probe with a job of ``size`` tasks that must all run at once within
     ``wait`` seconds. Fails now rather than wait out Spark's barrier slot check (about 10
@@ -335,7 +335,7 @@ def _check_connect_capacity(spark, conf: Mapping[str, str], size: int | None, us
     if size is None:
         return max(1, cap.slots(use_gpu))
     try:
-        preflight.check_capacity(size, cap, use_gpu)
+        capacity.check_capacity(size, cap, use_gpu)
     except InsufficientResourcesError as e:
         raise InsufficientResourcesError(f"{e} (slots {checked})") from None
     return size

@@ -33,8 +33,8 @@ def rank_env(spec: TaskSpec, rank: int, hosts: Sequence[str], ports: Sequence[in
     """The rank's whole environment: :func:`start_env` plus what the rendezvous decided."""
     env = start_env(spec)
     # The task's CPUs (its resource profile's, or spark.task.cpus on a cluster); on a local
-    # master or in local mode, this host's cores shared among its ranks. Either way, no more than
-    # the CPUs its affinity mask and cgroup quota leave.
+    # master or in local mode, the CPUs its affinity mask and cgroup quota leave, shared among
+    # this host's ranks.
     usable = cpus.usable_cpus()
     threads = worker_env.rank_threads(spec.task_cpus, usable, topo["local_size"])
     env.update(worker_env.build_worker_env(
@@ -53,14 +53,6 @@ def rank_env(spec: TaskSpec, rank: int, hosts: Sequence[str], ports: Sequence[in
     if data_dir is not None:
         env[worker_env.DATA_DIR] = data_dir
     return env
-
-
-def log_level(env: Mapping[str, str]) -> int:
-    """The rank's ``TF_CPP_MIN_LOG_LEVEL``: its C++ log lines below it are dropped (see output.py)."""
-    try:
-        return int(env.get("TF_CPP_MIN_LOG_LEVEL", "0"))
-    except ValueError:
-        return 0
 
 
 def _write_key(workdir: str, key: bytes) -> str:

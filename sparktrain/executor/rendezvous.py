@@ -111,13 +111,3 @@ def collective_key(secret: bytes, run_id: str, attempt: int) -> bytes:
     The rank's process gets this derived key, never the channel's secret itself.
     """
     return hmac.new(secret, f"sparktrain-collective|{run_id}|{attempt}".encode(), hashlib.sha256).digest()
-
-
-def _write_key(workdir: str, key: bytes) -> str:
-    path = os.path.join(workdir, "collective.key")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
-    return path
-
-

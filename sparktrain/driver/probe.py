@@ -1,0 +1,166 @@
+"""The executor probe: one small stage whose tasks report what they see.
+
+``sparktrain check`` runs it as a barrier stage of one task per rank; a run over Spark Connect
+runs it as one plain task before it launches, to learn the executors' Python and whether they
+can reach the client. Each task reports its interpreter, the package versions the driver asks
+about, the storage backends that import, the CPU engine its ranks would use, its GPUs, and
+whether it could open a TCP connection to ``host:port``.
+
+The task function is built inside a function so that cloudpickle ships it by value: it needs
+neither sparktrain nor pyarrow on the executor, which may be exactly what is missing there.
+On a classic session the stage is an RDD one and needs nothing but Python; over Connect, which
+has no RDDs, it is ``mapInArrow``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import time
+import uuid
+from typing import Callable
+
+from . import cluster, jobs
+
+#: Seconds a probing task waits for a TCP connection to the driver or client.
+CONNECT_TIMEOUT = 3.0
+
+
+def facts_function() -> Callable[[tuple, tuple], dict]:
+    """What a process reports about itself: Python, package versions, storage backends, CPU engine,
+    and which of the modules a rank's task imports (``cluster.TASK_MODULES``) it cannot import.
+    The driver calls the same function for its side of ``check``'s tables."""
+    task_modules = cluster.TASK_MODULES
+
+    def facts(packages: tuple, backends: tuple) -> dict:
+        import platform
+        import sys
+        from importlib import metadata, util
+
+        missing = []
+        for m in task_modules:
+            try:
+                if util.find_spec(m) is None:
+                    missing.append(m)
+            except (ImportError, ValueError):
+                missing.append(m)
+        found = {"executable": sys.executable, "versions": {"python": platform.python_version()},
+                 "backends": {}, "missing": missing}
+        try:  # which engine a rank's CPU collectives would run on here
+            from sparktrain import engine
+
+            found["cpu_engine"] = "native" if engine.available() else f"tensorflow ({engine.unavailable_reason()})"
+        except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
+            found["cpu_engine"] = f"unknown ({type(e).__name__})"
+        for name in packages:
+            try:
+                found["versions"][name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                found["versions"][name] = None
+        for name in backends:  # the version of each that imports; None if absent; "!error" if its import fails
+            try:
+                module = __import__(name)
+                found["backends"][name] = str(getattr(module, "__version__", "installed"))
+            except ModuleNotFoundError as e:
+                found["backends"][name] = None if e.name == name else f"!{type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001 - a broken install is a finding
+                found["backends"][name] = f"!{type(e).__name__}: {e}"
+        return found
+
+    return facts
+
+
+def task_function(packages: tuple, backends: tuple, address: tuple[str, int] | None):
+    """The function each probing task runs over its partition; yields one JSON report."""
+    facts = facts_function()
+    timeout = CONNECT_TIMEOUT
+
+    def probe(_rows):
+        import json
+        import socket
+
+        from pyspark import BarrierTaskContext, TaskContext
+
+        for _ in _rows:
+            pass
+        ctx = TaskContext.get()
+        me = ctx.partitionId()
+        gpu = ctx.resources().get("gpu")
+        info = {"task": me, "gpus": list(gpu.addresses) if gpu else [], **facts(packages, backends)}
+        info["address"] = (ctx.getTaskInfos()[me].address if isinstance(ctx, BarrierTaskContext)
+                           else socket.gethostname())
+        # Ranks check in with the driver (or the Connect client) over TCP: can this executor connect?
+        # The listener's kernel completes the handshake, so nothing needs to accept the connection.
+        info["reach"] = "not asked"
+        if address is not None:
+            try:
+                socket.create_connection(address, timeout=timeout).close()
+                info["reach"] = None
+            except OSError as e:
+                info["reach"] = f"{type(e).__name__}: {e}"
+        yield json.dumps(info)
+
+    return probe
+
+
+@dataclasses.dataclass
+class Probe:
+    """What one probing stage found."""
+
+    #: One report per task, by task number (see :func:`facts_function` and :func:`task_function`).
+    tasks: list[dict]
+    #: The stage's failure as Spark raised it, or None.
+    error: BaseException | None = None
+    #: True when the stage did not finish within its timeout (it was cancelled).
+    timed_out: bool = False
+    #: Seconds the stage took.
+    seconds: float = 0.0
+
+
+def run(spark, size: int, host: str | None, packages: tuple = (), backends: tuple = (), barrier: bool = True,
+        timeout: float = 60.0, description: str = "sparktrain: probe the executors") -> Probe:
+    """Run ``size`` probing tasks (a barrier stage unless ``barrier=False``); with ``host``, each
+    task also reports whether it can open a TCP connection to a listener there."""
+    listener = None
+    address = None
+    if host is not None:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(max(16, size))  # a backlog for every task: nothing needs to accept
+            address = (host, listener.getsockname()[1])
+        except OSError:
+            listener.close()
+            raise
+    over_connect = cluster.is_connect(spark)
+    task = task_function(packages, backends, address)
+    job = jobs.BarrierJob(spark, f"sparktrain-probe-{uuid.uuid4().hex[:12]}", description,
+                          lambda: _stage(spark, size, task, over_connect, barrier))
+    started = time.monotonic()
+    job.start()
+    try:
+        if not job.wait(timeout):
+            job.cancel()
+            job.wait(30)
+            return Probe([], timed_out=True, seconds=time.monotonic() - started)
+    finally:
+        if listener is not None:
+            listener.close()
+    seconds = time.monotonic() - started
+    if job.error is not None:
+        return Probe([], error=job.error, seconds=seconds)
+    return Probe(sorted((json.loads(r) for r in job.rows), key=lambda t: t["task"]), seconds=seconds)
+
+
+def _stage(spark, size: int, task, over_connect: bool, barrier: bool) -> list[str]:
+    if not over_connect:
+        rdd = spark.sparkContext.parallelize(range(size), size)
+        return (rdd.barrier() if barrier else rdd).mapPartitions(task).collect()
+
+    def in_arrow(batches):
+        import pyarrow as pa
+
+        yield pa.RecordBatch.from_arrays([pa.array(list(task(batches)))], names=["info"])
+
+    rows = spark.range(0, size, 1, size).mapInArrow(in_arrow, "info string", barrier=barrier).collect()
+    return [r["info"] for r in rows]
