@@ -175,11 +175,16 @@ def _demo(args: argparse.Namespace) -> int:
     with open(path, "wb") as f:
         f.write(model_bytes)
 
-    import keras
+    from . import tflog
 
-    model = keras.models.load_model(path)
-    _, (x_test, y_test) = demo.digits()
-    accuracy = float(model.evaluate(x_test.reshape(-1, 8, 8, 1), y_test, verbose=0)[1])
+    # The driver runs TensorFlow to evaluate: its start-up lines are filtered as a rank's are.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with tflog.filtered_stderr(tflog.level_from_env()):
+        import keras
+
+        model = keras.models.load_model(path)
+        _, (x_test, y_test) = demo.digits()
+        accuracy = float(model.evaluate(x_test.reshape(-1, 8, 8, 1), y_test, verbose=0)[1])
     print(f"trained on {args.num_proc} ranks in {time.monotonic() - started:.0f} s; test accuracy {accuracy:.3f} "
           f"(evaluated on the driver); checkpoint: {path} ({len(model_bytes)} bytes)")
     return 0 if accuracy > 0.9 else 1

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 import selectors
 import sys
 import time
 
 from .. import channel
+from ..tflog import NO_GPU_LINE, below_log_level
 from ..errors import RankFailure
 from ..spec import TaskSpec
 from .supervisor import ChildProcess
@@ -23,33 +23,6 @@ from .supervisor import ChildProcess
 TAIL_LINES = 100
 #: Longest output line forwarded; longer lines are split.
 MAX_LINE = 16 * 1024
-#: A C++ log line in absl's format, severity letter first (``I0000 00:00:17.5 123 port.cc:153] ...``).
-_CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] ")
-_CPP_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
-#: What each of TensorFlow's two copies of absl prints once before its first line.
-_ABSL_PREINIT = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
-#: What TensorFlow logs as an error at start-up when it finds no GPU: expected in a rank told to use none.
-_NO_GPU_LINE = re.compile(r"^E\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ cuda_\w+\.cc:\d+\] failed call to cuInit: ")
-
-
-def below_log_level(line: str, level: int) -> bool:
-    """Whether ``TF_CPP_MIN_LOG_LEVEL=level`` should have hidden this C++ log line.
-
-    TensorFlow 2.21 prints its start-up lines (oneDNN, the CUDA stubs) through absl before it
-    reads the variable, twice: once per copy of absl in its shared libraries. The rank's output
-    pump drops them as the variable asks.
-
-    >>> below_log_level("I0000 00:00:1795356405.409084    3599 port.cc:153] oneDNN custom operations are on.", 2)
-    True
-    >>> below_log_level("E0000 00:00:1795356405.409084    3599 rpc.cc:1] peer gone", 2)
-    False
-    """
-    if line == _ABSL_PREINIT:
-        return level >= 1
-    m = _CPP_LOG_LINE.match(line)
-    return m is not None and _CPP_SEVERITY[m.group(1)] < level
-
-
 class RankIO:
     """The state of one rank while it runs."""
 
@@ -117,7 +90,7 @@ class RankIO:
     # -- output ------------------------------------------------------------------------------
     def emit(self, stream: str, line: str) -> None:
         if stream == "stderr" and self.log_level and (
-                below_log_level(line, self.log_level) or (not self.spec.use_gpu and _NO_GPU_LINE.match(line))):
+                below_log_level(line, self.log_level) or (not self.spec.use_gpu and NO_GPU_LINE.match(line))):
             return
         self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
         if not self.show:

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from typing import Iterator, Sequence
 
-from .. import worker_env
+from .. import tflog, worker_env
 from ..data import layout
 from ..errors import InvalidArgumentError, SparkTrainError, type_name
 from ..spec import OUTPUT_SEQ, RESULT_FIELDS, TaskSpec
@@ -88,7 +88,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                     raise InvalidArgumentError(layout.no_rows(empty[0]))
                 state.emit("stderr", spool.describe(rank))
                 layout.write_manifest(data_dir, rank, {n: [int(s.get(n, 0)) for s in shards] for n in spec.feed})
-            state.log_level = rankenv.log_level(env)
+            state.log_level = tflog.level_from_env(env)
             with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
                 f.write(spec.payload)
             if spec.checkpoint is not None and rank == 0:

@@ -1,0 +1,82 @@
+"""TensorFlow's C++ start-up lines: which of them ``TF_CPP_MIN_LOG_LEVEL`` should have hidden.
+
+TensorFlow 2.21 prints its start-up lines (the absl notice, oneDNN, the CUDA stubs) through absl
+before it reads ``TF_CPP_MIN_LOG_LEVEL``, twice: once per copy of absl in its shared libraries.
+A rank's output pump drops them as the variable asks (``executor/output.py``); on the driver,
+:func:`filtered_stderr` does the same while it imports and first runs TensorFlow. Pure: no TensorFlow import here.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+from typing import Iterator
+
+#: A C++ log line in absl's format, severity letter first (``I0000 00:00:17.5 123 port.cc:153] ...``).
+_CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] ")
+_CPP_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
+#: What each of TensorFlow's two copies of absl prints once before its first line.
+_ABSL_PREINIT = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+#: What TensorFlow logs as an error at start-up when it finds no GPU: expected where no GPU is used.
+NO_GPU_LINE = re.compile(r"^E\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ cuda_\w+\.cc:\d+\] failed call to cuInit: ")
+#: The second line of TensorFlow's CPU-feature notice, which is not in absl's format.
+_CPU_FEATURES = re.compile(r"^To enable the following instructions: .* rebuild TensorFlow with the appropriate "
+                           r"compiler flags\.$")
+
+
+def below_log_level(line: str, level: int) -> bool:
+    """Whether ``TF_CPP_MIN_LOG_LEVEL=level`` should have hidden this C++ log line.
+
+    >>> below_log_level("I0000 00:00:1795356405.409084    3599 port.cc:153] oneDNN custom operations are on.", 2)
+    True
+    >>> below_log_level("E0000 00:00:1795356405.409084    3599 rpc.cc:1] peer gone", 2)
+    False
+    """
+    if line == _ABSL_PREINIT:
+        return level >= 1
+    m = _CPP_LOG_LINE.match(line)
+    return m is not None and _CPP_SEVERITY[m.group(1)] < level
+
+
+def level_from_env(environ=os.environ) -> int:
+    """``TF_CPP_MIN_LOG_LEVEL`` as TensorFlow reads it; 0 when unset or not a number."""
+    try:
+        return int(environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
+    except ValueError:
+        return 0
+
+
+@contextlib.contextmanager
+def filtered_stderr(level: int = 2, no_gpu: bool = True) -> Iterator[None]:
+    """While the block runs (TensorFlow's import, and its first op, which looks for a GPU), pass
+    this process's stderr through the filter a rank's output gets: C++ lines below ``level`` are
+    dropped, and with ``no_gpu`` the line TensorFlow logs when it finds no GPU. Every other line
+    reaches stderr unchanged."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def forward() -> None:
+        pending = False  # the line after the CPU-feature notice's first line
+        with os.fdopen(read_end, "r", errors="replace") as lines:
+            for line in lines:
+                text = line.rstrip("\n")
+                hidden = below_log_level(text, level) or (no_gpu and NO_GPU_LINE.match(text)) or \
+                    (pending and _CPU_FEATURES.match(text))
+                pending = bool(_CPP_LOG_LINE.match(text)) and "cpu_feature_guard" in text and hidden
+                if not hidden:
+                    os.write(saved, line.encode())
+
+    reader = threading.Thread(target=forward, name="sparktrain-tflog", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end: the reader sees its end
+        reader.join(5)
+        os.close(saved)
