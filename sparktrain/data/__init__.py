@@ -51,6 +51,8 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
             seed: int | None = None, name: str = "train", uneven: str = "wrap", prefetch: bool = True):
     """A ``tf.data.Dataset`` of this rank's batches: ``(features, label)``, or features alone.
 
+    Parameters
+    ----------
     features, label : a column name (a tensor of ``[batch]`` for scalars, ``[batch, n]`` for
         fixed-length arrays and ml Vectors, bytes for binary and string columns); a list of
         scalar columns (stacked into ``[batch, len(list)]``); or a dict ``{input_name: column(s)}``
