@@ -106,10 +106,17 @@ def python_without(module: str, cwd) -> str:
     return base
 
 
-def test_check_fails_when_the_executors_python_lacks_sparktrain(tmp_path):
-    """Executors that run another Python (here the one this virtual environment was made from)."""
-    base = python_without("sparktrain", tmp_path)
-    proc = check("--master", "local[2]", env={"PYSPARK_PYTHON": base}, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def other_python_check(tmp_path_factory):
+    """One ``check`` on local[2] whose executors run another Python (the one this virtual environment
+    was made from), which lacks sparktrain, and, where it also lacks it, pyarrow."""
+    cwd = tmp_path_factory.mktemp("other-python")
+    base = python_without("sparktrain", cwd)
+    return base, check("--master", "local[2]", env={"PYSPARK_PYTHON": base}, cwd=cwd), cwd
+
+
+def test_check_fails_when_the_executors_python_lacks_sparktrain(other_python_check):
+    base, proc, _ = other_python_check
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
     assert "[ok]   barrier mode: a barrier stage of 2 task(s) ran" in out
@@ -146,9 +153,9 @@ def test_bad_options_are_refused_before_spark_starts(args, message):
     assert "Spark" not in proc.stdout
 
 
-def test_check_names_the_executors_python_and_each_module_a_task_needs(tmp_path):
-    base = python_without("pyarrow", tmp_path)
-    proc = check("--master", "local[2]", env={"PYSPARK_PYTHON": base}, cwd=tmp_path)
+def test_check_names_the_executors_python_and_each_module_a_task_needs(other_python_check):
+    base, proc, cwd = other_python_check
+    python_without("pyarrow", cwd)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
     assert re.search(rf"\[FAIL\] the executors' Python {re.escape(base)} cannot import (cloudpickle, )?pyarrow "

@@ -193,7 +193,7 @@ def hang(outdir):
 
 def test_a_hang_is_ended_by_the_timeout_and_leaves_no_process(spark, tmp_path):
     with pytest.raises(sparktrain.RunTimeoutError):
-        sparktrain.run(hang, args=(str(tmp_path),), num_proc=3, timeout=20, verbose=0)
+        sparktrain.run(hang, args=(str(tmp_path),), num_proc=3, timeout=8, verbose=0)
     assert rank_processes(run_marker(read_ranks(str(tmp_path))[0]), timeout=10) == []
     assert sparktrain.run(lambda: sparktrain.size(), num_proc=3, verbose=0) == 3  # the session is fine
 

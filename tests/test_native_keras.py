@@ -25,14 +25,6 @@ def collectives_and_engine(outdir):
     record_rank(outdir, tag="-engine", engine=hvd.collective_engine())
 
 
-def test_collectives_run_on_the_native_engine(spark, tmp_path):
-    sparktrain.run(collectives_and_engine, args=(str(tmp_path),), num_proc=3, env=ENV, verbose=0)
-    engines = read_ranks(str(tmp_path), tag="-engine")
-    assert {r: e["engine"] for r, e in engines.items()} == {0: "native", 1: "native", 2: "native"}
-    ranks = read_ranks(str(tmp_path))
-    assert_collectives(ranks)
-
-
 def engine_of_fit(outdir, *args):
     import sparktrain.tensorflow as hvd
 
@@ -41,20 +33,53 @@ def engine_of_fit(outdir, *args):
     return accuracy
 
 
+FIT_ARGS = (10, 32, 0.001, True)
+
+
+def collectives_then_fit(outdir):
+    """One run of 3 ranks for two tests: the collectives, then model.fit, on the native engine."""
+    import os
+
+    collectives_and_engine(os.path.join(outdir, "collectives"))
+    return engine_of_fit(os.path.join(outdir, "native"), *FIT_ARGS)
+
+
+@pytest.fixture(scope="module")
+def native_run(spark, tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("native_run")
+    (outdir / "collectives").mkdir()
+    (outdir / "native").mkdir()
+    accuracy = sparktrain.run(collectives_then_fit, args=(str(outdir),), num_proc=3, env=ENV, verbose=0)
+    return outdir, accuracy
+
+
+def test_collectives_run_on_the_native_engine(native_run):
+    outdir, _ = native_run
+    engines = read_ranks(str(outdir / "collectives"), tag="-engine")
+    assert {r: e["engine"] for r, e in engines.items()} == {0: "native", 1: "native", 2: "native"}
+    ranks = read_ranks(str(outdir / "collectives"))
+    assert_collectives(ranks)
+
+
 def fit(tmp_path, sub, env):
     (tmp_path / sub).mkdir()
-    accuracy = sparktrain.run(engine_of_fit, args=(str(tmp_path / sub), 10, 32, 0.001, True), num_proc=3,
+    accuracy = sparktrain.run(engine_of_fit, args=(str(tmp_path / sub), *FIT_ARGS), num_proc=3,
                               env={**ENV, **env}, verbose=0)
-    ranks = read_ranks(str(tmp_path / sub))
-    engines = {e["engine"] for e in read_ranks(str(tmp_path / sub), tag="-engine").values()}
+    return accuracy, fitted(tmp_path / sub)
+
+
+def fitted(outdir):
+    """Which engines the ranks' fit ran on, after checking that every rank ended with the same weights."""
+    ranks = read_ranks(str(outdir))
+    engines = {e["engine"] for e in read_ranks(str(outdir), tag="-engine").values()}
     assert sorted(ranks) == [0, 1, 2]
     assert len({info["final"] for info in ranks.values()}) == 1  # bit-identical weights on every rank
-    return accuracy, engines
+    return engines
 
 
-def test_keras_fit_on_the_native_engine_is_bit_identical_and_as_accurate_as_tensorflows_ring(spark, tmp_path):
-    native_accuracy, engines = fit(tmp_path, "native", {})
-    assert engines == {"native"}
+def test_keras_fit_on_the_native_engine_is_bit_identical_and_as_accurate_as_tensorflows_ring(native_run, tmp_path):
+    outdir, native_accuracy = native_run
+    assert fitted(outdir / "native") == {"native"}
     ring_accuracy, engines = fit(tmp_path, "ring", {"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"})
     assert engines == {"tensorflow"}
     assert native_accuracy > 0.85 and native_accuracy >= ring_accuracy - 0.02, (native_accuracy, ring_accuracy)

@@ -19,24 +19,59 @@ NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb", "04-dataframe.ipynb"]
 
 
-def execute(name: str, workdir, monkeypatch, **env) -> list[list[str]]:
-    """Run notebook ``name`` in a fresh kernel with ``env``; return each code cell's outputs as text."""
-    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
-    # Proves which Python ran it: this virtual environment's, where sparktrain is installed.
-    nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint('KERNEL', sys.executable)"))
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    # The "python3" kernel of this environment first, before any user-wide one; jupyter_client
-    # starts it with this interpreter.
-    monkeypatch.setenv("JUPYTER_PATH", os.path.join(sys.prefix, "share", "jupyter"))
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=240, startup_timeout=90,
-                                     resources={"metadata": {"path": str(workdir)}})
-    client.execute()
-    cells = []
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cells.append([out.text if out.output_type == "stream" else out.get("data", {}).get("text/plain", "")
-                          for out in cell.outputs])
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory, azurite):
+    """Every notebook, in order, top to bottom in one Jupyter kernel, as a user working through
+    them would: one kernel start, one Spark session, one TensorFlow import on the driver for all
+    four. Returns {name: (code cells' outputs, error or None), "_env": what the tests set}."""
+    import nbclient.exceptions
+
+    from sparktrain import storage
+
+    workdir = tmp_path_factory.mktemp("notebooks")
+    options = azurite.options()
+    fs, _ = storage.filesystem("abfs://x", options)
+    container = f"models-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(container)
+    env = {"CHECKPOINT_URL": f"abfs://{container}/digits", "AZURE_STORAGE_ACCOUNT_NAME": options["account_name"],
+           "AZURE_STORAGE_CONNECTION_STRING": options["connection_string"],
+           "CHECKPOINT_PREFIX": f"file://{workdir}/checkpoints",
+           # The "python3" kernel of this environment first, before any user-wide one; jupyter_client
+           # starts it with this interpreter.
+           "JUPYTER_PATH": os.path.join(sys.prefix, "share", "jupyter")}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        first = nbformat.read(os.path.join(NOTEBOOKS, NAMES[0]), as_version=4)
+        client = nbclient.NotebookClient(first, kernel_name="python3", timeout=240, startup_timeout=90,
+                                         resources={"metadata": {"path": str(workdir)}})
+        found: dict = {"_env": env, "_workdir": workdir}
+        with client.setup_kernel():
+            for name in NAMES:
+                nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+                # Proves which Python ran it: this virtual environment's, where sparktrain is installed.
+                nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint('KERNEL', sys.executable)"))
+                client.nb = nb
+                error = None
+                try:
+                    for index, cell in enumerate(nb.cells):
+                        client.execute_cell(cell, index)
+                except nbclient.exceptions.CellExecutionError as e:
+                    error = e
+                cells = []
+                for cell in nb.cells:
+                    if cell.cell_type == "code":
+                        cells.append([out.text if out.output_type == "stream"
+                                      else out.get("data", {}).get("text/plain", "") for out in cell.outputs])
+                found[name] = (cells, error)
+    return found
+
+
+def execute(executed, name: str) -> list[list[str]]:
+    """Notebook ``name``'s code cells' outputs as text; its error, if a cell failed."""
+    cells, error = executed[name]
+    if error is not None:
+        raise error
     assert "".join(cells[-1]).strip() == f"KERNEL {sys.executable}"
     return cells[:-1]
 
@@ -62,9 +97,9 @@ def test_notebooks_are_stored_with_outputs_cleared():
 
 
 @pytest.mark.spark
-@pytest.mark.timeout(300)
-def test_quickstart(tmp_path, monkeypatch):
-    cells = execute("01-quickstart.ipynb", tmp_path, monkeypatch)
+@pytest.mark.timeout(600)  # the first test also runs every notebook (the module's fixture)
+def test_quickstart(executed):
+    cells = execute(executed, "01-quickstart.ipynb")
     outputs = texts(cells)
     at = next(i for i, o in enumerate(outputs) if "rank 0 returned a checkpoint" in o)
     train_cell = outputs[at]
@@ -73,24 +108,19 @@ def test_quickstart(tmp_path, monkeypatch):
     # Live: the epoch lines reached the cell in several messages while it ran, not in one at its end.
     assert sum(1 for out in cells[at] if "<stdout>:Epoch " in out) >= 2, cells[at]
     size = int(re.search(r"rank 0 returned a checkpoint of (\d+) bytes", train_cell).group(1))
-    assert size > 10_000 and (tmp_path / "digits-cnn.keras").stat().st_size == size
+    assert size > 10_000 and (executed["_workdir"] / "digits-cnn.keras").stat().st_size == size
     accuracy = float(re.search(r"test accuracy on the driver: ([\d.]+)", outputs[-1]).group(1))
     assert accuracy > 0.85, outputs[-1]
 
 
 @pytest.mark.spark
-@pytest.mark.timeout(300)
-def test_from_horovod_writes_checkpoints_to_adls_on_azurite(tmp_path, monkeypatch, azurite):
+@pytest.mark.timeout(600)
+def test_from_horovod_writes_checkpoints_to_adls_on_azurite(executed, azurite):
     from sparktrain import storage
 
     options = azurite.options()
-    fs, _ = storage.filesystem("abfs://x", options)
-    container = f"models-{uuid.uuid4().hex[:8]}"
-    fs.mkdir(container)
-    url = f"abfs://{container}/digits"
-    outputs = texts(execute("02-from-horovod.ipynb", tmp_path, monkeypatch, CHECKPOINT_URL=url,
-                            AZURE_STORAGE_ACCOUNT_NAME=options["account_name"],
-                            AZURE_STORAGE_CONNECTION_STRING=options["connection_string"]))
+    url = executed["_env"]["CHECKPOINT_URL"]
+    outputs = texts(execute(executed, "02-from-horovod.ipynb"))
     text = "\n".join(outputs)
     assert f"checkpoints go to {url}" in text
     epochs = [line for line in stream_lines(text, 0) if line.startswith("Epoch ")]
@@ -104,10 +134,10 @@ def test_from_horovod_writes_checkpoints_to_adls_on_azurite(tmp_path, monkeypatc
 
 
 @pytest.mark.spark
-@pytest.mark.timeout(300)
-def test_custom_loop_resumes_from_its_checkpoint(tmp_path, monkeypatch):
-    prefix = f"file://{tmp_path}/checkpoints"
-    outputs = texts(execute("03-custom-loop.ipynb", tmp_path, monkeypatch, CHECKPOINT_PREFIX=prefix))
+@pytest.mark.timeout(600)
+def test_custom_loop_resumes_from_its_checkpoint(executed):
+    prefix = executed["_env"]["CHECKPOINT_PREFIX"]
+    outputs = texts(execute(executed, "03-custom-loop.ipynb"))
     first = next(o for o in outputs if "after the first run" in o)
     second = next(o for o in outputs if "after the second run" in o)
     assert [line.split(":")[0] for line in stream_lines(first, 0)] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"], first
@@ -126,9 +156,9 @@ def test_custom_loop_resumes_from_its_checkpoint(tmp_path, monkeypatch):
 
 
 @pytest.mark.spark
-@pytest.mark.timeout(300)
-def test_dataframe_trains_from_a_dataframe_with_equal_steps(tmp_path, monkeypatch):
-    outputs = texts(execute("04-dataframe.ipynb", tmp_path, monkeypatch))
+@pytest.mark.timeout(600)
+def test_dataframe_trains_from_a_dataframe_with_equal_steps(executed):
+    outputs = texts(execute(executed, "04-dataframe.ipynb"))
     text = "\n".join(outputs)
     shards = re.search(r"'train' rank shards (\d+)/(\d+)/(\d+) rows; wrapping to (\d+) steps per epoch of 32", text)
     assert shards, text
