@@ -8,7 +8,7 @@ The same contenders as ``launch_overhead.py`` (a no-op on 3 ranks, warmed up onc
   reached at ``sc://127.0.0.1:PORT``, whose driver is not this process.
 
 ``sparktrain.run`` over Connect includes its one-task probe of whether the executors can reach
-this client (see README, "Spark Connect"). The target: at most 1.5x the bare Connect stage.
+this client (see docs/connect.md). The target: at most 1.5x the bare Connect stage.
 
     python benchmarks/connect_overhead.py --repeats 5 [--write benchmarks/RESULTS.md]
 """

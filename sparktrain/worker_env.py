@@ -1,7 +1,7 @@
 """The env contract: what every rank's process finds in its environment.
 
 Pure functions only, so the contract is unit-tested without Spark. The same names are
-documented in README.md ("The env contract").
+documented in docs/env-contract.md.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ local disk (memory-mapped, so a rank's memory does not grow with its shard)::
 Every rank yields the same number of batches per epoch (``ds.cardinality()``), whatever its
 shard's size: a shorter shard wraps around (``uneven="wrap"``, the default, so every row is seen
 every epoch) or every rank stops at the shortest shard (``uneven="drop"``). Rank 0 logs one line
-that says which. See README.md, "Training on a DataFrame".
+that says which. See docs/dataframes.md.
 """
 from __future__ import annotations
 

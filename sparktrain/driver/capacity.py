@@ -66,7 +66,7 @@ def check_gpu_conf(conf: Mapping[str, str], use_gpu: bool) -> None:
         raise ClusterConfigError(
             "use_gpu=True, but spark.task.resource.gpu.amount is not set, so Spark gives tasks no GPU. "
             "Set spark.task.resource.gpu.amount=1, spark.executor.resource.gpu.amount and a GPU "
-            "discovery script (see conf/ and README), or pass use_gpu=False"
+            "discovery script (see conf/ and docs/cluster-conf.md), or pass use_gpu=False"
         )
 
 
@@ -167,7 +167,7 @@ def stage_resources(conf: Mapping[str, str], asked: TaskResources | None, use_gp
         raise ClusterConfigError(
             f"{why} asks for {gpus:g} GPU(s) per rank, but {key} is not set, so the "
             f"{'driver' if local_master else 'executors'} offer no GPUs. Start the application with GPU "
-            f"executors ({key} and a GPU discovery script; see conf/ and README, 'Resources per run'), or pass "
+            f"executors ({key} and a GPU discovery script; see conf/ and docs/resources.md), or pass "
             "use_gpu=False")
     if local_master:
         raise ClusterConfigError(

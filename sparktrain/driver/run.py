@@ -2,7 +2,7 @@
 
 pyspark is imported inside the functions that need it, so ``import sparktrain`` stays fast
 and works where only the worker API is used. The flow of a run, and which module does what,
-is drawn in README.md ("Architecture").
+is drawn in docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def run(
 
     Each rank runs in a fresh Python process started by one task of a single barrier-mode
     Spark stage, with its rank, size and collective addresses in its environment (see the
-    env contract in README.md). Output from every rank streams to this process as it happens.
+    env contract in docs/env-contract.md). Output from every rank streams to this process as it happens.
 
     Parameters
     ----------
@@ -77,8 +77,8 @@ def run(
         ``SPARKTRAIN_START_TIMEOUT`` or ``spark.sparktrain.startTimeout``).
     env : extra environment variables for every rank. When the driver has an active MLflow run (or
         ``MLFLOW_TRACKING_URI``/``MLFLOW_RUN_ID``), rank 0 also gets what it needs to log into that
-        run, and the other ranks a throwaway store (``sparktrain.tracking``; README, "Tracking with
-        MLflow and TensorBoard").
+        run, and the other ranks a throwaway store (``sparktrain.tracking``; see
+        docs/tracking.md).
     stdout, stderr : where ranks' output lines go (default ``sys.stdout``/``sys.stderr``).
     verbose : 0 warnings only, 1 progress (default), 2 debug.
     prefix_output_with_timestamp : put the time before each rank's output line.
@@ -105,12 +105,11 @@ def run(
     data : a Spark DataFrame, or a dict of them by name (``{"train": df, "val": val_df}``; a bare
         DataFrame is "train"), fed to the ranks: the rows travel through the run's barrier stage,
         each task spools its share to the executor's local disk, and ``train_fn`` reads it with
-        ``sparktrain.data.dataset(...)``. Needs Spark ranks (not local mode). See README.md,
-        "Training on a DataFrame".
+        ``sparktrain.data.dataset(...)``. Needs Spark ranks (not local mode). See docs/dataframes.md.
     log_url : an fsspec URL (a prefix) where every rank also writes its output, under
         ``sparktrain-<run id>/`` (also ``SPARKTRAIN_LOG_URL`` or ``spark.sparktrain.logUrl``);
         ``storage_options`` apply. When the ranks cannot reach this process (Spark Connect) the
-        output is printed from there, about 2 s behind. See README.md, "Spark Connect".
+        output is printed from there, about 2 s behind. See docs/connect.md.
     resources : what each rank's Spark task holds, for this run only: ``{"cpus": 4, "gpus": 1}``.
         ``cpus`` is a whole number of cores per rank, ``gpus`` GPUs per rank (a whole number, a
         fraction of at most 0.5 to share one, or 0). A key left out keeps the application's
@@ -118,8 +117,7 @@ def run(
         for them through a Spark ResourceProfile (pyspark 4.0 or later; a standalone, YARN or
         Kubernetes cluster with dynamic allocation off), so the application's other stages keep
         their own resources. Each rank's compute threads (``OMP_NUM_THREADS``,
-        ``TF_NUM_INTRAOP_THREADS``) follow its cpus unless ``env`` sets them. See README.md,
-        "Resources per run".
+        ``TF_NUM_INTRAOP_THREADS``) follow its cpus unless ``env`` sets them. See docs/resources.md.
 
     Returns
     -------

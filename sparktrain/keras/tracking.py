@@ -43,8 +43,7 @@ class MLflowLogger(keras.callbacks.Callback):
     (0-based) as the step. The other ranks never talk to MLflow.
 
     The run is the one the driver handed to rank 0 (an active ``mlflow.start_run()`` around
-    ``sparktrain.run``, or ``MLFLOW_RUN_ID``; see "Tracking with MLflow and TensorBoard" in
-    README.md). Without one, rank 0 starts a run of its own in ``MLFLOW_TRACKING_URI``'s
+    ``sparktrain.run``, or ``MLFLOW_RUN_ID``; see docs/tracking.md). Without one, rank 0 starts a run of its own in ``MLFLOW_TRACKING_URI``'s
     experiment. Either way the run is rank 0's active MLflow run, so plain ``mlflow.log_*``
     calls in ``train_fn`` on rank 0 land in it too.
 
