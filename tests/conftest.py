@@ -91,3 +91,14 @@ def _pickle_test_module_by_value(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "spark: needs a real Spark session")
+
+
+#: The modules that take longest, longest first: they start first, so that the test processes
+#: finish together instead of one running a long module alone at the end.
+LONGEST = ("test_connect", "test_keras", "test_notebooks", "test_check", "test_data", "test_hvd_collectives",
+           "test_executor_python", "test_faults", "test_hvd_gradients", "test_native_keras", "test_tracking")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(LONGEST)))

@@ -172,8 +172,9 @@ def test_result_over_max_result_size_spills_to_storage_and_comes_back(spark, tmp
         monkeypatch.setenv("SPARKTRAIN_SPILL_URL", f"file://{tmp_path}")
     data = sparktrain.run(patterned_result, args=(25 * 2**20,), num_proc=2)
     assert data == patterned_result(25 * 2**20)
-    assert f"reading it from file://{spill_dir}/sparktrain-" in caplog.text
-    assert not [n for n in os.listdir(spill_dir) if n.startswith("sparktrain-")]  # read back, then deleted
+    spilled = re.search(rf"reading it from file://{re.escape(spill_dir)}/(sparktrain-[^\s/]+)", caplog.text)
+    assert spilled, caplog.text
+    assert not os.path.exists(os.path.join(spill_dir, spilled.group(1)))  # read back, then deleted
 
 
 def test_result_over_max_result_size_is_refused_with_fix_when_spilling_is_off(spark, monkeypatch):
