@@ -9,6 +9,7 @@ in an environment without TensorFlow. Their source and the engine's header are c
 package (``sparktrain/_native/``), and ``sparktrain.tensorflow.kernels`` compiles them at first
 use.
 """
+import glob
 import os
 import shutil
 
@@ -33,7 +34,7 @@ setup(
     ext_modules=[
         Extension(
             "sparktrain._collective",
-            sources=["native/collective.c", "native/reduce.c"],
+            sources=sorted(glob.glob("native/*.c")),
             include_dirs=["native"],
             extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-pthread"],
             extra_link_args=["-pthread"],

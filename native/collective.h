@@ -3,8 +3,9 @@
  * One communicator per rank. Every call takes the handle, returns 0 or a negative STC_E* code,
  * and on failure writes a message (naming the peer where one is at fault) into err. The library
  * keeps no global state but one pointer (the process's current communicator, below), never prints
- * and never exits: policy (timeouts, secrets, which engine runs) belongs to the caller. The caller authenticates the TCP connections and hands over
- * their file descriptors; the library never accepts a connection itself.
+ * and never exits: policy (timeouts, secrets, which engine runs) belongs to the caller. The caller
+ * authenticates the TCP connections and hands over their file descriptors; the library never
+ * accepts a connection itself. native/engine.h draws how the files behind this header are layered.
  */
 #ifndef SPARKTRAIN_COLLECTIVE_H
 #define SPARKTRAIN_COLLECTIVE_H
@@ -19,8 +20,8 @@ extern "C" {
 /* 2: every collective carries its dtype and shape (so a disagreement names both and leaves the
  * communicator usable); min, max and product; int8, int16, uint16 and bool; reduce-scatter and
  * alltoall. 3: the process's current communicator (stc_set_current, stc_current_acquire),
- * stc_comm_rank and stc_comm_size. 4: stc_config.spin_s. */
-#define STC_ABI_VERSION 4
+ * stc_comm_rank and stc_comm_size. 4: stc_config.spin_s. 5: stc_comm_traffic. */
+#define STC_ABI_VERSION 5
 
 enum stc_dtype {
     STC_FLOAT16 = 0,
@@ -113,6 +114,9 @@ int stc_barrier(stc_comm *comm, char *err, size_t errlen);
 /* This communicator's global rank, and how many ranks it has. */
 int stc_comm_rank(const stc_comm *comm);
 int stc_comm_size(const stc_comm *comm);
+/* The bytes this rank has sent and received over its ring connections since it was created (0 on
+ * a rank that is not its host's leader, or where there is one host). */
+void stc_comm_traffic(const stc_comm *comm, uint64_t *sent, uint64_t *received);
 
 /* The process's current communicator: one pointer, for code that finds the communicator at run
  * time (the TensorFlow kernels) rather than being handed it. The owner sets it once the

@@ -408,6 +408,24 @@ def alltoall_cases(comm):
     return bad
 
 
+def _received(comm, call) -> int:
+    before = comm.traffic()[1]
+    call()
+    return comm.traffic()[1] - before
+
+
+def ring_traffic(comm):
+    """The bytes this rank received over the ring for an allgather and an alltoall, beyond what the
+    same calls with no rows receive (their shapes and the agreement before them)."""
+    n, r = comm.size, comm.rank
+    splits = [37 * (r + 1) + 11 * j for j in range(n)]
+    gather = _received(comm, lambda: comm.allgather(np.ones((1000 + 100 * r, 3)))) - \
+        _received(comm, lambda: comm.allgather(np.zeros((0, 3))))
+    a2a = _received(comm, lambda: comm.alltoall(np.ones((sum(splits), 3)), splits)) - \
+        _received(comm, lambda: comm.alltoall(np.zeros((0, 3)), [0] * n))
+    return {"node": comm.node, "leader": comm.local_rank == 0, "splits": splits, "gather": gather, "a2a": a2a}
+
+
 def _expect_mismatch(comm, label: str, call, out: dict) -> None:
     """Run ``call``; record the MISMATCH message (without this rank's prefix), then whether the
     communicator still sums right."""

@@ -1,6 +1,6 @@
 """Run by tests/test_native_sanitizer.py under an ASan+UBSan build of the engine: the correctness
 cases over shared memory, the forced TCP ring and two hosts (every op of every dtype included),
-the other collectives (reducescatter and alltoall too), disagreements with the collectives
+the other collectives (reducescatter and alltoall too, also over three hosts), disagreements with the collectives
 that follow them, and a leader killed on a ring of four. Exits 0 when every rank got the right
 answer."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ import native_ranks as nr
 
 
 TWO_HOSTS = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+THREE_HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.1", "127.0.0.3", "127.0.0.2"]  # blocks passed on; hosts' ranks interleaved
 
 
 def _scatter_and_alltoall(comm):
@@ -34,6 +35,8 @@ def main() -> int:
         (3, {}, _scatter_and_alltoall, ()),
         (3, {"tcp": True}, _scatter_and_alltoall, ()),
         (4, {"hosts": TWO_HOSTS}, _scatter_and_alltoall, ()),
+        (5, {"hosts": THREE_HOSTS}, nr.other_ops, ()),
+        (5, {"hosts": THREE_HOSTS}, _scatter_and_alltoall, ()),
     ]
     for n, kw, fn, args in cases:
         results = nr.run_ranks(n, fn, *args, **kw)

@@ -73,9 +73,14 @@ def test_64_mib_allreduce(n, tcp):
     check_correct(nr.run_ranks(n, nr.correctness, (16 << 20,), ("float32",), tcp=tcp), n)
 
 
+# Three hosts, their ranks not numbered by host: a ring of three passes blocks on, and each host's
+# ranks are not contiguous in rank order.
+THREE_HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.1", "127.0.0.3", "127.0.0.2"]
+
+
 @pytest.mark.parametrize("n, tcp, hosts", [
     (1, False, None), (2, False, None), (3, False, None), (3, True, None),
-    (4, False, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]),
+    (4, False, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]), (5, False, THREE_HOSTS),
 ])
 def test_broadcast_allgather_barrier(n, tcp, hosts):
     import numpy as np
@@ -116,8 +121,8 @@ def test_every_op_of_every_dtype_matches_numpy(n, tcp, hosts):
 
 @pytest.mark.parametrize("n, tcp, hosts", [
     (1, False, None), (2, False, None), (3, False, None), (4, False, None), (3, True, None),
-    (4, False, TWO_HOSTS_OF_TWO),
-], ids=["shm1", "shm2", "shm3", "shm4", "tcp3", "hosts2x2"])
+    (4, False, TWO_HOSTS_OF_TWO), (5, False, THREE_HOSTS),
+], ids=["shm1", "shm2", "shm3", "shm4", "tcp3", "hosts2x2", "hosts3"])
 def test_reducescatter_and_alltoall_match_numpy(n, tcp, hosts):
     def both(comm):
         return nr.reducescatter_cases(comm) + nr.alltoall_cases(comm)
@@ -125,6 +130,24 @@ def test_reducescatter_and_alltoall_match_numpy(n, tcp, hosts):
     values = nr.all_ok(nr.run_ranks(n, both, tcp=tcp, hosts=hosts), n)
     for r, bad in values.items():
         assert bad == [], (r, bad)
+
+
+def test_allgather_and_alltoall_move_only_the_bytes_they_need_between_hosts():
+    """Each host's leader receives over the ring exactly the bytes its host needs, or passes on:
+    for allgather every other host's rows once; for alltoall each part only on the links between
+    its source's host and its destination's."""
+    values = nr.all_ok(nr.run_ranks(len(THREE_HOSTS), nr.ring_traffic, hosts=THREE_HOSTS), len(THREE_HOSTS))
+    node = {r: v["node"] for r, v in values.items()}
+    m, row = max(node.values()) + 1, 3 * 8  # float64 rows of 3
+    for r, v in values.items():
+        p = v["node"]
+        if not v["leader"]:
+            assert (v["gather"], v["a2a"]) == (0, 0), (r, v)
+            continue
+        gather = sum((1000 + 100 * k) * row for k in values if node[k] != p)
+        passes = lambda s, g: 1 <= (p - s) % m <= (g - s) % m  # noqa: E731 - p lies on the path from s to g
+        a2a = sum(values[i]["splits"][j] * row for i in values for j in values if passes(node[i], node[j]))
+        assert (v["gather"], v["a2a"]) == (gather, a2a), (r, p)
 
 
 # What each disagreement's message must say.

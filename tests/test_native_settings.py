@@ -84,7 +84,7 @@ def test_a_missing_library_falls_back_to_tensorflows_ring_with_one_warning(monke
 def test_the_library_is_found_and_speaks_this_abi():
     if engine.unavailable_reason() is not None:
         pytest.skip(engine.unavailable_reason())
-    assert engine.library().stc_abi_version() == engine._ABI_VERSION == 4
+    assert engine.library().stc_abi_version() == engine._ABI_VERSION == 5
 
 
 def test_spin_wait_is_auto_or_seconds_and_a_bad_value_fails_on_the_driver_naming_it():

@@ -361,6 +361,12 @@ class Communicator:
     def barrier(self) -> None:
         self._call(self._lib.stc_barrier)
 
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent and received over this rank's ring connections so far (a host leader's)."""
+        sent, received = ctypes.c_uint64(), ctypes.c_uint64()
+        self._lib.stc_comm_traffic(self._live(), ctypes.byref(sent), ctypes.byref(received))
+        return sent.value, received.value
+
     def make_current(self) -> None:
         """Make this the process's current communicator, the one code holding no handle (the
         TensorFlow kernels, ``sparktrain.tensorflow.kernels``) finds at run time; :meth:`close`

@@ -14,7 +14,7 @@ LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"
 #: The file holding the run's collective key; ``run`` writes it into the rank's work directory.
 KEY_FILE_ENV = worker_env.COLLECTIVE_KEY_FILE
 
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _ERRLEN = 1024
 _HELLO = b"STC1"
 
@@ -112,6 +112,8 @@ def library():
         lib.stc_barrier.argtypes = [ctypes.c_void_p, err, ctypes.c_size_t]
         lib.stc_comm_rank.argtypes = [ctypes.c_void_p]
         lib.stc_comm_size.argtypes = [ctypes.c_void_p]
+        lib.stc_comm_traffic.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+        lib.stc_comm_traffic.restype = None
         lib.stc_set_current.argtypes = [ctypes.c_void_p]
         lib.stc_set_current.restype = None
         lib.stc_current_acquire.argtypes = []
