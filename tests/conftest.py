@@ -101,4 +101,4 @@ LONGEST = ("test_connect", "test_keras", "test_notebooks", "test_check", "test_d
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(LONGEST)))
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1][:-3], len(LONGEST)))
