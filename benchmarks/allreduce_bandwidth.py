@@ -44,7 +44,7 @@ import shlex
 import sys
 import time
 
-from common import HostSteal, machine_line, markdown_section, text_table, write_section
+from common import GlooGroup, HostSteal, machine_line, markdown_section, text_table, write_section
 
 COMPARE_BEGIN = "<!-- cpu_engines:begin -->"
 COMPARE_END = "<!-- cpu_engines:end -->"
@@ -169,23 +169,10 @@ def worker(kind: str, rank: int, n: int, port: int, sizes: list[int], iters: int
         check = np.ones(7, np.float32)
         world.Allreduce(MPI.IN_PLACE, check, op=MPI.SUM)
     else:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-
-        def make(nbytes):
-            t = torch.zeros(nbytes // 4, dtype=torch.float32)
-            return lambda: dist.all_reduce(t)
-
-        def agree(count):
-            t = torch.tensor([count], dtype=torch.int64)
-            dist.broadcast(t, 0)
-            return int(t.item())
-
-        ones = torch.ones(7)
-        dist.all_reduce(ones)
+        group = GlooGroup(f"tcp://127.0.0.1:{port}", rank, n)
+        make, agree = group.make, group.agree
+        ones = group.torch.ones(7)
+        group.dist.all_reduce(ones)
         check = ones.numpy()
     if not (check == n).all():
         raise RuntimeError(f"{kind}: 7 ones summed over {n} ranks gave {check}")
@@ -203,7 +190,7 @@ def worker(kind: str, rank: int, n: int, port: int, sizes: list[int], iters: int
     if kind.startswith("native"):
         comm.close()
     elif kind == "gloo":
-        dist.destroy_process_group()
+        group.close()
 
 
 def run_mpi(python: str, n: int, sizes: list[int], iters: int, budget: float, timeout: float) -> list[dict]:

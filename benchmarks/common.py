@@ -43,6 +43,32 @@ class HostSteal:
         return (self.read() - self.ticks) / os.sysconf("SC_CLK_TCK") / (elapsed * (os.cpu_count() or 1))
 
 
+class GlooGroup:
+    """This process's place in a Gloo group (``torch.distributed``), for timing its allreduce."""
+
+    def __init__(self, init_method: str, rank: int, n: int):
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        self.torch, self.dist = torch, dist
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=n)
+
+    def make(self, nbytes: int):
+        """A call that sums ``nbytes`` of float32 zeros in place over the group (they stay zeros)."""
+        t = self.torch.zeros(nbytes // 4, dtype=self.torch.float32)
+        return lambda: self.dist.all_reduce(t)
+
+    def agree(self, count: int) -> int:
+        """Rank 0's ``count``, on every rank."""
+        t = self.torch.tensor([count], dtype=self.torch.int64)
+        self.dist.broadcast(t, 0)
+        return int(t.item())
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
 def short_reason(exc: BaseException, limit: int = 160) -> str:
     """One line out of an exception, preferring the innermost ``SomeError: message`` line.
 

@@ -4,7 +4,8 @@ Pure and shared: the driver's server (``sparktrain.driver.server``) and each ran
 (``sparktrain.executor.task``) speak it. It carries the rendezvous (ranks say hello, the driver
 answers with everyone's address), every rank's output lines, failure reports and stop orders.
 Messages are JSON dicts with a ``type``: ``hello``, ``out``, ``failed`` (rank to driver);
-``peers``, ``abort`` (driver to rank). Nothing that travels on it is ever unpickled.
+``peers``, ``abort`` (driver to rank); ``beat`` (both ways, every second while a rank runs) and
+``quiet`` (rank to driver: its process ended, no more beats). Nothing that travels on it is ever unpickled.
 
 Authentication: the driver opens each connection with a fresh random nonce. Both ends derive
 a connection key ``HMAC(secret, nonce)`` from the run's secret, and every frame carries
@@ -35,6 +36,9 @@ _HEADER = struct.Struct("!I")
 MAX_FRAME = 1 << 20
 #: How long a new connection may take to prove it holds the secret.
 AUTH_TIMEOUT = 10.0
+#: Seconds between the ``beat`` messages each end sends while a rank runs, so that silence means
+#: the other end or the network between is gone (``heartbeat_timeout``).
+BEAT_SECONDS = 1.0
 
 
 class AuthenticationError(SparkTrainError):

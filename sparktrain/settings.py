@@ -85,6 +85,10 @@ SETTINGS = {
                 parse_seconds, "seconds for every rank to start and check in"),
         Setting("grace_period", "SPARKTRAIN_GRACE_PERIOD", "spark.sparktrain.gracePeriod", 5.0,
                 parse_seconds, "seconds between SIGTERM and SIGKILL when a rank's processes are stopped"),
+        Setting("heartbeat_timeout", "SPARKTRAIN_HEARTBEAT_TIMEOUT", "spark.sparktrain.heartbeatTimeout", 8.0,
+                parse_seconds, "seconds without a word on the channel (each end speaks every second) after which "
+                "the driver fails the run naming the rank's host as unreachable, and a rank stops as cut off from "
+                "the driver; 0 turns it off"),
         Setting("rendezvous", "SPARKTRAIN_RENDEZVOUS", "spark.sparktrain.rendezvous", "auto",
                 lambda n, v: _choice(n, v, ("auto", "driver", "barrier")),
                 "how ranks exchange addresses: 'driver' (through the driver's channel, milliseconds), "

@@ -53,6 +53,8 @@ class TaskSpec:
     task_cpus: int | None = None
     #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
+    #: Seconds of silence on the channel after which a rank counts the driver as gone (0: never).
+    heartbeat_timeout: float = 8.0
 
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.

@@ -91,12 +91,14 @@ def _pickle_test_module_by_value(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "spark: needs a real Spark session")
+    config.addinivalue_line("markers", "multihost: runs on simulated hosts (tests/simhosts.py); needs root")
 
 
 #: The modules that take longest, longest first: they start first, so that the test processes
 #: finish together instead of one running a long module alone at the end.
-LONGEST = ("test_connect", "test_keras", "test_notebooks", "test_check", "test_data", "test_hvd_collectives",
-           "test_executor_python", "test_faults", "test_hvd_gradients", "test_native_keras", "test_tracking")
+LONGEST = ("test_multihost", "test_connect", "test_keras", "test_notebooks", "test_check", "test_data",
+           "test_hvd_collectives", "test_executor_python", "test_faults", "test_hvd_gradients", "test_native_keras",
+           "test_tracking")
 
 
 def pytest_collection_modifyitems(items):

@@ -101,3 +101,35 @@ def test_close_is_prompt_and_idempotent_with_idle_connections(server):
             ev = server.events.get_nowait()
             assert isinstance(ev, Refused)
     idle.close()
+
+
+def test_a_rank_that_goes_silent_is_reported_unreachable_but_one_that_said_quiet_is_not():
+    """The liveness check on real sockets: the server beats every second; a rank that beat and then
+    says nothing, its connection still open (a host cut off sends no reset), is a failure naming its
+    host; a rank that said ``quiet`` (its process ended; the result follows) is left alone."""
+    from sparktrain.driver.server import Failed
+
+    server = DriverServer(channel.new_secret(), size=2, host="127.0.0.1", heartbeat_timeout=1.5)
+    try:
+        a = channel.connect(server.address, server.secret, timeout=5)
+        b = channel.connect(server.address, server.secret, timeout=5)
+        a.send({**_hello(0, 1000), "host": "10.9.0.1"})
+        b.send({**_hello(1, 1001), "host": "10.9.0.2"})
+        kinds = set()
+        while "peers" not in kinds or "beat" not in kinds:  # the server beats while ranks run
+            kinds.add(b.recv()["type"])
+        a.send({"type": "beat"})
+        b.send({"type": "beat"})
+        b.send({"type": "quiet"})
+        failed = _event(server, Failed, timeout=15)
+        assert failed.rank == 0 and failed.failure["exc_type"] == "HostUnreachable", failed
+        assert "host 10.9.0.1 became unreachable: no word from rank 0" in failed.failure["message"]
+        assert failed.failure["host"] == "10.9.0.1"
+        with pytest.raises(queue.Empty):  # rank 1 is never reported, nor rank 0 twice
+            _event(server, Failed, timeout=3)
+        assert server.wait_disconnected(0.5) is False  # rank 1 is still connected...
+        b.close()
+        assert server.wait_disconnected(5)  # ...and nobody waits for the unreachable rank 0
+        a.close()
+    finally:
+        server.close()

@@ -126,7 +126,7 @@ class Attempt:
         self.server: DriverServer | None = None
         if spec.driver_address is not None:
             secret = channel.new_secret()
-            self.server = DriverServer(secret, spec.size, host)
+            self.server = DriverServer(secret, spec.size, host, heartbeat_timeout=spec.heartbeat_timeout)
             spec = dataclasses.replace(spec, secret=secret, driver_address=self.server.address)
         else:
             self.phase = Phase.RUNNING  # ranks rendezvous through Spark; nothing tells the driver
@@ -248,12 +248,13 @@ class Attempt:
             pass  # _step looks at the job itself
 
     def _drain(self) -> None:
-        """Handle what ranks sent before they disconnected (their last output, failure reports)."""
+        """Handle what ranks sent before they disconnected (their last output, failure reports);
+        ranks found unreachable send nothing more."""
         if self.events is None:
             return
         deadline = time.monotonic() + DRAIN_SECONDS
         while True:
-            waiting = set(self.hosts) - self.disconnected
+            waiting = set(self.hosts) - self.disconnected - self.server.unreachable()
             event = self._next_event(deadline - time.monotonic() if waiting else 0)
             if event is None:
                 return

@@ -12,10 +12,12 @@ import logging
 import queue
 import socket
 import threading
+import time
 from typing import Union
 
 from .. import channel
 from ..channel import AuthenticationError, Channel
+from ..errors import RankFailure
 
 log = logging.getLogger("sparktrain")
 
@@ -71,9 +73,15 @@ Event = Union[Hello, Output, Failed, Closed, Refused, JobDone]
 
 
 class DriverServer:
-    """Accepts ``size`` ranks on ``host``; answers the rendezvous; emits :data:`Event` on ``events``."""
+    """Accepts ``size`` ranks on ``host``; answers the rendezvous; emits :data:`Event` on ``events``.
 
-    def __init__(self, secret: bytes, size: int, host: str):
+    Liveness: while the run goes on, the server beats every second on every channel, and each
+    running rank's task does the same. From the rendezvous on, a rank that says nothing for
+    ``heartbeat_timeout`` seconds (0: never) is reported as failed, its host unreachable: a host
+    whose network went down sends no reset, and nothing else would tell.
+    """
+
+    def __init__(self, secret: bytes, size: int, host: str, heartbeat_timeout: float = 0.0):
         self.secret = secret
         self.size = size
         self.events: queue.Queue[Event] = queue.Queue()
@@ -85,6 +93,12 @@ class DriverServer:
         self._threads: list[threading.Thread] = []
         self._pending: set[socket.socket] = set()
         self._all_closed = threading.Condition(self._lock)
+        self.heartbeat_timeout = heartbeat_timeout
+        #: When each beating rank was last heard from (monotonic); a rank joins at its first beat.
+        self._heard: dict[int, float] = {}
+        #: Ranks reported unreachable: nobody waits for their connections to close.
+        self._unreachable: set[int] = set()
+        self._beats = threading.Event()  # set: stop beating
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.bind((host, 0))
@@ -92,6 +106,9 @@ class DriverServer:
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._accept_thread = threading.Thread(target=self._accept_loop, name="sparktrain-accept", daemon=True)
         self._accept_thread.start()
+        self._beat_thread = threading.Thread(target=self._beat_loop, name="sparktrain-beat", daemon=True)
+        if heartbeat_timeout:
+            self._beat_thread.start()
 
     # -- connections ---------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -126,6 +143,13 @@ class DriverServer:
                 msg = chan.recv()
                 if msg is None:
                     break
+                kind = msg.get("type")
+                if kind in ("beat", "quiet") or rank in self._heard:
+                    with self._lock:
+                        if kind == "quiet":
+                            self._heard.pop(rank, None)  # its process has ended; the result follows
+                        else:
+                            self._heard[rank] = time.monotonic()
                 self._dispatch(rank, msg)
         except (AuthenticationError, socket.timeout, ValueError, KeyError) as e:
             if rank is None:
@@ -141,6 +165,7 @@ class DriverServer:
                 sock.close()
             with self._lock:
                 self._pending.discard(sock)
+                self._heard.pop(rank, None)
                 self._all_closed.notify_all()  # wait_disconnected looks again
             if rank is not None:
                 self.events.put(Closed(rank))
@@ -174,6 +199,10 @@ class DriverServer:
                 "shards": [h.get("shard") or {} for h in ordered],
             }
             channels = list(self._channels.values())
+            if self.heartbeat_timeout:  # from now on every rank starts its process and beats
+                now = time.monotonic()
+                for r in range(self.size):
+                    self._heard.setdefault(r, now)
         for chan in channels:
             self._send_quietly(chan, peers)
 
@@ -183,6 +212,29 @@ class DriverServer:
             self.events.put(Output(rank, msg["stream"], msg["line"], msg["time"]))
         elif kind == "failed":
             self.events.put(Failed(rank, msg["failure"]))
+
+    def _beat_loop(self) -> None:
+        while not self._beats.wait(channel.BEAT_SECONDS):
+            with self._lock:
+                channels = list(self._channels.values())
+                now = time.monotonic()
+                silent = [(r, now - t) for r, t in self._heard.items()
+                          if now - t > self.heartbeat_timeout and not self._channels[r].closed]
+                for r, _ in silent:
+                    del self._heard[r]  # reported once
+                    self._unreachable.add(r)
+                hosts = {r: str(self._hellos[r].get("host", "?")) for r, _ in silent}
+                local = {r: sum(1 for k in range(r) if str(self._hellos.get(k, {}).get("host")) == hosts[r])
+                         for r, _ in silent}
+            for chan in channels:
+                self._send_quietly(chan, {"type": "beat"})
+            for r, quiet in silent:
+                self.events.put(Failed(r, RankFailure(
+                    rank=r, host=hosts[r], local_rank=local[r],
+                    exc_type="HostUnreachable",
+                    message=f"host {hosts[r]} became unreachable: no word from rank {r} for {quiet:.0f} s "
+                            f"(heartbeat_timeout {self.heartbeat_timeout:g} s). Its network went down or the host "
+                            "stopped; ranks elsewhere were stopped", time=time.time()).to_dict()))
 
     @staticmethod
     def _send_quietly(chan: Channel, msg: dict) -> None:
@@ -200,11 +252,18 @@ class DriverServer:
         with self._lock:
             return [r for r, c in self._channels.items() if not c.closed]
 
+    def unreachable(self) -> set[int]:
+        """The ranks reported unreachable (no word from them for ``heartbeat_timeout``)."""
+        with self._lock:
+            return set(self._unreachable)
+
     def wait_disconnected(self, timeout: float) -> bool:
-        """Wait until every rank that checked in has disconnected; False if some still are after ``timeout``."""
+        """Wait until every rank that checked in has disconnected, but those found unreachable; False
+        if some still are connected after ``timeout``."""
         with self._lock:
             return self._all_closed.wait_for(
-                lambda: all(c.closed for c in self._channels.values()), timeout=max(0.0, timeout))
+                lambda: all(c.closed for r, c in self._channels.items() if r not in self._unreachable),
+                timeout=max(0.0, timeout))
 
     def abort(self, reason: str) -> None:
         """Tell every connected rank to stop its processes now, and every later one not to start."""
@@ -215,6 +274,7 @@ class DriverServer:
             self._send_quietly(chan, {"type": "abort", "reason": reason})
 
     def close(self) -> None:
+        self._beats.set()
         with self._lock:
             self._closing = True
             channels = list(self._channels.values())
@@ -233,5 +293,7 @@ class DriverServer:
             except OSError:
                 pass
         self._accept_thread.join(timeout=5)
+        if self._beat_thread.ident is not None:
+            self._beat_thread.join(timeout=5)
         for t in self._threads:
             t.join(timeout=5)

@@ -36,6 +36,8 @@ class RankIO:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.chan: channel.Channel | None = None
         self.abort_reason: str | None = None
+        #: When the driver was last heard from (monotonic), while the rank runs.
+        self.heard = 0.0
         self.show = spec.output_ranks is None or rank in spec.output_ranks
         #: The rank's TF_CPP_MIN_LOG_LEVEL: C++ log lines below it are dropped (see below_log_level).
         self.log_level = 0
@@ -115,11 +117,18 @@ class RankIO:
             sel.register(driver_sock, selectors.EVENT_READ, "driver")
         open_pipes = 2
         exited_at = None
+        self.heard = time.monotonic()
+        beat_at = self.heard - channel.BEAT_SECONDS  # the first beat at once
         try:
             while open_pipes:
                 if driver_sock is not None and self.chan is None:  # the channel broke in send()
                     sel.unregister(driver_sock)
                     driver_sock = None
+                now = time.monotonic()
+                if self.chan is not None and self.spec.heartbeat_timeout and now - beat_at >= channel.BEAT_SECONDS:
+                    beat_at = now
+                    self.send({"type": "beat"})
+                self._check_driver(child, now)
                 for key, _ in sel.select(timeout=0.5):
                     if key.data == "driver" and self.chan is None:
                         continue
@@ -147,6 +156,18 @@ class RankIO:
         finally:
             sel.close()
             self.flush_log(force=True)
+            if self.spec.heartbeat_timeout:
+                self.send({"type": "quiet"})  # no more beats: the result may take a while to go up
+
+    def _check_driver(self, child: ChildProcess, now: float) -> None:
+        """Stop the rank when the driver has said nothing (not even a beat) for heartbeat_timeout:
+        this host is cut off from it, or the driver is gone, and the run cannot go on here."""
+        limit = self.spec.heartbeat_timeout
+        if self.chan is None or not limit or now - self.heard <= limit or self.abort_reason is not None:
+            return
+        self.abort_reason = (f"it heard nothing from the driver for {now - self.heard:.0f} s (heartbeat_timeout "
+                             f"{limit:g} s): its host {self.host} is cut off from the driver, or the driver stopped")
+        child.stop(self.spec.grace_period)
 
     def _lines(self, stream: str, data: bytes) -> bytes:
         *lines, rest = data.split(b"\n")
@@ -166,6 +187,7 @@ class RankIO:
             self.chan.close()
             self.chan = None  # pump() unregisters the socket
             return
+        self.heard = time.monotonic()
         if msg.get("type") == "abort" and self.abort_reason is None:
             self.abort_reason = msg.get("reason", "stopped by the driver")
             child.stop(self.spec.grace_period)

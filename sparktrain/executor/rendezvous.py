@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import socket
+import time
 from typing import Callable
 
 from .. import channel, versions
@@ -85,9 +86,13 @@ def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: d
     state.chan.send(me)
     check_versions(state)  # after the hello, so the failure report reaches the driver at once
     checked_in()
-    state.chan.sock.settimeout(spec.start_timeout)
+    deadline = time.monotonic() + spec.start_timeout
     try:
-        msg = state.chan.recv()
+        while True:  # the driver's beats come every second until the peers do
+            state.chan.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            msg = state.chan.recv()
+            if msg is None or msg.get("type") != "beat":
+                break
     except socket.timeout:
         raise SparkTrainError(
             f"rank {state.rank} waited {spec.start_timeout:.0f} s for the other ranks to start "

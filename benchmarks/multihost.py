@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""Collectives across simulated hosts: the native engine against Gloo and against the link.
+
+Each configuration brings up simulated hosts (``tests/simhosts.py``: a network namespace, a
+hostname, a private ``/dev/shm`` and a core each, on one bridge; needs root), numbers ranks host
+by host, and runs in one go, on the same hosts:
+
+- the raw link: one TCP stream from host 1 to host 0 (Python ``sendall``/``recv_into``), MB/s;
+- the native engine (``sparktrain.engine.Communicator``) and Gloo (``torch.distributed``), each
+  rank a process on its host: the median time of a 4 KiB allreduce, and of a 64 MiB one, whose
+  algorithm bandwidth is 64 MiB over that time.
+
+A ring allreduce over h hosts moves 2(h-1)/h of the data over each host's link, so its algorithm
+bandwidth is at most link x h / (2(h-1)). With ``--shape 1gbit`` every host's link is shaped
+(tbf, both ends), and the table gives the 64 MiB figure's ratio to that limit; unshaped, its
+ratio to the raw stream measured in the same configuration.
+
+    sudo .venv/bin/python benchmarks/multihost.py [--hosts 2,3] [--per-host 1,2] [--shape none,1gbit] \\
+        [--write benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from common import GlooGroup, machine_line, markdown_section, text_table, write_section
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+SECTION_BEGIN = "<!-- multihost:begin -->"
+SECTION_END = "<!-- multihost:end -->"
+SMALL, LARGE = 4096, 64 << 20
+PORT = 29400
+RATES = {"1gbit": 125e6, "100mbit": 12.5e6}
+
+
+def worker(kind: str, rank: int, hosts: list[str], small_iters: int, large_iters: int) -> None:
+    """One rank: times SMALL and LARGE allreduces of zeros (summed, they stay zeros); rank 0 prints JSON."""
+    import numpy as np
+
+    n = len(hosts)
+    if kind == "native":
+        from sparktrain import engine
+
+        comm = engine.Communicator(rank, n, hosts, [PORT + 1 + r for r in range(n)], b"bench", "bench", timeout=300)
+
+        def make(nbytes):
+            x = np.zeros(nbytes // 4, np.float32)
+            return lambda: comm.allreduce_(x, "sum")
+
+        done = comm.close
+    else:
+        group = GlooGroup(f"tcp://{hosts[0]}:{PORT}", rank, n)
+        make, done = group.make, group.close
+    out = {}
+    for nbytes, iters in ((SMALL, small_iters), (LARGE, large_iters)):
+        call = make(nbytes)
+        call()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        out[str(nbytes)] = statistics.median(times)
+    done()
+    if rank == 0:
+        print("RESULTS " + json.dumps(out), flush=True)
+
+
+def stream_receiver(ip: str, nbytes: int) -> None:
+    import socket
+
+    with socket.create_server((ip, PORT + 100)) as srv:
+        print("LISTENING", flush=True)
+        conn, _ = srv.accept()
+        buf = bytearray(1 << 20)
+        got, start = 0, None
+        while got < nbytes:
+            n = conn.recv_into(buf)
+            if not n:
+                break
+            start = start or time.perf_counter()
+            got += n
+        print("RESULTS " + json.dumps({"mbps": got / (time.perf_counter() - start) / 1e6}), flush=True)
+
+
+def stream_sender(ip: str, nbytes: int) -> None:
+    import socket
+
+    block = b"\0" * (1 << 20)
+    with socket.create_connection((ip, PORT + 100), timeout=60) as s:
+        for _ in range(nbytes // len(block)):
+            s.sendall(block)
+
+
+def _results(proc: subprocess.Popen, timeout: float) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    for line in out.splitlines():
+        if line.startswith("RESULTS "):
+            return json.loads(line[len("RESULTS "):])
+    raise RuntimeError(f"no results (exit {proc.returncode}): {err[-800:]}")
+
+
+def measure(sim, per_host: int, kinds: list[str], small_iters: int, large_iters: int) -> dict:
+    me = [sys.executable, os.path.abspath(__file__)]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+    recv = sim.popen(0, [*me, "--stream-receive", sim.ips[0]], env=env, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+    line = recv.stdout.readline()
+    if "LISTENING" not in line:
+        raise RuntimeError(f"the stream receiver did not start: {line!r}")
+    send = sim.popen(1, [*me, "--stream-send", sim.ips[0]], env=env)
+    send.wait(300)
+    figures = {"raw": _results(recv, 60)["mbps"]}
+    hosts = [ip for ip in sim.ips for _ in range(per_host)]  # host by host
+    for kind in kinds:
+        procs = [sim.popen(r // per_host, [*me, "--worker", kind, str(r), ",".join(hosts), str(small_iters),
+                                           str(large_iters)], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for r in range(len(hosts))]
+        try:
+            figures[kind] = _results(procs[0], 600)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            figures[kind] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        for p in procs:
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+    return figures
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", default="2,3")
+    p.add_argument("--per-host", default="1,2")
+    p.add_argument("--shape", default="none,1gbit")
+    p.add_argument("--kinds", default="native,gloo")
+    p.add_argument("--small-iters", type=int, default=300)
+    p.add_argument("--large-iters", type=int, default=5)
+    p.add_argument("--write", metavar="RESULTS_MD")
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--stream-receive", help=argparse.SUPPRESS)
+    p.add_argument("--stream-send", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        kind, rank, hosts, small, large = args.worker
+        worker(kind, int(rank), hosts.split(","), int(small), int(large))
+        return 0
+    if args.stream_receive:
+        stream_receiver(args.stream_receive, 512 << 20)
+        return 0
+    if args.stream_send:
+        stream_sender(args.stream_send, 512 << 20)
+        return 0
+
+    import simhosts
+
+    reason = simhosts.why_not()
+    if reason:
+        print(f"cannot run: {reason}", file=sys.stderr)
+        return 2
+    kinds = args.kinds.split(",")
+    rows = []
+    for h in map(int, args.hosts.split(",")):
+        for per in map(int, args.per_host.split(",")):
+            sim = simhosts.SimHosts(h).up()
+            try:
+                for shape in args.shape.split(","):
+                    for i in range(h):
+                        if shape == "none":
+                            sim.unshape(i)
+                        else:
+                            sim.shape(i, shape)
+                    f = measure(sim, per, kinds, args.small_iters, args.large_iters)
+                    rows.append(_row(h, per, shape, f, kinds))
+                    print(text_table(HEADER, rows[-1:]), flush=True)
+            finally:
+                left = sim.down()
+                if left:
+                    print("left behind: " + "; ".join(left), file=sys.stderr)
+    print()
+    print(text_table(HEADER, rows))
+    if args.write:
+        machine = machine_line(["pyspark", "torch"]) + f", {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        command = " ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])
+        section = markdown_section(
+            SECTION_BEGIN, SECTION_END, "Across simulated hosts",
+            "Allreduce between simulated hosts on one machine (network namespaces on a bridge, one core per host "
+            "where there are enough), ranks numbered host by host: the native engine and Gloo (torch.distributed), "
+            "with a raw TCP stream between two of the hosts measured in the same configuration. Algorithm bandwidth "
+            "is 64 MiB over the median time. Limit: for a shaped link, a ring's most, link x h / (2(h-1)); "
+            "unshaped, the raw stream. Written by `benchmarks/multihost.py`.",
+            machine, command, HEADER, rows)
+        write_section(args.write, section, SECTION_BEGIN, SECTION_END)
+        print(f"wrote the multi-host section of {args.write}")
+    return 0
+
+
+HEADER = ["hosts", "ranks/host", "link", "raw MB/s", "4 KiB native us", "4 KiB Gloo us", "64 MiB native MB/s",
+          "64 MiB Gloo MB/s", "native / Gloo", "native / limit"]
+
+
+def _row(h: int, per: int, shape: str, f: dict, kinds: list[str]) -> list[str]:
+    def cell(kind, size, scale, fmt):
+        v = f.get(kind)
+        return fmt.format(scale(v[str(size)])) if isinstance(v, dict) else ("-" if v is None else "failed")
+
+    algbw = {k: LARGE / f[k][str(LARGE)] / 1e6 for k in kinds if isinstance(f.get(k), dict)}
+    limit = RATES[shape] / 1e6 * h / (2 * (h - 1)) if shape in RATES else f["raw"]
+    return [str(h), str(per), shape, f"{f['raw']:.0f}",
+            cell("native", SMALL, lambda t: t * 1e6, "{:.0f}"), cell("gloo", SMALL, lambda t: t * 1e6, "{:.0f}"),
+            f"{algbw['native']:.0f}" if "native" in algbw else "failed",
+            f"{algbw['gloo']:.0f}" if "gloo" in algbw else "failed",
+            f"{algbw['native'] / algbw['gloo']:.2f}x" if {"native", "gloo"} <= set(algbw) else "-",
+            f"{algbw['native'] / limit:.2f}" if "native" in algbw else "-"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
