@@ -201,6 +201,70 @@ def _run_id(outdir) -> str:
         return json.load(f)
 
 
+def allreduce_through(outdir, more):
+    """Allreduces across the hosts, each checked, until ``more`` rounds after rank 0 has seen the
+    file ``healed`` (the last element carries its word to everyone, so all stop alike); says when it
+    is under way. Returns the rounds it made."""
+    import numpy as np
+
+    from helpers import mark_time
+    from sparktrain import engine
+
+    comm = engine.from_env()
+    n, r = comm.size, comm.rank
+    i = after = 0
+    while True:
+        x = np.full(250_001, r + i, np.float64)
+        x[-1] = float(r == 0 and os.path.exists(os.path.join(outdir, "healed")))
+        got = comm.allreduce(x, "sum")
+        if not (got[:-1] == sum(k + i for k in range(n))).all():
+            raise AssertionError(f"round {i}: wrong sum {got[:3]}")
+        if i == 1:
+            mark_time(outdir, f"running-{r}")
+        i += 1
+        if got[-1] > 0:
+            after += 1
+            if after >= more:
+                return i
+
+
+@pytest.mark.timeout(240)
+def test_a_link_that_flaps_or_is_slow_does_not_fail_the_run(cluster, tmp_path):
+    """A host's link down for 2 s, then up, while the ranks allreduce across hosts: shorter than
+    heartbeat_timeout, so the run goes on and every sum is right. Then every link shaped to
+    100 Mbit/s: the run is slower, and right."""
+    import threading
+
+    from helpers import wait_for_file
+
+    hosts, _, _ = cluster
+    n = HOSTS * PER_HOST
+
+    def flap():
+        for r in range(n):
+            wait_for_file(str(tmp_path / f"running-{r}"), 120)
+        hosts.cut(1)
+        time.sleep(2.0)  # the outage itself: a link down for 2 s
+        hosts.heal(1)
+        (tmp_path / "healed").touch()
+
+    flapper = threading.Thread(target=flap, daemon=True)
+    flapper.start()
+    try:
+        rounds = sparktrain.run(allreduce_through, args=(str(tmp_path), 20), num_proc=n, timeout=120, verbose=0)
+        assert rounds > 20 and (tmp_path / "healed").exists()
+    finally:
+        flapper.join(10)
+        hosts.heal(1)
+    try:
+        for i in range(HOSTS):
+            hosts.shape(i, "100mbit")
+        assert sparktrain.run(allreduce_through, args=(str(tmp_path), 10), num_proc=n, timeout=120, verbose=0) >= 10
+    finally:
+        for i in range(HOSTS):
+            hosts.unshape(i)
+
+
 @pytest.mark.timeout(300)
 def test_a_host_that_dies_fails_the_run_naming_it(cluster, tmp_path):
     """Every process of one host is killed (its worker, executor, tasks and ranks) while the ranks

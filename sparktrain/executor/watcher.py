@@ -15,7 +15,9 @@ on through a pidfd, never through a pid number that may have been reused:
 - **what the rank owns**: the task names each path (``own``): the work directory and the
   DataFrame spool.
 
-When the task exits before it has said ``done``, the watcher ends the rank's process group, and
+When the task exits before it has said ``done`` (even before the watcher got as far as opening
+its pidfd: on a loaded machine a task can live and die in less time than an interpreter takes to
+start), the watcher reads what the task sent before it died, ends the rank's process group, and
 then removes every path. It signals the group only while the rank is alive and stopped: a stopped
 process cannot exit by itself, so its process group is still its own. Once the rank has exited,
 the watcher never signals anything again: a rank's descendants that outlive both the rank and its
@@ -91,36 +93,66 @@ def _end_rank(pidfd: int) -> None:
         signal.pidfd_send_signal(pidfd, signal.SIGSTOP)
     except ProcessLookupError:
         return
+    # Something else may kill it meanwhile (its own parent-death handler ends its group): then the
+    # pidfd names no pid any more (0 or -1 in fdinfo, never a number to act on), or says it exited.
+    pid = _pid_of(pidfd)
+    if pid <= 0 or _exited(pidfd):
+        return
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return
     if _exited(pidfd):
         return
     # Stopped and not exited: its pid, which is its group's id (it leads its own session), is its own.
-    pgid = os.getpgid(_pid_of(pidfd))
-    os.killpg(pgid, signal.SIGKILL)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _pid_of(pidfd: int) -> int:
+    """The pid the pidfd names; 0 or less once that process is gone."""
     with open(f"/proc/self/fdinfo/{pidfd}") as f:
         for line in f:
             if line.startswith("Pid:"):
                 return int(line.split()[1])
-    raise ProcessLookupError("the rank's pidfd names no process")
+    return 0
 
 
 def main(argv: list[str]) -> int:
     task_pid, paths = int(argv[0]), [argv[1]]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    task = os.pidfd_open(task_pid)
+    try:
+        task = os.pidfd_open(task_pid)
+    except ProcessLookupError:
+        task = None  # the task died before this process got this far (a loaded machine starts it slowly)
     rank: int | None = None
     sock = socket.socket(fileno=os.dup(0))
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     pending = b""
-    task_gone = os.getppid() != task_pid  # the task died before the pidfd was opened
+
+    def take(data: bytes, fds: list[int]) -> bool:
+        """What the task said; True once it said done."""
+        nonlocal rank, pending
+        if fds:
+            rank = fds[0]
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line == b"done":
+                return True
+            if line.startswith(b"own "):
+                paths.append(os.fsdecode(line[4:]))
+        return False
+
+    # The pidfd names the task only while the task is still this process's parent: a process that
+    # took a dead task's pid is not.
+    task_gone = task is None or os.getppid() != task_pid
     while not task_gone:
         ready = select.select([task, sock], [], [])[0]
         if sock in ready:
             data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
-            if fds:
-                rank = fds[0]
             if not data:
                 # The task closed its end without saying done: it is dying (then its pidfd says so
                 # within moments), or it dropped its handle while it lives on, and then what the
@@ -129,19 +161,27 @@ def main(argv: list[str]) -> int:
                 if not task_gone:
                     return 0
                 break
-            pending += data
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if line == b"done":
-                    return 0
-                if line.startswith(b"own "):
-                    paths.append(os.fsdecode(line[4:]))
+            if take(data, fds):
+                return 0
         if task in ready:
             task_gone = True
-    if rank is not None:
-        _end_rank(rank)
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+    # The task is gone: what it said before it died may still be unread.
+    sock.setblocking(False)
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+        except (BlockingIOError, OSError):
+            break
+        if not data and not fds:
+            break
+        if take(data, fds):
+            return 0
+    try:
+        if rank is not None:
+            _end_rank(rank)
+    finally:  # whatever became of the rank, what it owned goes
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
     return 0
 
 
