@@ -14,6 +14,7 @@ import pytest
 import sparktrain
 from helpers import read_ranks, record_rank
 from sparktrain import engine
+from sparktrain.errors import InvalidArgumentError
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.timeout(300)
@@ -148,6 +149,15 @@ def everything(outdir):
     put("graph/dtypes", every_dtype_in_graph)
     v = tf.Variable(t("float32"))
     put("broadcast_", lambda: [hvd.broadcast_([v], root_rank=1)[0], v])  # the value returned, and assigned
+    if os.environ.get("SPARKTRAIN_CPU_COLLECTIVES") == "tensorflow":
+        try:  # TensorFlow's ring has no TensorFlow 1 graph path: a clear error, not a hang
+            with tf.Graph().as_default():
+                hvd.allreduce(tf.ones([2]))
+            got["tf1"] = "no error"
+        except InvalidArgumentError as e:
+            got["tf1"] = str(e)
+    else:
+        tf1_graph(hvd, got, r, n)
     put("broadcast_object", lambda: hvd.broadcast_object({"from": r, "x": [1, 2]} if r == 1 else None, root_rank=1))
     put("broadcast_object_fn", lambda: hvd.broadcast_object_fn(root_rank=0)(f"rank{r}"))
     put("allgather_object", lambda: hvd.allgather_object({"r": r, "s": "x" * r}))
@@ -190,11 +200,61 @@ def everything(outdir):
     record_rank(outdir, got=got, engine=hvd.collective_engine(), kernels=hvd.collective_kernels())
 
 
+def tf1_graph(hvd, got: dict, r: int, n: int) -> None:
+    """Collectives in a TensorFlow 1 graph run by a session, where ops that do not depend on each
+    other run in any order: several collectives of one call, of the same shape and dtype, must still
+    meet their own peers."""
+    import tensorflow as tf
+
+    # Each collective a step runs holds one of the session's threads until every rank runs it.
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=12)
+    with tf.Graph().as_default(), tf.compat.v1.Session(config=config) as sess:
+        rows = [tf.fill([n * 2, 3], float(10 * k + r)) for k in range(5)]
+        scattered = hvd.grouped_reducescatter(rows, op=hvd.Sum)
+        gathered = hvd.grouped_allgather([tf.fill([2], float(10 * k + r)) for k in range(5)])
+        reduced = hvd.grouped_allreduce([tf.fill([3], float(k + r)) for k in range(3)] +
+                                        [tf.fill([3], k + r) for k in range(3)], op=hvd.Sum)
+        x = tf.constant([[float(r)] * 2] * (r + 1))
+        gradient = tf.gradients(hvd.allgather(x) * 2.0, x)[0]
+        values = tf.compat.v1.get_variable("w", initializer=tf.fill([4], float(r)), use_resource=True)
+        inplace = tf.compat.v1.get_variable("v", initializer=tf.fill([4], float(r)), use_resource=True)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got["tf1/grouped"] = [[plain(a) for a in sess.run(scattered)], [plain(a) for a in sess.run(gathered)],
+                              [plain(a) for a in sess.run(reduced)], plain(sess.run(gradient))]
+        # Independent ops of one step, same shapes and different ones, run in any order on each rank.
+        independent = [hvd.allreduce(tf.fill([1 + k % 3], float(k * r)), op=hvd.Sum) for k in range(9)]
+        got["tf1/independent"] = [plain(a) for a in sess.run(independent)]
+        try:
+            sess.run(hvd.allreduce(tf.ones([2 + r])))
+            got["tf1/mismatch"] = "no error"
+        except tf.errors.OpError as e:
+            got["tf1/mismatch"] = type(e).__name__
+        got["tf1/after_mismatch"] = plain(sess.run(hvd.allreduce(tf.ones([2]), op=hvd.Sum)))
+        returned = hvd.broadcast_(inplace, root_rank=n - 1)
+        got["tf1/broadcast_"] = [plain(sess.run(returned)), plain(sess.run(inplace))]
+        sess.run(hvd.broadcast_global_variables(1))
+        got["tf1/global_variables"] = [plain(sess.run(values)), plain(sess.run(inplace))]
+
+
 def run_all(tmp_path, num_proc, env):
     sparktrain.run(everything, args=(str(tmp_path),), num_proc=-num_proc, env={**ENV, **env}, verbose=0)
     ranks = read_ranks(str(tmp_path))
     assert sorted(ranks) == list(range(num_proc))
     return {r: info["got"] for r, info in ranks.items()}, {(info["engine"], info["kernels"]) for info in ranks.values()}
+
+
+def check_tf1_graph(got: dict, r: int, n: int, expect) -> None:
+    """``tf1_graph``'s results on rank ``r`` against numpy."""
+    sums = [float(sum(10 * k + q for q in range(n))) for k in range(5)]
+    expect("tf1/grouped", r, [[[[s] * 3] * 2 for s in sums],
+                              [[float(10 * k + q) for q in range(n) for _ in range(2)] for k in range(5)],
+                              [[float(sum(k + q for q in range(n)))] * 3 for k in range(3)] * 2,
+                              [[2.0] * 2] * (r + 1)])
+    expect("tf1/independent", r, [[float(k * sum(range(n)))] * (1 + k % 3) for k in range(9)])
+    assert got[r]["tf1/mismatch"] in ("FailedPreconditionError", "UnknownError"), got[r]["tf1/mismatch"]
+    expect("tf1/after_mismatch", r, [float(n)] * 2)
+    expect("tf1/broadcast_", r, [[float(n - 1)] * 4] * 2)
+    expect("tf1/global_variables", r, [[1.0] * 4, [float(n - 1)] * 4])
 
 
 def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
@@ -261,6 +321,10 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
             assert np.allclose(g[6], adasum(x), rtol=1e-5), (r, step)
         expect("graph/dtypes", r, [expected_reduce("Max" if d == "bool" else "Sum", d, n) for d in DTYPES])
         expect("broadcast_", r, [plain(inputs(1, "float32"))] * 2)
+        if "tf1" in got[r]:  # TensorFlow's ring
+            assert "SPARKTRAIN_CPU_COLLECTIVES=native" in got[r]["tf1"], got[r]["tf1"]
+        else:
+            check_tf1_graph(got, r, n, expect)
         expect("broadcast_object", r, {"from": 1, "x": [1, 2]})
         expect("broadcast_object_fn", r, "rank0")
         expect("allgather_object", r, [{"r": k, "s": "x" * k} for k in range(n)])

@@ -16,17 +16,17 @@ a build without the engine (with one warning). ``init`` brings the chosen runtim
 
 The package, by role: ``runtime`` (init, shutdown, rank and size, what was built, and the
 backend the collectives run on, chosen once), ``ops`` (the reductions), ``compression``,
-``collectives`` (allreduce, allgather, broadcast and their gradients) and ``scatter``
-(reducescatter, alltoall), both over ``backends`` (one rank; the native engine through
-TensorFlow kernels or ``hostops``; TensorFlow's ``ringops``), ``objects`` (Python objects),
+``collectives`` (allreduce, allgather, broadcast and their gradients), ``scatter``
+(reducescatter, alltoall) and ``variables`` (variables from the root rank), over ``backends``
+(one rank; the native engine through TensorFlow kernels or ``hostops``; TensorFlow's
+``ringops``), ``objects`` (Python objects),
 ``gradients`` (gradient reduction and the gradient tapes), ``keras_optimizer`` (the Keras 3
 optimizer wrapper), ``sync_batch_norm`` and ``timeline``.
 """
 from __future__ import annotations
 
-from .collectives import (ProcessSet, add_process_set, allgather, allreduce, barrier, broadcast, broadcast_,
-                          broadcast_global_variables, broadcast_variables, global_process_set, grouped_allgather, grouped_allreduce,
-                          join, remove_process_set)
+from .collectives import (ProcessSet, add_process_set, allgather, allreduce, barrier, broadcast, global_process_set,
+                          grouped_allgather, grouped_allreduce, join, remove_process_set)
 from .compression import Compression
 from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
                         average_gradients, reduce_except_local)
@@ -42,6 +42,7 @@ from .runtime import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_TIMEOUT, ccl_built, collec
                       strategy)
 from .runtime import cpu_engine as _cpu_engine  # noqa: F401 - the settings tests ask it directly
 from .timeline import start_timeline, stop_timeline
+from .variables import broadcast_, broadcast_global_variables, broadcast_variables
 
 __all__ = [
     "Adasum", "Average", "COLLECTIVE_TIMEOUT_ENV", "Compression", "DEFAULT_TIMEOUT", "DistributedGradientTape",

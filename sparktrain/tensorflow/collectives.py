@@ -76,7 +76,16 @@ def _check_process_set(process_set) -> None:
 # -- running one collective --------------------------------------------------------------------
 
 def _backend() -> backends.Backend:
-    """Where this rank's collectives run, as ``init()`` chose (see ``backends``)."""
+    """Where this rank's collectives run, as ``init()`` chose (see ``backends``); in a TensorFlow 1
+    graph the native engine's go through ``numpy_function``, where the ranks agree on their order."""
+    if state.backend in ("kernels", "ring") and backends.in_graph():
+        if state.backend == "ring":
+            raise InvalidArgumentError(
+                "this rank runs its collectives on TensorFlow's collective ring (NCCL on GPUs, or "
+                "SPARKTRAIN_CPU_COLLECTIVES=tensorflow), whose ops do not run in a TensorFlow 1 graph session; build "
+                "the step eagerly or with tf.function, or use the native engine on CPU "
+                "(SPARKTRAIN_CPU_COLLECTIVES=native)")
+        return backends.get("numpy")
     return backends.get(state.backend)
 
 
@@ -256,9 +265,9 @@ def _allgather(t, name=None):
     @tf.custom_gradient
     def gather(x):
         def grad(dy):
-            reduced = _allreduce(dy, Average)
             rows = tf.shape(x)[:1] if x.shape.rank else tf.constant([1])
-            every = tf.reshape(_allgather_raw(rows), [state.size])
+            reduced, every = backends.in_order([lambda: _allreduce(dy, Average), lambda: _allgather_raw(rows)])
+            every = tf.reshape(every, [state.size])
             mine = tf.split(reduced, every, axis=0)[state.rank] if state.size > 1 else reduced
             return tf.reshape(mine, tf.shape(x))
 
@@ -288,7 +297,7 @@ def grouped_allgather(tensors: Iterable, name: str | None = None, ignore_name_sc
     tensors = [_tensor(t, "grouped_allgather") for t in tensors]
     for t in tensors:
         ops.check_dtype(t.dtype.name, None, "grouped_allgather")
-    return [_allgather(t) for t in tensors]
+    return backends.in_order([lambda t=t: _allgather(t) for t in tensors])
 
 
 # -- broadcast ---------------------------------------------------------------------------------
@@ -322,46 +331,6 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None, ignore_name_s
     tensor = _tensor(tensor, "broadcast")
     ops.check_dtype(tensor.dtype.name, None, "broadcast")
     return _broadcast(tensor, root_rank, name)
-
-
-def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set,
-                        inplace: bool = False) -> None:
-    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype.
-
-    The assignment is always in place; ``inplace`` (Horovod's memory-saving variant) is accepted.
-    """
-    require_init()
-    tf = _tf()
-    _check_process_set(process_set)
-    variables = list(variables)
-    _check_root(root_rank)
-    if state.size == 1 or not variables:
-        return
-    values = [tf.convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
-    for v, value in zip(variables, backends.fused(values, lambda flat: _broadcast_raw(flat, root_rank))):
-        v.assign(value)
-
-
-def broadcast_global_variables(root_rank: int = 0):
-    """Horovod's TensorFlow 1 call, which has no global variables to find in TensorFlow 2's eager
-    mode (Horovod refuses it there too): an error naming what to call instead."""
-    raise InvalidArgumentError(f"broadcast_global_variables({root_rank!r}) needs TensorFlow 1 global variables; "
-                               "call broadcast_variables(model.variables, root_rank) (or the Keras callback "
-                               "BroadcastGlobalVariablesCallback) instead")
-
-
-def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_set=global_process_set):
-    """Broadcast in place: every variable takes its value on ``root_rank``; returns their new
-    values (tensors, in order; one tensor when given one variable), as Horovod's ``broadcast_``."""
-    single = not isinstance(variables, (list, tuple))
-    items = [variables] if single else list(variables)
-    for v in items:
-        if not hasattr(v, "assign"):
-            raise InvalidArgumentError(f"broadcast_ assigns variables in place; got a {type(v).__name__}. Use "
-                                       "broadcast() for tensors")
-    broadcast_variables(items, root_rank, process_set=process_set)
-    values = [_tf().convert_to_tensor(v) for v in items]
-    return values[0] if single else values
 
 
 # -- synchronisation ---------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from . import ops
+from . import backends, ops
 from .collectives import (_allgather, _backend, _check_process_set, _differentiable, _scale, _tensor, _tf,
                           global_process_set)
 from .compression import Compression
@@ -69,8 +69,9 @@ def grouped_reducescatter(tensors: Iterable, device_dense: str = "", compression
                           process_set=global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list:
     """:func:`reducescatter` of each tensor, in order."""
-    return [reducescatter(t, device_dense, compression, op, process_set=process_set, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor) for t in tensors]
+    return backends.in_order([lambda t=t: reducescatter(t, device_dense, compression, op, process_set=process_set,
+                                                        prescale_factor=prescale_factor,
+                                                        postscale_factor=postscale_factor) for t in tensors])
 
 
 # -- alltoall ----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ the same on every backend and live in ``collectives``.
 """
 from __future__ import annotations
 
-from .base import Backend, fused  # noqa: F401 - fused: broadcast_variables fuses its variables too
+from .base import Backend, fused, in_graph, in_order  # noqa: F401 - the collectives order and fuse with them too
 
 NAMES = ("single", "kernels", "numpy", "ring")
 _made: dict[str, Backend] = {}

@@ -17,14 +17,45 @@ def nbytes(t) -> int:
         return 0
 
 
+def in_graph() -> bool:
+    """True while ops go into a TensorFlow 1 graph (``tf.compat.v1``), where nothing orders ops that
+    do not depend on each other; eager ops run in program order, and ``tf.function`` orders its
+    stateful ops (every collective is one) in program order too."""
+    tf_ = tf()
+    return not tf_.executing_eagerly() and not tf_.compat.v1.get_default_graph().building_function
+
+
+def in_order(builders) -> list:
+    """Build each collective in turn (``builders``: callables), each after the one before.
+
+    Every rank must run its collectives in the same order. In a TensorFlow 1 graph, ops that do
+    not depend on each other run in any order, even at once, and two collectives of the same
+    shape would then meet their peers' other one: a wrong result, not an error. So there each is
+    built with a control dependency on the one before."""
+    out: list = []
+    graph = in_graph()
+    for build in builders:
+        if graph and out:
+            previous = [t.op for t in tf().nest.flatten(out[-1]) if hasattr(t, "op")]
+            with tf().control_dependencies(previous):
+                out.append(build())
+        else:
+            out.append(build())
+    return out
+
+
 def fused(tensors: list, collective) -> list:
     """Run ``collective`` once per dtype on one flat buffer of all ``tensors`` of that dtype, and
     return each tensor's part, reshaped. The dtypes go in name order, the same on every rank."""
     tf_ = tf()
     out: list = [None] * len(tensors)
-    for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
-        flat = tf_.concat([tf_.reshape(tensors[i], [-1]) for i in idx], axis=0)
-        parts = tf_.split(collective(flat), [tf_.size(tensors[i]) for i in idx])
+    groups = hostops.dtype_groups([t.dtype.name for t in tensors])
+
+    def one(idx):
+        return lambda: collective(tf_.concat([tf_.reshape(tensors[i], [-1]) for i in idx], axis=0))
+
+    for idx, reduced in zip(groups, in_order([one(idx) for idx in groups])):
+        parts = tf_.split(reduced, [tf_.size(tensors[i]) for i in idx])
         for i, part in zip(idx, parts):
             out[i] = tf_.reshape(part, tf_.shape(tensors[i]))
             out[i].set_shape(tensors[i].shape)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from .. import hostops, timeline
 from ...engine import OPS as _ENGINE_OPS
 from ..runtime import state
-from .base import Backend, tf
+from . import sequence
+from .base import Backend, in_graph, in_order, tf
 
 #: The engine's op codes (``enum stc_op``), by op name; Adasum is not among them.
 OP_CODES = {name: code for code, name in enumerate(_ENGINE_OPS)}
@@ -35,13 +36,17 @@ def _call(kind: str, fn, inputs: list, tout):
     naming the ranks.
     """
     tf_ = tf()
+    # In a TensorFlow 1 graph the ranks first agree on which op runs next (``sequence``).
+    key = sequence.key_for(tf_.compat.v1.get_default_graph()) if in_graph() else None
 
     def call(*arrays):
         from ... import engine
 
         start = timeline.now_us()
         try:
-            out = fn(*arrays)
+            out = fn(*arrays) if key is None else sequence.sequencer.run(_comm(), key, fn, arrays, state.timeout)
+        except sequence.StuckError as e:
+            raise tf_.errors.DeadlineExceededError(None, None, str(e)) from None
         except engine.CollectiveError as e:
             cls = {engine.TIMEOUT: tf_.errors.DeadlineExceededError, engine.PEER: tf_.errors.UnavailableError,
                    engine.MISMATCH: tf_.errors.FailedPreconditionError,
@@ -97,7 +102,8 @@ class Numpy(Backend):
 
 
 class Kernels(Numpy):
-    """Each collective as one of sparktrain's TensorFlow kernels (``tensorflow.kernels``)."""
+    """Each collective as one of sparktrain's TensorFlow kernels (``tensorflow.kernels``). In a
+    TensorFlow 1 graph, where the ranks must first agree on the order, the collectives of ``Numpy``."""
 
     @staticmethod
     def _ops():
@@ -117,9 +123,13 @@ class Kernels(Numpy):
             return super().grouped_allreduce(tensors, op)
         k = self._ops()
         out: list = [None] * len(tensors)
-        for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
-            reduced = k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=OP_CODES[op],
-                                                     label=f"grouped_allreduce.{op}")
+        groups = hostops.dtype_groups([t.dtype.name for t in tensors])
+
+        def one(idx):
+            return lambda: k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=OP_CODES[op],
+                                                          label=f"grouped_allreduce.{op}")
+
+        for idx, reduced in zip(groups, in_order([one(idx) for idx in groups])):
             for i, r in zip(idx, reduced):
                 out[i] = r
         return out

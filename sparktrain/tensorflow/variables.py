@@ -1,0 +1,67 @@
+"""Variables from the root rank: ``broadcast_variables`` (Horovod's ``broadcast_global_variables``
+in TensorFlow 1 graphs) and the in-place ``broadcast_``, over the broadcast of ``collectives``.
+Eagerly and in a ``tf.function`` each assigns at the call; in a TensorFlow 1 graph each returns
+what runs the assignment in the session."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from . import backends
+from .collectives import _broadcast_raw, _check_process_set, _check_root, _tf, global_process_set
+from .runtime import require_init, state
+from ..errors import InvalidArgumentError
+
+
+def _assign_from_root(variables: list, root_rank: int) -> list:
+    """Each variable assigned its value on ``root_rank`` (one broadcast per dtype); returns what
+    each assignment returns, which in a TensorFlow 1 graph is what runs it."""
+    tf = _tf()
+    if state.size == 1:
+        return [tf.convert_to_tensor(v) for v in variables]
+    values = [tf.convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
+    return [v.assign(value) for v, value in
+            zip(variables, backends.fused(values, lambda flat: _broadcast_raw(flat, root_rank)))]
+
+
+def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set,
+                        inplace: bool = False):
+    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype.
+
+    The assignment is always in place; ``inplace`` (Horovod's memory-saving variant) is accepted.
+    Eagerly and in a ``tf.function`` it happens at the call; in a TensorFlow 1 graph the call
+    returns the op that does it, to run in the session, as Horovod's does.
+    """
+    require_init()
+    _check_process_set(process_set)
+    variables = list(variables)
+    _check_root(root_rank)
+    assigned = _assign_from_root(variables, root_rank) if variables else []
+    return _tf().group(*assigned) if backends.in_graph() else None
+
+
+def broadcast_global_variables(root_rank: int = 0):
+    """Horovod's TensorFlow 1 call: in a TensorFlow 1 graph, the op that assigns every global
+    variable its value on ``root_rank``. TensorFlow 2's eager mode has no global variables to
+    find (Horovod refuses it there too): an error naming what to call instead."""
+    if backends.in_graph():
+        return broadcast_variables(_tf().compat.v1.global_variables(), root_rank)
+    raise InvalidArgumentError(f"broadcast_global_variables({root_rank!r}) needs TensorFlow 1 global variables; "
+                               "call broadcast_variables(model.variables, root_rank) (or the Keras callback "
+                               "BroadcastGlobalVariablesCallback) instead")
+
+
+def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_set=global_process_set):
+    """Broadcast in place: every variable takes its value on ``root_rank``; returns their new
+    values (tensors, in order; one tensor when given one variable), as Horovod's ``broadcast_``."""
+    single = not isinstance(variables, (list, tuple))
+    items = [variables] if single else list(variables)
+    for v in items:
+        if not hasattr(v, "assign"):
+            raise InvalidArgumentError(f"broadcast_ assigns variables in place; got a {type(v).__name__}. Use "
+                                       "broadcast() for tensors")
+    require_init()
+    _check_process_set(process_set)
+    _check_root(root_rank)
+    # What each assignment returns is its new value, read after it (in a graph, running it).
+    values = [_tf().convert_to_tensor(a) for a in _assign_from_root(items, root_rank)]
+    return values[0] if single else values
