@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 
+from conftest import JVM_QUICK_START
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -45,7 +47,9 @@ class ConnectServer:
              "--conf", f"spark.connect.grpc.binding.port={self.port}",
              "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
              "--conf", "spark.ui.enabled=false", "--conf", "spark.ui.showConsoleProgress=false",
-             "--conf", f"spark.driver.extraJavaOptions=-Dlog4j2.configurationFile={HERE}/log4j2-test.properties",
+             "--conf", f"spark.driver.extraJavaOptions={JVM_QUICK_START} "
+             f"-Dlog4j2.configurationFile={HERE}/log4j2-test.properties",
+             "--conf", f"spark.executor.extraJavaOptions={JVM_QUICK_START}",
              *[arg for k, v in (conf or {}).items() for arg in ("--conf", f"{k}={v}")]],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready(timeout)
