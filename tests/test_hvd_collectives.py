@@ -123,6 +123,9 @@ def everything(outdir):
     put("grouped_allgather", lambda: hvd.grouped_allgather([t("float32", r), t("int8", 1)]))
     put("grouped_reducescatter", lambda: hvd.grouped_reducescatter([tf.ones([n, 2]) * r, tf.ones([n]) * r], op=hvd.Sum))
     put("scaled", lambda: hvd.allreduce(t("float32"), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5 / n))
+    # Horovod scales float16 in float32 and rounds once: the same tensor on every rank, n times.
+    put("scaled/float16", lambda: hvd.allreduce(tf.constant(inputs(0, "float16"), tf.float16), op=hvd.Sum,
+                                                prescale_factor=0.3))
     put("average_true", lambda: hvd.allreduce(t("float32"), average=True))
     put("average_false", lambda: hvd.allreduce(t("float32"), average=False))
     put("fp16", lambda: hvd.allreduce(t("float64"), op=hvd.Sum, compression=hvd.Compression.fp16))
@@ -301,6 +304,8 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
         total = float(sum(range(n)))
         expect("grouped_reducescatter", r, [[[total] * 2], [total]])
         assert np.allclose(got[r]["scaled"], np.array(expected_reduce("Sum", "float32", n)) / n), r
+        once = (inputs(0, "float16").astype(np.float32) * np.float32(0.3)).astype(np.float16)
+        expect("scaled/float16", r, plain(once * np.float16(n)))
         expect("average_true", r, expected_reduce("Average", "float32", n))
         expect("average_false", r, expected_reduce("Sum", "float32", n))
         expect("fp16", r, expected_reduce("Sum", "float64", n))

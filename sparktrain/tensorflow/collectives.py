@@ -93,6 +93,8 @@ def _scale(t, factor):
     if factor == 1.0:
         return t
     tf = _tf()
+    if t.dtype in (tf.float16, tf.bfloat16):  # as Horovod: scaled in float32, then rounded once
+        return tf.cast(tf.cast(t, tf.float32) * factor, t.dtype)
     if t.dtype.is_floating or t.dtype.is_complex:
         return t * tf.cast(factor, t.dtype)
     return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)  # integers: scaled, then truncated

@@ -33,6 +33,8 @@ import weakref
 
 import numpy as np
 
+from ...errors import SparkTrainError
+
 #: The longest wait between two rounds in which the ranks agreed on nothing: by then, another
 #: op of the step may have come in here on this rank.
 IDLE_ROUND_SECONDS = 0.001
@@ -138,7 +140,7 @@ class Sequencer:
             entry.done.set()
 
 
-class StuckError(RuntimeError):
+class StuckError(SparkTrainError, TimeoutError):
     """The ranks wait for collectives of a TensorFlow 1 graph that none of them can run."""
 
 
