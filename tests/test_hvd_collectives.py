@@ -117,7 +117,8 @@ def everything(outdir):
     put("reducescatter/short", lambda: hvd.reducescatter(tf.ones([2, 3]), op=hvd.Sum))  # fewer rows than ranks
     put("allgather/empty", lambda: hvd.allgather(tf.zeros([0 if r == 1 else 2, 3])))
     put("allgather/scalar", lambda: hvd.allgather(tf.constant(float(r))))
-    put("alltoall/even", lambda: hvd.alltoall(tf.range(2 * n) + 10 * r))
+    put("alltoall/even", lambda: hvd.alltoall(tf.range(2 * n) + 10 * r))  # without splits: received alone
+    put("alltoall/even_empty", lambda: hvd.alltoall(tf.zeros([n, 0], tf.int8)))
     put("alltoall/zero", lambda: hvd.alltoall(tf.zeros([0, 2]), splits=[0] * n))
     put("grouped_allreduce", lambda: hvd.grouped_allreduce([t("float32"), t("int32"), t("float64", 2)], op=hvd.Sum))
     put("grouped_allgather", lambda: hvd.grouped_allgather([t("float32", r), t("int8", 1)]))
@@ -295,7 +296,8 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
         expect("reducescatter/short", r, [[float(n)] * 3] * short[r])
         expect("allgather/empty", r, [[0.0] * 3] * (2 * (n - 1)))
         expect("allgather/scalar", r, [float(k) for k in range(n)])
-        expect("alltoall/even", r, [[float(10 * k + 2 * r + j) for k in range(n) for j in range(2)], [2.0] * n])
+        expect("alltoall/even", r, [float(10 * k + 2 * r + j) for k in range(n) for j in range(2)])
+        expect("alltoall/even_empty", r, [[]] * n)
         expect("alltoall/zero", r, [[], [0.0] * n])
         expect("grouped_allreduce", r, [expected_reduce("Sum", "float32", n), expected_reduce("Sum", "int32", n),
                                         expected_reduce("Sum", "float64", n, 2)])

@@ -103,6 +103,9 @@ def allgather(tensor, name=None):
     # Gather every rank's length, pad to the longest, gather, then cut the padding out.
     n = tf.shape(tensor, out_type=tf.int64)[:1]
     lengths = _gather_equal(n)
+    inner = tensor.shape[1:]
+    if inner.is_fully_defined() and inner.num_elements() == 0:  # rows of no elements: nothing to move
+        return tf.zeros(tf.concat([[tf.reduce_sum(lengths)], tf.cast(inner.as_list(), tf.int64)], 0), tensor.dtype)
     # At least one row: TensorFlow's gather crashes the process on empty tensors.
     longest = tf.maximum(tf.reduce_max(lengths), 1)
     pad = tf.concat([[[0, longest - n[0]]], tf.zeros([tf.rank(tensor) - 1, 2], tf.int64)], axis=0)

@@ -101,8 +101,8 @@ def _alltoall(t, splits):
 
 def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
              process_set=global_process_set):
-    """Send rows of ``tensor`` to every rank and receive theirs: returns ``(received,
-    received_splits)`` as Horovod does.
+    """Send rows of ``tensor`` to every rank and receive theirs, as Horovod does: returns
+    ``(received, received_splits)`` when given ``splits``, else ``received`` alone.
 
     ``splits[k]`` rows (in order) go to rank ``k``; without ``splits`` the first dimension is
     split evenly (it must divide by the size). ``received`` holds the rows from rank 0, then
@@ -123,7 +123,7 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
         if n % state.size:
             raise InvalidArgumentError(f"alltoall without splits splits the first dimension evenly, but {n} rows do "
                                        f"not divide by {state.size} ranks; pass splits (one count per rank)")
-        splits = [n // state.size] * state.size
+        return _alltoall(tensor, tf.constant([n // state.size] * state.size, tf.int32))[0]
     splits = tf.convert_to_tensor(splits)
     if splits.dtype not in (tf.int32, tf.int64):
         raise InvalidArgumentError(f"alltoall splits must be int32 or int64 counts, got {splits.dtype.name}")
