@@ -11,7 +11,7 @@ from .errors import (BackendMissingError, ClusterConfigError, CorruptCheckpointE
                      ForbiddenError, InsufficientResourcesError, InvalidArgumentError, NotFoundError,
                      PicklingFailedError, RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError,
                      RunTimeoutError, SparkTrainError, StartTimeoutError, StorageError, UnknownSchemeError,
-                     VersionMismatchError)
+                     UnsupportedError, VersionMismatchError)
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,7 @@ __all__ = [
     "InsufficientResourcesError", "StartTimeoutError", "RunTimeoutError", "RunCancelledError",
     "ResultTooLargeError", "RankFailedError", "RankFailure", "VersionMismatchError",
     "StorageError", "BackendMissingError", "UnknownSchemeError", "NotFoundError", "CredentialsError",
-    "ForbiddenError", "CorruptCheckpointError",
+    "ForbiddenError", "CorruptCheckpointError", "UnsupportedError",
 ]
 
 

@@ -36,6 +36,14 @@ class InvalidArgumentError(SparkTrainError, ValueError, TypeError):
     retryable = False  # it would fail the same way again
 
 
+class UnsupportedError(SparkTrainError, NotImplementedError):
+    """A valid call that sparktrain (like Horovod) does not support in this form: an op on
+    ``tf.IndexedSlices`` other than Sum or Average, say. A ``NotImplementedError`` (and so a
+    ``RuntimeError``), as Horovod raises there."""
+
+    retryable = False
+
+
 class PicklingFailedError(SparkTrainError):
     """``train_fn``, ``args``, ``kwargs`` or the return value could not be pickled."""
 

@@ -247,8 +247,8 @@ def test_a_killed_rank_fails_the_run_by_name_and_leaves_no_spool(spark, tmp_path
     assert e.value.root_cause.rank == 1
     assert "root cause: rank 1 " in str(e.value)
     run_id, data_dir = open(tmp_path / "run-1").read().split("\n")
-    wait_until(lambda: not os.path.exists(data_dir), 10, f"rank 1's spool {data_dir} was not removed")
-    wait_until(lambda: spool_dirs(run_id) == [], 10, "a spool directory was left")
+    wait_until(lambda: not os.path.exists(data_dir), 30, f"rank 1's spool {data_dir} was not removed")
+    wait_until(lambda: spool_dirs(run_id) == [], 30, "a spool directory was left")
 
 
 # -- refused on the driver --------------------------------------------------------------------------

@@ -176,6 +176,10 @@ def everything(outdir):
     put("bad/both", lambda: hvd.allreduce(t("float32"), op=hvd.Sum, average=True))
     put("bad/root", lambda: hvd.broadcast(t("float32"), root_rank=n))
     put("bad/splits", lambda: hvd.alltoall(t("float32"), splits=[1] * n))
+    # Horovod's NotImplementedError: Min of IndexedSlices, or scaled ones.
+    slices = tf.IndexedSlices(tf.ones([1, 3]), tf.constant([r]))
+    put("unsupported/sparse_min", lambda: hvd.allreduce(slices, op=hvd.Min))
+    put("unsupported/sparse_scaled", lambda: hvd.allreduce(slices, op=hvd.Sum, prescale_factor=2.0))
     put("bad/bool_average", lambda: hvd.allreduce(t("bool")))
     put("bad/adasum_int", lambda: hvd.allreduce(t("int32"), op=hvd.Adasum))
     put("bad/init_comm", lambda: hvd.init(comm=[0, 1]))
@@ -345,6 +349,10 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
                             "bad/init_sets": ["process_sets=[[0, 1]]", "no process sets"]}.items():
             assert got[r][case].startswith("ERROR InvalidArgumentError") and all(w in got[r][case] for w in words), \
                 (case, got[r][case])
+        for case, words in {"unsupported/sparse_min": ["Sum or Average, got Min", "sparse_as_dense=True"],
+                            "unsupported/sparse_scaled": ["prescale_factor", "sparse_as_dense=True"]}.items():
+            assert got[r][case].startswith("ERROR UnsupportedError") and all(w in got[r][case] for w in words), \
+                (case, got[r][case])
         path = got[r]["timeline"]
         assert path == str(tmp_path / ("timeline.json" if r == 0 else f"timeline.rank{r}.json"))
         with open(path) as f:
@@ -419,7 +427,7 @@ def test_compression_and_horovods_helpers_in_this_process():
     assert hvd.handle_average_backwards_compatibility(hvd.Max, None) == hvd.Max
     with pytest.warns(DeprecationWarning):
         assert hvd.handle_average_backwards_compatibility(None, False) == hvd.Sum
-    with pytest.raises(ValueError, match=r"broadcast_global_variables\(0\).*broadcast_variables\(model.variables"):
+    with pytest.raises(RuntimeError, match=r"broadcast_global_variables\(0\).*broadcast_variables\(model.variables"):
         hvd.broadcast_global_variables(0)
     with pytest.raises(ValueError, match=r"add_process_set.*global_process_set"):
         hvd.add_process_set([0, 1])

@@ -25,7 +25,7 @@ from . import backends, ops, runtime
 from .compression import Compression
 from .ops import Average, Sum
 from .runtime import require_init, state
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedError
 
 
 def _tf():
@@ -177,11 +177,11 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
 def _allreduce_sparse(slices, op: str, prescale_factor, postscale_factor):
     tf = _tf()
     if op not in (Sum, Average):
-        raise InvalidArgumentError(f"allreduce of tf.IndexedSlices supports op=Sum or Average, got "
+        raise UnsupportedError(f"allreduce of tf.IndexedSlices supports op=Sum or Average, got "
                                    f"{ops.name_of(op)}; pass sparse_as_dense=True (or tf.convert_to_tensor) "
                                    "to reduce it as a dense tensor")
     if prescale_factor != 1.0 or postscale_factor != 1.0:
-        raise InvalidArgumentError("prescale_factor and postscale_factor do not apply to tf.IndexedSlices; reduce "
+        raise UnsupportedError("prescale_factor and postscale_factor do not apply to tf.IndexedSlices; reduce "
                                    "it as dense (sparse_as_dense=True) or scale it yourself")
     values = allgather(slices.values)
     indices = allgather(slices.indices)

@@ -9,7 +9,7 @@ from typing import Iterable
 from . import backends
 from .collectives import _broadcast_raw, _check_process_set, _check_root, _tf, global_process_set
 from .runtime import require_init, state
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedError
 
 
 def _assign_from_root(variables: list, root_rank: int) -> list:
@@ -45,7 +45,7 @@ def broadcast_global_variables(root_rank: int = 0):
     find (Horovod refuses it there too): an error naming what to call instead."""
     if backends.in_graph():
         return broadcast_variables(_tf().compat.v1.global_variables(), root_rank)
-    raise InvalidArgumentError(f"broadcast_global_variables({root_rank!r}) needs TensorFlow 1 global variables; "
+    raise UnsupportedError(f"broadcast_global_variables({root_rank!r}) needs TensorFlow 1 global variables; "
                                "call broadcast_variables(model.variables, root_rank) (or the Keras callback "
                                "BroadcastGlobalVariablesCallback) instead")
 
