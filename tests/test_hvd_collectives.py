@@ -5,6 +5,7 @@ it; the tests assert per case."""
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 import os
 
@@ -342,8 +343,10 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
         expect("ids", r, [r, n, r, n, 0, 1, True])
         expect("built", r, [False] * 7 + [got[r]["built"][8]] * 2 + [False])
         assert got[r]["join"] in range(n), got[r]["join"]
+        # Splits that do not match the rows: also TensorFlow's InvalidArgumentError, as Horovod's op raises.
+        assert got[r]["bad/splits"].startswith("ERROR SplitsError") and "[1, 1" in got[r]["bad/splits"]
         for case, words in {"bad/op": ["'mean'", "Average, Sum"], "bad/both": ["op supersedes", "average=True"],
-                            "bad/root": [f"0..{n - 1}", f"got {n}"], "bad/splits": ["splits", "[1, 1"],
+                            "bad/root": [f"0..{n - 1}", f"got {n}"],
                             "bad/bool_average": ["bool", "Average"], "bad/adasum_int": ["Adasum", "int32"],
                             "bad/init_comm": ["comm=[0, 1]", "without comm"],
                             "bad/init_sets": ["process_sets=[[0, 1]]", "no process sets"]}.items():
@@ -427,6 +430,12 @@ def test_compression_and_horovods_helpers_in_this_process():
     assert hvd.handle_average_backwards_compatibility(hvd.Max, None) == hvd.Max
     with pytest.warns(DeprecationWarning):
         assert hvd.handle_average_backwards_compatibility(None, False) == hvd.Sum
+    from sparktrain.tensorflow import scatter
+
+    e = scatter.SplitsError("alltoall splits must be ...")
+    assert isinstance(e, tf.errors.InvalidArgumentError) and isinstance(e, sparktrain.InvalidArgumentError)
+    again = pickle.loads(pickle.dumps(e))
+    assert type(again) is type(e) and str(again) == str(e) == "alltoall splits must be ..."
     with pytest.raises(RuntimeError, match=r"broadcast_global_variables\(0\).*broadcast_variables\(model.variables"):
         hvd.broadcast_global_variables(0)
     with pytest.raises(ValueError, match=r"add_process_set.*global_process_set"):

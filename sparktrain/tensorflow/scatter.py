@@ -13,6 +13,35 @@ from .ops import Average, Sum
 from .runtime import require_init, state
 from ..errors import InvalidArgumentError
 
+_split_error_class = None
+
+
+def __getattr__(name: str):
+    if name == "SplitsError":  # built at first use, so that pickles of one find it by name
+        return _split_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _split_error() -> type:
+    """``SplitsError``: alltoall's refusal of splits that do not match the rows, both sparktrain's
+    ``InvalidArgumentError`` and TensorFlow's ``tf.errors.InvalidArgumentError``, which Horovod's
+    alltoall op raises there."""
+    global _split_error_class
+    if _split_error_class is None:
+        tf_error = _tf().errors.InvalidArgumentError
+
+        class SplitsError(InvalidArgumentError, tf_error):
+            def __init__(self, message: str):
+                tf_error.__init__(self, None, None, message)
+                self.args = (message,)
+
+            def __str__(self) -> str:
+                return self.message
+
+        SplitsError.__module__, SplitsError.__qualname__ = __name__, "SplitsError"
+        _split_error_class = SplitsError
+    return _split_error_class
+
 
 # -- reducescatter -----------------------------------------------------------------------------
 
@@ -121,8 +150,8 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
         if n is None:
             raise InvalidArgumentError("alltoall without splits needs a known first dimension; pass splits")
         if n % state.size:
-            raise InvalidArgumentError(f"alltoall without splits splits the first dimension evenly, but {n} rows do "
-                                       f"not divide by {state.size} ranks; pass splits (one count per rank)")
+            raise _split_error()(f"alltoall without splits splits the first dimension evenly, but {n} rows do "
+                                 f"not divide by {state.size} ranks; pass splits (one count per rank)")
         return _alltoall(tensor, tf.constant([n // state.size] * state.size, tf.int32))[0]
     splits = tf.convert_to_tensor(splits)
     if splits.dtype not in (tf.int32, tf.int64):
@@ -133,6 +162,6 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
         bad = (static.ndim != 1 or static.shape[0] != state.size or (static < 0).any()
                or (n is not None and int(static.sum()) != n))
         if bad:
-            raise InvalidArgumentError(f"alltoall splits must be {state.size} non-negative row counts (one per rank) "
-                                       f"summing to the first dimension, {n}; got {static.tolist()}")
+            raise _split_error()(f"alltoall splits must be {state.size} non-negative row counts (one per rank) "
+                                 f"summing to the first dimension, {n}; got {static.tolist()}")
     return _alltoall(tensor, splits)
