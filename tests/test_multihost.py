@@ -150,37 +150,53 @@ def allreduce_until_stopped(outdir):
 
 
 @pytest.mark.timeout(240)
+def when_running(outdir, n: int, fault) -> tuple:
+    """A started thread that runs ``fault()`` once every rank of ``n`` has written its running
+    file in ``outdir``, and the list that gets the time it began."""
+    import threading
+
+    from helpers import wait_for_file
+
+    at: list[float] = []
+
+    def wait_then_fault():
+        for r in range(n):
+            wait_for_file(os.path.join(str(outdir), f"running-{r}"), 120)
+        at.append(time.monotonic())
+        fault()
+
+    thread = threading.Thread(target=wait_then_fault, daemon=True)
+    thread.start()
+    return thread, at
+
+
+def fail_by(tmp_path, n: int, fault) -> tuple:
+    """Run ``allreduce_until_stopped`` on ``n`` ranks with ``fault()`` once they all run; returns
+    the run's RankFailedError, when the fault began and when the run failed."""
+    thread, at = when_running(tmp_path, n, fault)
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(allreduce_until_stopped, args=(str(tmp_path),), num_proc=n, timeout=90, verbose=0)
+    failed_at = time.monotonic()
+    thread.join(5)
+    return e.value, at[0], failed_at
+
+
 def test_a_silent_partition_fails_the_run_naming_the_host_and_its_ranks_stop(cluster, tmp_path):
     """One host's link goes down for good while the ranks allreduce across hosts: no reset reaches
     anyone. The driver fails the run naming that host as unreachable (not the run's 90 s timeout,
     nor Spark's executor heartbeat, which is 120 s), and the cut-off host's ranks stop by
     themselves. Then the link comes back, and nothing of the run is left on any host."""
-    import threading
-
-    from helpers import fault_time, wait_for_file
+    from helpers import fault_time
 
     hosts, standalone, _ = cluster
     n = HOSTS * PER_HOST
-    cut_at = []
-
-    def cut_when_running():
-        for r in range(n):
-            wait_for_file(str(tmp_path / f"running-{r}"), 120)
-        cut_at.append(time.monotonic())
-        hosts.cut(1)
-
-    cutter = threading.Thread(target=cut_when_running, daemon=True)
-    cutter.start()
     try:
-        with pytest.raises(sparktrain.RankFailedError) as e:
-            sparktrain.run(allreduce_until_stopped, args=(str(tmp_path),), num_proc=n, timeout=90, verbose=0)
-        failed_at = time.monotonic()
-        cutter.join(5)
-        root = e.value.root_cause
-        assert root.exc_type == "HostUnreachable", e.value
+        error, cut_at, failed_at = fail_by(tmp_path, n, lambda: hosts.cut(1))
+        root = error.root_cause
+        assert root.exc_type == "HostUnreachable", error
         assert f"host {hosts.ips[1]} became unreachable" in root.message, root
         assert root.host == hosts.ips[1] and root.rank in _ranks_on(tmp_path, hosts.names[1]), root
-        fault_time("silent partition", 15.0, failed_at - cut_at[0])
+        fault_time("silent partition", 15.0, failed_at - cut_at)
         # The cut-off host's ranks stop by themselves: nobody can reach them to tell them.
         assert rank_processes(f"sparktrain-{_run_id(tmp_path)}-", timeout=60) == []
     finally:
@@ -233,23 +249,16 @@ def test_a_link_that_flaps_or_is_slow_does_not_fail_the_run(cluster, tmp_path):
     """A host's link down for 2 s, then up, while the ranks allreduce across hosts: shorter than
     heartbeat_timeout, so the run goes on and every sum is right. Then every link shaped to
     100 Mbit/s: the run is slower, and right."""
-    import threading
-
-    from helpers import wait_for_file
-
     hosts, _, _ = cluster
     n = HOSTS * PER_HOST
 
     def flap():
-        for r in range(n):
-            wait_for_file(str(tmp_path / f"running-{r}"), 120)
         hosts.cut(1)
         time.sleep(2.0)  # the outage itself: a link down for 2 s
         hosts.heal(1)
         (tmp_path / "healed").touch()
 
-    flapper = threading.Thread(target=flap, daemon=True)
-    flapper.start()
+    flapper, _ = when_running(tmp_path, n, flap)
     try:
         rounds = sparktrain.run(allreduce_through, args=(str(tmp_path), 20), num_proc=n, timeout=120, verbose=0)
         assert rounds > 20 and (tmp_path / "healed").exists()
@@ -270,34 +279,20 @@ def test_a_host_that_dies_fails_the_run_naming_it(cluster, tmp_path):
     """Every process of one host is killed (its worker, executor, tasks and ranks) while the ranks
     allreduce across hosts. The run fails naming a rank of that host, and nothing of the run is left
     on the other host. The worker then starts again, for whatever runs next on the cluster."""
-    import threading
-
-    from helpers import fault_time, wait_for_file
+    from helpers import fault_time
     from sparktrain.driver import cluster as capacity
 
     hosts, standalone, session = cluster
     n = HOSTS * PER_HOST
-    killed_at = []
-
-    def kill_when_running():
-        for r in range(n):
-            wait_for_file(str(tmp_path / f"running-{r}"), 120)
-        killed_at.append(time.monotonic())
-        hosts.kill_host(1)
-
-    killer = threading.Thread(target=kill_when_running, daemon=True)
-    killer.start()
     try:
-        with pytest.raises(sparktrain.RankFailedError) as e:
-            sparktrain.run(allreduce_until_stopped, args=(str(tmp_path),), num_proc=n, timeout=90, verbose=0)
-        fault_time("host killed", 15.0, time.monotonic() - killed_at[0])
-        killer.join(5)
-        root = e.value.root_cause
+        error, killed_at, failed_at = fail_by(tmp_path, n, lambda: hosts.kill_host(1))
+        fault_time("host killed", 15.0, failed_at - killed_at)
+        root = error.root_cause
         dead = _ranks_on(tmp_path, hosts.names[1])
         # The first to tell may be a rank of the dead host (its task lost) or a peer whose ring
         # connection to it closed: either way a rank of that host is named.
         assert (root.host == hosts.ips[1] and root.rank in dead) or \
-            any(f"rank {r} died" in root.message for r in dead), e.value
+            any(f"rank {r} died" in root.message for r in dead), error
         assert rank_processes(f"sparktrain-{_run_id(tmp_path)}-", timeout=30) == []
         assert [name for name in hosts.shm(0, standalone.workers[0].pid) if name.startswith("sparktrain-")] == []
     finally:
