@@ -178,11 +178,11 @@ def _allreduce_sparse(slices, op: str, prescale_factor, postscale_factor):
     tf = _tf()
     if op not in (Sum, Average):
         raise UnsupportedError(f"allreduce of tf.IndexedSlices supports op=Sum or Average, got "
-                                   f"{ops.name_of(op)}; pass sparse_as_dense=True (or tf.convert_to_tensor) "
-                                   "to reduce it as a dense tensor")
+                               f"{ops.name_of(op)}; pass sparse_as_dense=True (or tf.convert_to_tensor) "
+                               "to reduce it as a dense tensor")
     if prescale_factor != 1.0 or postscale_factor != 1.0:
         raise UnsupportedError("prescale_factor and postscale_factor do not apply to tf.IndexedSlices; reduce "
-                                   "it as dense (sparse_as_dense=True) or scale it yourself")
+                               "it as dense (sparse_as_dense=True) or scale it yourself")
     values = allgather(slices.values)
     indices = allgather(slices.indices)
     if op == Average:

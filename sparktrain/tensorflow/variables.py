@@ -15,10 +15,9 @@ from ..errors import InvalidArgumentError, UnsupportedError
 def _assign_from_root(variables: list, root_rank: int) -> list:
     """Each variable assigned its value on ``root_rank`` (one broadcast per dtype); returns what
     each assignment returns, which in a TensorFlow 1 graph is what runs it."""
-    tf = _tf()
+    values = [_tf().convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
     if state.size == 1:
-        return [tf.convert_to_tensor(v) for v in variables]
-    values = [tf.convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
+        return values
     return [v.assign(value) for v, value in
             zip(variables, backends.fused(values, lambda flat: _broadcast_raw(flat, root_rank)))]
 
@@ -46,8 +45,8 @@ def broadcast_global_variables(root_rank: int = 0):
     if backends.in_graph():
         return broadcast_variables(_tf().compat.v1.global_variables(), root_rank)
     raise UnsupportedError(f"broadcast_global_variables({root_rank!r}) needs TensorFlow 1 global variables; "
-                               "call broadcast_variables(model.variables, root_rank) (or the Keras callback "
-                               "BroadcastGlobalVariablesCallback) instead")
+                           "call broadcast_variables(model.variables, root_rank) (or the Keras callback "
+                           "BroadcastGlobalVariablesCallback) instead")
 
 
 def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_set=global_process_set):

@@ -7,7 +7,7 @@ from .. import hostops, timeline
 from ...engine import OPS as _ENGINE_OPS
 from ..runtime import state
 from . import sequence
-from .base import Backend, in_graph, in_order, tf
+from .base import Backend, in_graph, tf
 
 #: The engine's op codes (``enum stc_op``), by op name; Adasum is not among them.
 OP_CODES = {name: code for code, name in enumerate(_ENGINE_OPS)}
@@ -123,13 +123,9 @@ class Kernels(Numpy):
             return super().grouped_allreduce(tensors, op)
         k = self._ops()
         out: list = [None] * len(tensors)
-        groups = hostops.dtype_groups([t.dtype.name for t in tensors])
-
-        def one(idx):
-            return lambda: k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=OP_CODES[op],
-                                                          label=f"grouped_allreduce.{op}")
-
-        for idx, reduced in zip(groups, in_order([one(idx) for idx in groups])):
+        for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):  # never in a TF1 graph: see _backend
+            reduced = k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=OP_CODES[op],
+                                                     label=f"grouped_allreduce.{op}")
             for i, r in zip(idx, reduced):
                 out[i] = r
         return out
