@@ -5,7 +5,10 @@ once for the module. The driver is this process, on the hosts' bridge.
 Skipped, with the reason, where simulated hosts cannot be made (not root, no ``ip``)."""
 from __future__ import annotations
 
+import glob
 import os
+import re
+import tempfile
 import time
 
 import pytest
@@ -149,7 +152,6 @@ def allreduce_until_stopped(outdir):
         comm.allreduce(np.ones(1000), "sum")
 
 
-@pytest.mark.timeout(240)
 def when_running(outdir, n: int, fault) -> tuple:
     """A started thread that runs ``fault()`` once every rank of ``n`` has written its running
     file in ``outdir``, and the list that gets the time it began."""
@@ -295,7 +297,18 @@ def test_a_host_that_dies_fails_the_run_naming_it(cluster, tmp_path):
             any(f"rank {r} died" in root.message for r in dead), error
         assert rank_processes(f"sparktrain-{_run_id(tmp_path)}-", timeout=30) == []
         assert [name for name in hosts.shm(0, standalone.workers[0].pid) if name.startswith("sparktrain-")] == []
+        # The dead host's watchers died with it: its ranks' directories, collective key and all,
+        # are still on its disk (the other host's tasks removed theirs).
+        left = _work_dirs(_run_id(tmp_path))
+        assert left and all(int(re.search(r"-r(\d+)-", d).group(1)) in dead for d in left), (left, dead)
     finally:
         standalone.start_worker(1)
         conf = dict(session.sparkContext.getConf().getAll())
         capacity.wait_for_executors(session.sparkContext, conf, lambda c: c.executors >= HOSTS, 120)
+    # The next run's ranks sweep them away as they start.
+    assert sparktrain.run(os.getpid, num_proc=n, verbose=0) > 0
+    assert _work_dirs(_run_id(tmp_path)) == []
+
+
+def _work_dirs(run_id: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"sparktrain-{run_id}-r*")))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,6 @@ import pytest
 from helpers import rank_processes, wait_for_file, wait_pids_gone
 from sparktrain.executor.child import EXIT_NOT_LET_GO
 from sparktrain.executor.supervisor import ChildProcess
-from sparktrain.executor.watcher import Watcher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -246,3 +244,50 @@ def test_the_watcher_never_signals_a_process_that_took_the_dead_ranks_pid(tmp_pa
         if stranger is not None:
             stranger.kill()
             stranger.wait()
+
+
+def test_a_sweep_removes_only_the_rank_directories_whose_task_is_gone(tmp_path):
+    """A whole host dies: no task and no watcher is left to remove what its ranks owned. The next
+    rank that starts there sweeps it, judging by the lock its task held, never by a pid; a live
+    task's directories, and anything else, stay."""
+    from sparktrain.executor.workdirs import OWNER, OwnedDir, sweep
+
+    maker_code = textwrap.dedent(f"""
+        import sys
+        from sparktrain.executor.workdirs import OwnedDir
+        dirs = [OwnedDir("sparktrain-deadrun-r{{}}-".format(r), {str(tmp_path)!r}) for r in (2, 3)]
+        dirs.append(OwnedDir("sparktrain-deadrun-r2-data-", {str(tmp_path)!r}))
+        for d in dirs:
+            open(d.path + "/collective.key", "w").write("secret")
+        print(" ".join(d.path for d in dirs), flush=True)
+        sys.stdin.read()
+    """)
+    dead = subprocess.Popen([sys.executable, "-c", maker_code], env=_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen([sys.executable, "-c", maker_code.replace("deadrun", "liverun")], env=_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    mine = OwnedDir("sparktrain-thisrun-r0-", str(tmp_path))
+    unowned = tmp_path / "sparktrain-oldrun-r1-abc"  # no lock file: not the sweep's to judge
+    unowned.mkdir()
+    other = tmp_path / "sparktrain-notarank"
+    other.mkdir()
+    (other / OWNER).write_text("")
+    try:
+        dead_dirs = dead.stdout.readline().split()
+        live_dirs = live.stdout.readline().split()
+        assert len(dead_dirs) == len(live_dirs) == 3 and all(os.path.isdir(d) for d in dead_dirs + live_dirs)
+        assert sweep([str(tmp_path)]) == []  # both makers live
+        dead.kill()  # the task dies, and its watcher with it: nothing removes its directories
+        dead.wait(10)
+        assert all(os.path.isdir(d) for d in dead_dirs)
+        assert sorted(sweep([str(tmp_path), str(tmp_path)])) == sorted(dead_dirs)
+        assert not any(os.path.exists(d) for d in dead_dirs)
+        assert all(os.path.isdir(d) for d in live_dirs) and os.path.isdir(mine.path)
+        assert unowned.is_dir() and other.is_dir()
+    finally:
+        for p in (dead, live):
+            p.kill()
+            p.wait(10)
+        mine.close()
+    assert not os.path.exists(mine.path)
+    assert sorted(sweep([str(tmp_path)])) == sorted(live_dirs)  # its maker is gone now too

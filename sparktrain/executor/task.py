@@ -2,8 +2,9 @@
 
 It runs these steps in order (see :func:`run_rank`):
 
-1. **watch**: start the rank's watcher (watcher.py), which removes what the rank owns if this
-   task dies;
+1. **watch**: remove what ranks of dead tasks left on this host, make the rank's work directory
+   (workdirs.py), and start the rank's watcher (watcher.py), which removes what the rank owns if
+   this task dies;
 2. **spool**: write this task's share of the fed DataFrames to local disk;
 3. **rendezvous**: meet the other ranks (rendezvous.py); the rank's process starts, held, as
    soon as this rank has checked in, so its interpreter comes up while the ranks meet;
@@ -19,8 +20,6 @@ result path.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from typing import Iterator, Sequence
 
 from .. import tflog, worker_env
@@ -34,6 +33,7 @@ from .result import failed, outcome, result_chunks
 from .spool import Spool, local_dir
 from .supervisor import ChildProcess
 from .watcher import Watcher
+from .workdirs import OwnedDir, sweep
 
 
 def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] | None = None,
@@ -48,14 +48,17 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     """
     state = RankIO(spec, rank, host)
     state.partition = partition
-    workdir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-")
+    sweep([None, local_dir()])  # what ranks of this host left when the whole host died
+    owned = [OwnedDir(f"sparktrain-{spec.run_id}-r{rank}-")]
+    workdir = owned[0].path
     watcher = Watcher(workdir)
     child: ChildProcess | None = None
     try:
         try:
             data_dir = spool = None
             if spec.feed:
-                data_dir = tempfile.mkdtemp(prefix=f"sparktrain-{spec.run_id}-r{rank}-data-", dir=local_dir())
+                owned.append(OwnedDir(f"sparktrain-{spec.run_id}-r{rank}-data-", local_dir()))
+                data_dir = owned[-1].path
                 watcher.own(data_dir)
                 spool = Spool(data_dir, spec.feed)
                 spool.consume(batches if batches is not None else ())
@@ -129,8 +132,9 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             child.close()
         if state.chan is not None:
             state.chan.close()
-        shutil.rmtree(workdir, ignore_errors=True)
         watcher.finish()
+        for d in owned:
+            d.close()
 
 
 def barrier_task(spec: TaskSpec):
