@@ -264,33 +264,50 @@ def test_an_executors_python_that_lacks_a_module_is_refused_before_launch(spark,
     assert f"the executors' Python, {sys.executable} (Python {seen.version}), cannot import sparktrain" in str(e.value)
 
 
-def fit_keras(outdir):
+def _digest_callback(outdir):
+    import keras
+
+    class Digest(keras.callbacks.Callback):
+        """Each rank notes its weights' digest when training ends."""
+
+        def on_train_end(self, logs=None):
+            with open(os.path.join(outdir, f"digest-{sparktrain.rank()}"), "w") as f:
+                f.write(weights_digest(self.model.get_weights()))
+
+    return Digest()
+
+
+def test_keras_estimator_fits_and_scores_a_dataframe_over_connect(spark, tmp_path):
+    """KerasEstimator's fit (3 ranks, the DistributedOptimizer, the feed) and KerasModel's transform
+    (predict_batch_udf), through the Connect session alone."""
+    if spark.kind == "embedded":
+        pytest.skip("trained once, against the separate server")
     import keras
     import numpy as np
 
-    import sparktrain.keras as hvd
+    from sparktrain.ml import KerasEstimator
 
-    hvd.init()
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(hvd.rank())
-    x = rng.normal(size=(256, 4)).astype("float32")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(900, 4)).astype("float32")
     y = (x.sum(axis=1) > 0).astype("float32")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5)), loss="binary_crossentropy",
-                  metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
-                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    with open(os.path.join(outdir, f"digest-{hvd.rank()}"), "w") as f:
-        f.write(weights_digest(model.get_weights()))
-    return history.history["accuracy"][-1]
-
-
-def test_keras_fit_with_the_distributed_optimizer_trains_over_connect(spark, tmp_path):
-    if spark.kind == "embedded":
-        pytest.skip("trained once, against the separate server")
-    accuracy = sparktrain.run(fit_keras, args=(str(tmp_path),), num_proc=3, env=ENV, verbose=0)
-    assert accuracy > 0.8
-    assert len({open(tmp_path / f"digest-{r}").read() for r in range(3)}) == 1
+    # 60% of the training rows have their label flipped and a weight of 0: only sample_weight_col
+    # keeps the model from learning the flipped rule.
+    noise = (rng.random(900) < 0.6) & (np.arange(900) < 700)
+    rows = [(i, x[i].tolist(), float(1 - y[i] if noise[i] else y[i]), 0.0 if noise[i] else 1.0) for i in range(900)]
+    df = spark.createDataFrame(rows, "id long, x array<double>, y double, w double")
+    keras.utils.set_random_seed(0)
+    est = KerasEstimator(
+        model=keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")]),
+        optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy", metrics=["accuracy"], feature_cols=["x"],
+        label_cols=["y"], sample_weight_col="w", batch_size=32, epochs=5, num_proc=3, random_seed=0,
+        store=f"file://{tmp_path}/store",
+        callbacks=[_digest_callback(str(tmp_path))], verbose=0, env=ENV)
+    model = est.fit(df.filter("id < 700"))
+    assert len({open(tmp_path / f"digest-{r}").read() for r in range(3)}) == 1  # the ranks stayed equal
+    assert len(model.getHistory()["loss"]) == 5
+    scored = model.transform(df.filter("id >= 700")).select("y", "y__output").collect()
+    assert len(scored) == 200 and all(isinstance(r["y__output"], float) for r in scored)
+    assert np.mean([(r["y__output"] > 0.5) == (r["y"] > 0.5) for r in scored]) > 0.8
 
 
 CLIENT_ONLY = textwrap.dedent("""

@@ -16,14 +16,15 @@ nbclient = pytest.importorskip("nbclient")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
-NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb", "04-dataframe.ipynb"]
+NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb", "04-dataframe.ipynb",
+         "05-estimator.ipynb"]
 
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory, azurite):
     """Every notebook, in order, top to bottom in one Jupyter kernel, as a user working through
     them would: one kernel start, one Spark session, one TensorFlow import on the driver for all
-    four. Returns {name: (code cells' outputs, error or None), "_env": what the tests set}."""
+    of them. Returns {name: (code cells' outputs, error or None), "_env": what the tests set}."""
     import nbclient.exceptions
 
     from sparktrain import storage
@@ -171,3 +172,19 @@ def test_dataframe_trains_from_a_dataframe_with_equal_steps(executed):
     assert epochs == [f"Epoch {i}/8" for i in range(1, 9)], text
     accuracy = float(re.search(r"validation accuracy, averaged over the ranks: ([\d.]+)", text).group(1))
     assert accuracy > 0.85, text
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(600)
+def test_estimator_pipeline_fits_scores_saves_and_loads(executed):
+    outputs = texts(execute(executed, "05-estimator.ipynb"))
+    text = "\n".join(outputs)
+    epochs = [line for line in stream_lines(text, 0) if line.startswith("Epoch ")]
+    assert epochs == [f"Epoch {i}/6" for i in range(1, 7)], text
+    assert re.search(r"validation accuracy after 6 epochs: ([\d.]+)", text), text
+    accuracy = float(re.search(r"test accuracy of the scored DataFrame: ([\d.]+)", text).group(1))
+    assert accuracy > 0.85, text
+    assert "identical predictions after loading: True" in text, text
+    store = executed["_workdir"] / "models"
+    runs = [p.name for p in store.iterdir()]
+    assert len(runs) == 1 and (store / runs[0] / "model.keras").is_file(), runs

@@ -48,8 +48,10 @@ def shard(name: str = "train") -> Shard:
 
 
 def dataset(features: Columns, label: Columns | None = None, *, batch_size: int, shuffle: bool = True,
-            seed: int | None = None, name: str = "train", uneven: str = "wrap", prefetch: bool = True):
-    """A ``tf.data.Dataset`` of this rank's batches: ``(features, label)``, or features alone.
+            seed: int | None = None, name: str = "train", uneven: str = "wrap", prefetch: bool = True,
+            sample_weight: str | None = None):
+    """A ``tf.data.Dataset`` of this rank's batches: ``(features, label)``, or features alone, or
+    ``(features, label, sample_weight)``.
 
     Parameters
     ----------
@@ -64,6 +66,8 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     name : which fed DataFrame (``data={"train": ..., "val": ...}``; a bare DataFrame is "train").
     uneven : "wrap" (default) or "drop"; see the module's docstring.
     prefetch : prefetch batches in the background (``tf.data.AUTOTUNE``).
+    sample_weight : a numeric column of per-row weights, the third element of each batch, as
+        ``model.fit`` takes it (needs ``label``).
 
     Every batch has ``batch_size`` rows and ``cardinality()`` is the steps per epoch, the same
     on every rank.
@@ -77,7 +81,7 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     seed = _check_seed(seed)
     s = open_shard(name)
     steps = s.steps_per_epoch(batch_size, uneven)
-    build = _builder(s, features, label)
+    build = _builder(s, features, label, sample_weight)
     if s.rank == 0:
         print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
     epochs = itertools.count()
@@ -112,9 +116,15 @@ def numpy(features: Columns, label: Columns | None = None, name: str = "train", 
     return _builder(s, features, label)(s.epoch_rows(0, length, False, 0))
 
 
-def _builder(s: Shard, features: Columns, label: Columns | None):
+def _builder(s: Shard, features: Columns, label: Columns | None, sample_weight: str | None = None):
     """A function from file positions to the batch's structure of arrays; checks every column now."""
     take_x = _taker(s, features, "features")
+    if sample_weight is not None:
+        if label is None or not isinstance(sample_weight, str):
+            raise InvalidArgumentError(f"sample_weight={sample_weight!r}: name one numeric column, and pass a label too")
+        take_w = _taker(s, [sample_weight], "sample_weight")
+        take_y = _taker(s, label, "label")
+        return lambda rows: (take_x(rows), take_y(rows), take_w(rows)[:, 0])
     if label is None:
         return take_x
     take_y = _taker(s, label, "label")

@@ -92,7 +92,7 @@ def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compr
     return model
 
 
-def restore(prefix: str, storage_options: Mapping[str, Any] | None = None):
+def restore(prefix: str, storage_options: Mapping[str, Any] | None = None, custom_objects=None):
     """Load the latest checkpoint :class:`callbacks.RemoteCheckpoint` committed under ``prefix``.
 
     Returns ``(model, initial_epoch)``, or ``(None, 0)`` when there is none yet, so a script can
@@ -104,6 +104,7 @@ def restore(prefix: str, storage_options: Mapping[str, Any] | None = None):
         model.fit(..., initial_epoch=initial_epoch, callbacks=[..., RemoteCheckpoint(...)])
 
     Every rank reads the checkpoint itself; the broadcast callback keeps them equal afterwards.
+    ``custom_objects`` are the model's custom layers, losses and metrics, by name.
     """
     import tempfile
 
@@ -118,4 +119,4 @@ def restore(prefix: str, storage_options: Mapping[str, Any] | None = None):
     with tempfile.TemporaryDirectory(prefix="sparktrain-restore-") as tmp:
         local = os.path.join(tmp, "model" + suffix)
         storage.get_file(latest, local, storage_options)
-        return load_model(local), epoch
+        return load_model(local, custom_objects=custom_objects), epoch

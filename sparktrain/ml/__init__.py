@@ -1,0 +1,17 @@
+"""Spark ML stages: :class:`KerasEstimator` trains a Keras 3 model on a DataFrame across the cluster,
+and the :class:`KerasModel` it returns scores DataFrames, alone or inside a ``pyspark.ml`` Pipeline.
+
+    from sparktrain.ml import KerasEstimator
+    est = KerasEstimator(model=model, optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy",
+                         feature_cols=["features"], label_cols=["label"], batch_size=64, epochs=5,
+                         num_proc=3, store="abfss://models@acct.dfs.core.windows.net/churn")
+    scored = est.fit(train_df).transform(test_df)      # adds "label__output"
+
+See docs/estimator.md. Importing this package imports pyspark, not TensorFlow.
+"""
+from __future__ import annotations
+
+from .estimator import NOT_SUPPORTED, KerasEstimator
+from .model import KerasModel
+
+__all__ = ["KerasEstimator", "KerasModel", "NOT_SUPPORTED"]

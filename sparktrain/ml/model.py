@@ -1,0 +1,108 @@
+"""``KerasModel``: the trained model as a Spark ML Model; ``transform(df)`` scores a DataFrame.
+
+Scoring is ``pyspark.ml.functions.predict_batch_udf``: each Python worker loads the model once,
+from the store, and predicts batch after batch. Only the model's URL, the custom objects and the
+storage options travel in the task closure, never the model's bytes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark import keyword_only
+from pyspark.ml import Model
+from pyspark.ml.util import MLReadable, MLWritable
+
+from . import columns
+from .params import MODEL, set_defaults, with_params
+from .persistence import StageReader, StageWriter
+
+
+@with_params(MODEL)
+class KerasModel(Model, MLReadable, MLWritable):
+    """A model trained by :class:`~sparktrain.ml.KerasEstimator`; ``transform`` adds one prediction
+    column per label (``<label>__output``, or ``output_cols``): a float for a model output of one
+    value, an ``array<float>`` otherwise."""
+
+    @keyword_only
+    def __init__(self, **kwargs: Any):
+        super().__init__()
+        set_defaults(self)
+        self._set(**self._input_kwargs)
+        self._keras_model = None
+
+    def write(self) -> StageWriter:
+        return StageWriter(self)
+
+    @classmethod
+    def read(cls) -> StageReader:
+        return StageReader(cls)
+
+    def getModel(self):  # noqa: N802 - Horovod's name
+        """The trained Keras model, read from the store (once per KerasModel)."""
+        if self._keras_model is None:
+            self._keras_model = load(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects())
+        return self._keras_model
+
+    def getHistory(self) -> dict:  # noqa: N802 - Horovod's name
+        """The training history: ``{metric: [value per epoch]}``, averaged over the ranks."""
+        return dict(self.getOrDefault("history") or {})
+
+    def getOutputCols(self) -> list[str]:  # noqa: N802
+        return list(self.getOrDefault("output_cols") or [f"{c}__output" for c in self.getLabelCols()])
+
+    def _transform(self, dataset):
+        from pyspark.ml.functions import predict_batch_udf
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import ArrayType, FloatType, StructField, StructType
+
+        x = columns.feature_column(dataset.schema, self.getFeatureCols())
+        model = self.getModel()
+        out_cols = self.getOutputCols()
+        shapes = [tuple(int(d) for d in o.shape[1:]) for o in model.outputs]
+        scalar = [all(d == 1 for d in shape) for shape in shapes]
+        fields = [StructField(c, FloatType() if s else ArrayType(FloatType())) for c, s in zip(out_cols, scalar)]
+        in_shape = [int(d) if d is not None else -1 for d in model.inputs[0].shape[1:]]
+        predict = predict_batch_udf(
+            _Loader(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), out_cols, scalar),
+            return_type=StructType(fields), batch_size=self.getBatchSize(), input_tensor_shapes=[in_shape])
+        scored = "__sparktrain_scored"
+        out = dataset.withColumn(scored, predict(x))
+        return out.select("*", *[F.col(f"{scored}.{c}").alias(c) for c in out_cols]).drop(scored)
+
+
+def load(url: str, storage_options=None, custom_objects=None):
+    """The Keras model at ``url`` in the store, for prediction (not compiled)."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    from .. import storage
+
+    with tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
+        local = os.path.join(tmp, "model.keras")
+        storage.get_file(url, local, storage_options)
+        return keras.saving.load_model(local, custom_objects=custom_objects, compile=False)
+
+
+class _Loader:
+    """``predict_batch_udf``'s make_predict_fn: loads the model in the Python worker, once."""
+
+    def __init__(self, url, storage_options, custom_objects, out_cols, scalar):
+        self.url, self.storage_options, self.custom_objects = url, storage_options, custom_objects
+        self.out_cols, self.scalar = list(out_cols), list(scalar)
+
+    def __call__(self):
+        import numpy as np
+
+        model = load(self.url, self.storage_options, self.custom_objects)
+        out_cols, scalar = self.out_cols, self.scalar
+
+        def predict(x):
+            outs = model.predict_on_batch(x)
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+            return {c: (np.asarray(o).reshape(len(x)) if s else np.asarray(o).reshape(len(x), -1)).astype(np.float32)
+                    for c, o, s in zip(out_cols, outs, scalar)}
+
+        return predict
