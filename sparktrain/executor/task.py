@@ -132,9 +132,9 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             child.close()
         if state.chan is not None:
             state.chan.close()
-        watcher.finish()
-        for d in owned:
+        for d in owned:  # first: a task killed while its watcher finishes must leave nothing behind
             d.close()
+        watcher.finish()
 
 
 def barrier_task(spec: TaskSpec):
