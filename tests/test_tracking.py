@@ -191,6 +191,49 @@ def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model(
     assert TOKEN not in caplog.text and "MLFLOW_TRACKING_TOKEN=<redacted>" in caplog.text
 
 
+def test_a_keras_estimator_of_two_inputs_and_two_outputs_logs_into_the_drivers_run_and_scores(
+        spark, mlflow_server, monkeypatch, tmp_path):  # noqa: F811 - the fixture
+    """KerasEstimator.fit inside the driver's MLflow run, of a model with two inputs (one column
+    each) and two outputs (one label each): its parameters, one point per epoch, the model,
+    registered under registered_model_name; then transform fills one column per output."""
+    import keras
+    import mlflow
+    import numpy as np
+
+    from sparktrain.ml import KerasEstimator
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    experiment_id = mlflow.set_experiment(f"sparktrain-est-{uuid.uuid4().hex[:8]}").experiment_id
+    name = f"est-{uuid.uuid4().hex[:8]}"
+    x = np.random.default_rng(0).normal(size=(256, 4))
+    df = spark.createDataFrame([(x[i, :2].tolist(), float(x[i, 2]), float(x[i].sum() > 0), float(x[i].sum()))
+                                for i in range(256)], "u array<double>, v double, positive double, total double")
+    u, v = keras.Input((2,), name="u"), keras.Input((1,), name="v")
+    both = keras.layers.Concatenate()([u, v])
+    model = keras.Model([u, v], [keras.layers.Dense(1, activation="sigmoid", name="positive")(both),
+                                 keras.layers.Dense(1, name="total")(both)])
+    est = KerasEstimator(
+        model=model, optimizer=keras.optimizers.Adam(0.01), loss={"positive": "binary_crossentropy", "total": "mse"},
+        feature_cols=["u", "v"], label_cols=["positive", "total"], batch_size=16, epochs=EPOCHS, num_proc=2,
+        store=f"file://{tmp_path}/store", registered_model_name=name, verbose=0, env=ENV)
+    try:
+        with mlflow.start_run() as run:
+            fitted = est.fit(df)
+    finally:
+        mlflow.set_experiment("Default")
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    assert [r.info.run_id for r in client.search_runs([experiment_id])] == [run.info.run_id]
+    for metric in ("loss", "positive_loss", "total_loss"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, metric)) == list(range(EPOCHS)), metric
+    params = client.get_run(run.info.run_id).data.params
+    assert (params.get("num_proc"), params.get("batch_size"), params.get("epochs")) == ("2", "16", str(EPOCHS))
+    versions = client.search_model_versions(f"name='{name}'")
+    assert [v.version for v in versions] == ["1"] and versions[0].run_id == run.info.run_id
+    rows = fitted.transform(df.limit(10)).collect()
+    assert len(rows) == 10 and all(isinstance(r["positive__output"], float) and isinstance(r["total__output"], float)
+                                   and 0 <= r["positive__output"] <= 1 for r in rows)
+
+
 def plain_logging(outdir):
     import mlflow
 

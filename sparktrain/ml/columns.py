@@ -1,9 +1,10 @@
 """What the estimator and the model read from a DataFrame: the column checks, on the driver before any
-job, and the one feature column that scoring hands ``predict_batch_udf``.
+job, and the feature columns that scoring hands ``predict_batch_udf``.
 
 The column types are the feed's (sparktrain.data): numeric scalars, ``array<numeric>`` and
-pyspark.ml Vectors. The features go to the model's one input: one Vector or array column, or
-several numeric scalar columns stacked side by side.
+pyspark.ml Vectors. A model of one input reads one Vector or array column, or several numeric
+scalar columns stacked side by side; a model of several inputs reads one column per input, in
+the order of ``model.inputs``.
 """
 from __future__ import annotations
 
@@ -44,11 +45,18 @@ def check(schema, columns: Sequence[str], what: str, param: str) -> list[str]:
     return kinds
 
 
-def check_features(schema, feature_cols: Sequence[str] | None) -> list[str]:
+def check_features(schema, feature_cols: Sequence[str] | None, inputs: int = 1) -> list[str]:
+    """The kinds of the feature columns of a model of ``inputs`` inputs."""
     if not feature_cols:
         raise InvalidArgumentError("feature_cols is not set: name the column(s) the model reads, e.g. "
                                    "feature_cols=['features']")
     kinds = check(schema, feature_cols, "feature columns", "feature_cols")
+    if inputs > 1:
+        if len(feature_cols) != inputs:
+            raise InvalidArgumentError(
+                f"feature_cols {list(feature_cols)} name {len(feature_cols)} column(s), and the model has {inputs} "
+                "inputs: name one column per input, in the order of model.inputs")
+        return kinds
     if len(feature_cols) > 1 and set(kinds) != {"scalar"}:
         raise InvalidArgumentError(
             f"feature_cols {list(feature_cols)}: several columns are stacked into the model's one input, so each "
@@ -64,12 +72,19 @@ def check_boolean(schema, column: str, param: str) -> None:
                                    "or pass a fraction such as 0.2")
 
 
-def feature_column(schema, feature_cols: Sequence[str]):
-    """The features as one ``array<float>`` column expression, as predict_batch_udf takes them."""
+def feature_columns(schema, feature_cols: Sequence[str], inputs: int) -> list:
+    """One ``array<float>`` column expression per model input, as predict_batch_udf takes them."""
+    check_features(schema, feature_cols, inputs)
+    if inputs == 1:
+        return [_as_array(schema, feature_cols)]
+    return [_as_array(schema, [c]) for c in feature_cols]
+
+
+def _as_array(schema, feature_cols: Sequence[str]):
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
 
-    kinds = check_features(schema, feature_cols)
+    kinds = check(schema, feature_cols, "feature columns", "feature_cols")
     if kinds == ["vector"]:
         return vector_to_array(F.col(feature_cols[0]), "float32")
     if kinds == ["array"]:

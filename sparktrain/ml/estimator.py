@@ -103,18 +103,15 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
                                        "loss='sparse_categorical_crossentropy'")
         feature_cols = list(self.getFeatureCols() or [])
         label_cols = list(self.getLabelCols() or [])
-        columns.check_features(df.schema, feature_cols)
+        inputs, outputs = len(keras_model.inputs), len(keras_model.outputs)
+        columns.check_features(df.schema, feature_cols, inputs)
         if not label_cols:
             raise InvalidArgumentError("label_cols is not set: name the label column(s), one per model output")
         columns.check(df.schema, label_cols, "label columns", "label_cols")
-        outputs = len(keras_model.outputs)
-        if len(label_cols) != outputs or len(keras_model.inputs) != 1:
+        if len(label_cols) != outputs:
             raise InvalidArgumentError(
-                f"label_cols {label_cols} name {len(label_cols)} label(s), and the model has {len(keras_model.inputs)} "
-                f"input(s) and {outputs} output(s): KerasEstimator trains models of one input and one output per "
-                "label column")
-        if outputs != 1:
-            raise UnsupportedError(f"the model has {outputs} outputs; KerasEstimator trains one-output models so far")
+                f"label_cols {label_cols} name {len(label_cols)} label(s), and the model has {outputs} output(s): "
+                "name one label column per output, in the order of model.outputs")
         weight = self.getSampleWeightCol()
         if weight is not None and columns.check(df.schema, [weight], "sample weights", "sample_weight_col") != ["scalar"]:
             raise InvalidArgumentError(f"sample_weight_col {weight!r} must be a numeric scalar column")
@@ -128,7 +125,8 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
             data["val"] = val_df.select(*needed)
         run_url = f"{store.rstrip('/')}/{self.getRunId() or 'keras_' + uuid.uuid4().hex[:12]}"
         spec = TrainSpec(
-            model=keras_bytes(keras_model), optimizer=self.getOptimizer(), loss=self.getLoss(), loss_weights=self.getLossWeights(),
+            model=keras_bytes(keras_model), input_names=[t.name for t in keras_model.inputs],
+            output_names=list(keras_model.output_names), optimizer=self.getOptimizer(), loss=self.getLoss(), loss_weights=self.getLossWeights(),
             metrics=self.getMetrics(), callbacks=list(self.getCallbacks() or []),
             custom_objects=self.getCustomObjects(), compression=self.getGradientCompression(),
             backward_passes_per_step=self.getBackwardPassesPerStep(), feature_cols=feature_cols, label_cols=label_cols,

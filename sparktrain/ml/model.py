@@ -55,18 +55,18 @@ class KerasModel(Model, MLReadable, MLWritable):
         from pyspark.sql import functions as F
         from pyspark.sql.types import ArrayType, FloatType, StructField, StructType
 
-        x = columns.feature_column(dataset.schema, self.getFeatureCols())
         model = self.getModel()
+        xs = columns.feature_columns(dataset.schema, self.getFeatureCols(), len(model.inputs))
         out_cols = self.getOutputCols()
         shapes = [tuple(int(d) for d in o.shape[1:]) for o in model.outputs]
         scalar = [all(d == 1 for d in shape) for shape in shapes]
         fields = [StructField(c, FloatType() if s else ArrayType(FloatType())) for c, s in zip(out_cols, scalar)]
-        in_shape = [int(d) if d is not None else -1 for d in model.inputs[0].shape[1:]]
+        in_shapes = [[int(d) if d is not None else -1 for d in t.shape[1:]] for t in model.inputs]
         predict = predict_batch_udf(
             _Loader(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), out_cols, scalar),
-            return_type=StructType(fields), batch_size=self.getBatchSize(), input_tensor_shapes=[in_shape])
+            return_type=StructType(fields), batch_size=self.getBatchSize(), input_tensor_shapes=in_shapes)
         scored = "__sparktrain_scored"
-        out = dataset.withColumn(scored, predict(x))
+        out = dataset.withColumn(scored, predict(*xs))
         return out.select("*", *[F.col(f"{scored}.{c}").alias(c) for c in out_cols]).drop(scored)
 
 
@@ -94,15 +94,21 @@ class _Loader:
         self.out_cols, self.scalar = list(out_cols), list(scalar)
 
     def __call__(self):
+        import inspect
+
         import numpy as np
 
         model = load(self.url, self.storage_options, self.custom_objects)
         out_cols, scalar = self.out_cols, self.scalar
 
-        def predict(x):
-            outs = model.predict_on_batch(x)
+        def predict(*xs):
+            outs = model.predict_on_batch(list(xs) if len(xs) > 1 else xs[0])
             outs = outs if isinstance(outs, (list, tuple)) else [outs]
-            return {c: (np.asarray(o).reshape(len(x)) if s else np.asarray(o).reshape(len(x), -1)).astype(np.float32)
+            n = len(xs[0])
+            return {c: (np.asarray(o).reshape(n) if s else np.asarray(o).reshape(n, -1)).astype(np.float32)
                     for c, o, s in zip(out_cols, outs, scalar)}
 
+        # predict_batch_udf counts the function's parameters to know how many inputs it takes.
+        predict.__signature__ = inspect.Signature(
+            [inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(len(model.inputs))])
         return predict

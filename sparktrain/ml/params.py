@@ -33,8 +33,8 @@ _BOOL = TypeConverters.toBoolean
 
 #: Params that KerasEstimator and KerasModel share.
 COMMON = (
-    Spec("feature_cols", "the input columns: one Vector or array<numeric> column, or numeric columns stacked "
-         "side by side, for the model's one input", _NAMES),
+    Spec("feature_cols", "the input columns: for a model of one input, one Vector or array<numeric> column or "
+         "numeric columns stacked side by side; else one column per input, in order", _NAMES),
     Spec("label_cols", "the label columns, one per model output", _NAMES),
     Spec("output_cols", "the prediction columns, one per label; default '<label>__output'", _NAMES),
     Spec("custom_objects", "custom layers, losses and metrics, by name, to load the model with", None),

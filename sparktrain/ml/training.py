@@ -20,6 +20,8 @@ class TrainSpec(NamedTuple):
     """Everything the ranks need; pickled with the run's payload. The model travels as the bytes
     of its ``.keras`` file, loaded in the rank with the custom objects."""
     model: bytes
+    input_names: list
+    output_names: list
     optimizer: Any
     loss: Any
     loss_weights: Any
@@ -84,7 +86,9 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
     elif hvd.rank() == 0:
         print(f"resuming {spec.run_url} after epoch {initial_epoch}", flush=True)
     features = spec.feature_cols[0] if len(spec.feature_cols) == 1 else list(spec.feature_cols)
-    label = spec.label_cols[0]
+    if len(spec.input_names) > 1:  # one column per input, by the inputs' names
+        features = dict(zip(spec.input_names, spec.feature_cols))
+    label = spec.label_cols[0] if len(spec.label_cols) == 1 else dict(zip(spec.output_names, spec.label_cols))
     ds = data.dataset(features, label, batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.random_seed,
                       sample_weight=spec.sample_weight_col)
     val = None
