@@ -15,6 +15,10 @@ LOCAL_SIZE = "SPARKTRAIN_LOCAL_SIZE"
 CROSS_RANK = "SPARKTRAIN_CROSS_RANK"
 CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
 RUN_ID = "SPARKTRAIN_RUN_ID"
+#: ``run_elastic``'s id, the same in all its attempts: where ``hvd.elastic`` commits (else the run id).
+ELASTIC_ID = "SPARKTRAIN_ELASTIC_ID"
+#: The file of the committed state under ``<elastic_url>/<elastic id or run id>/``.
+ELASTIC_STATE = "elastic-state.pkl"
 #: Which attempt of the run this is, 1-based (see ``run(..., max_attempts=N)``).
 ATTEMPT = "SPARKTRAIN_ATTEMPT"
 #: How many attempts the run has in all (``run(..., max_attempts=N)``); elastic state reads it.
@@ -57,6 +61,8 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
     ((CROSS_RANK, CROSS_SIZE), "index of this host among, and number of, the hosts that run a rank with this "
                                "local rank"),
     ((RUN_ID,), "the run's id, the same for every attempt"),
+    ((ELASTIC_ID,), "only under ``run_elastic``: its id, the same for every attempt and size; ``hvd.elastic`` commits "
+                    "under it"),
     ((ATTEMPT,), "which attempt this is, 1-based (``run(..., max_attempts=N)``)"),
     ((MAX_ATTEMPTS,), "how many attempts the run has in all; elastic state reads it"),
     (("TF_CONFIG",), 'TensorFlow\'s cluster: ``{"cluster": {"worker": ["host:port", ...]}, "task": {"type": '

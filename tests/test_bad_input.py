@@ -120,3 +120,24 @@ def test_a_return_value_that_cannot_be_pickled_fails_from_rank_0_clearly(spark):
     assert root.rank == 0
     assert "rank 0's return value (lock) cannot be pickled" in root.message
     assert "Return bytes, a path or URL" in root.message
+
+
+ELASTIC = {"SPARKTRAIN_ELASTIC_URL": "file:///tmp/sparktrain-elastic-never-written"}
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(num_proc=2), sparktrain.InvalidArgumentError, ["elastic_url", "SPARKTRAIN_ELASTIC_URL", "spark.sparktrain.elasticUrl"]),
+    (dict(num_proc=2, env=ELASTIC, max_attempts=3), sparktrain.InvalidArgumentError, ["max_attempts", "reset_limit"]),
+    (dict(num_proc=3, min_num_proc=3, env=ELASTIC), sparktrain.InsufficientResourcesError,
+     ["min_num_proc=3", "local[2]", "2 task slot(s)"]),
+    (dict(num_proc=2, min_num_proc=3, max_num_proc=4, env=ELASTIC), sparktrain.InvalidArgumentError,
+     ["min_num_proc <= num_proc <= max_num_proc", "3 <= 2 <= 4"]),
+    (dict(num_proc=2, env=ELASTIC, reset_limit=-1), sparktrain.InvalidArgumentError, ["reset_limit", "-1"]),
+], ids=["no elastic_url", "max_attempts", "min over the slots", "min over num_proc", "reset_limit"])
+def test_run_elastic_refuses_bad_input_before_any_spark_job(spark, kwargs, error, words):
+    before = _jobs_started(spark)
+    with pytest.raises(error) as e:
+        sparktrain.run_elastic(ok, verbose=0, **kwargs)
+    assert _jobs_started(spark) == before
+    for word in words:
+        assert word in str(e.value), str(e.value)

@@ -312,3 +312,96 @@ def test_a_host_that_dies_fails_the_run_naming_it(cluster, tmp_path):
 
 def _work_dirs(run_id: str) -> list[str]:
     return sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"sparktrain-{run_id}-r*")))
+
+
+def elastic_fit(outdir, epochs, fault_epoch):
+    """A Keras fit from data=df that commits every epoch through hvd.elastic; marks running when every
+    rank of the first attempt begins ``fault_epoch`` (0-based). Rank 0 returns what the test checks."""
+    import keras
+
+    import sparktrain.data
+    import sparktrain.keras as hvd
+    from helpers import mark_time, record_rank, weights_digest
+
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(2e-3)),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+    sizes = []
+    state.register_reset_callbacks([lambda: sizes.append(hvd.size())])
+    first_size = hvd.size()
+
+    class Mark(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == fault_epoch and hvd.size() == first_size and not sizes:
+                mark_time(outdir, f"running-{hvd.rank()}")
+
+    began = []
+
+    @hvd.elastic.run
+    def train(state):
+        began.append(state.epoch)  # after elastic.run restored the last commit
+        ds = sparktrain.data.dataset("features", label="label", batch_size=16, seed=3)
+        state.model.fit(ds, epochs=epochs, initial_epoch=state.epoch, verbose=0, callbacks=[
+            hvd.callbacks.MetricAverageCallback(), hvd.elastic.UpdateEpochStateCallback(state),
+            hvd.elastic.CommitStateCallback(state, batches_per_commit=10_000), Mark()])
+        return state.epoch
+
+    train(state)
+    shard = sparktrain.data.shard()
+    record_rank(outdir, digest=weights_digest(state.model.get_weights()), size=hvd.size(), sizes=sizes,
+                rows_per_rank=list(shard.rows_per_rank), steps=shard.steps_per_epoch(16), began=began)
+    x, y = __import__("helpers").digits()[1]
+    return float(state.model.evaluate(x, y, verbose=0)[1]) if hvd.rank() == 0 else None
+
+
+@pytest.mark.timeout(420)
+def test_an_elastic_fit_loses_a_host_and_finishes_on_the_other(cluster, tmp_path, caplog):
+    """run_elastic of 4 ranks (min 2) from data=df: host 1 dies whole in epoch 3. The run goes on
+    with the other host's 2 ranks from the epoch-2 commit, finishes every epoch with equal weights,
+    as accurate as an uninterrupted run; nothing of it is left on the dead host once it is back."""
+    import logging
+
+    from helpers import digits, read_ranks
+    from pyspark.ml.linalg import Vectors
+    from sparktrain.driver import cluster as capacity
+
+    hosts, standalone, session = cluster
+    (x, y), _ = digits()
+    df = session.createDataFrame([(Vectors.dense(x[i]), int(y[i])) for i in range(len(y))], ["features", "label"])
+    env = {"SPARKTRAIN_ELASTIC_URL": f"file://{tmp_path}/elastic", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
+    epochs, n = 6, HOSTS * PER_HOST
+    caplog.set_level(logging.INFO, logger="sparktrain")  # verbose=1 logs at INFO too
+    outdir = tmp_path / "elastic"
+    outdir.mkdir()
+    thread, _ = when_running(outdir, n, lambda: hosts.kill_host(1))
+    try:
+        accuracy = sparktrain.run_elastic(elastic_fit, args=(str(outdir), epochs, 2), num_proc=n, min_num_proc=2,
+                                          max_num_proc=n, data=df, env=env, verbose=1, elastic_timeout=120)
+        thread.join(5)
+        ranks = read_ranks(str(outdir))
+        survivors = [r for r in ranks if ranks[r]["size"] == 2]
+        assert sorted(survivors) == [0, 1], ranks
+        assert len({ranks[r]["digest"] for r in survivors}) == 1  # the 2 ranks end equal
+        assert all(ranks[r]["began"] == [2] for r in survivors)  # resumed from the epoch-2 commit
+        assert all(ranks[r]["sizes"] == [2] for r in survivors)  # the reset callbacks ran once, with the new size
+        rows = ranks[0]["rows_per_rank"]
+        assert sum(rows) == len(y) and max(rows) - min(rows) <= 1 and ranks[0]["steps"] * 16 >= max(rows)
+        lines = [r.getMessage() for r in caplog.records if "continuing with 2 rank(s)" in r.getMessage()]
+        assert len(lines) == 1 and "from the last commit, at epoch 2" in lines[0], lines
+    finally:
+        standalone.start_worker(1)
+        conf = dict(session.sparkContext.getConf().getAll())
+        capacity.wait_for_executors(session.sparkContext, conf, lambda c: c.executors >= HOSTS, 120)
+    # The dead host's directories went with the next run's start; an uninterrupted run for comparison.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    baseline = sparktrain.run(elastic_fit, args=(str(plain), epochs, -1), num_proc=2, data=df, env=env, verbose=1)
+    assert accuracy >= baseline - 0.02 and accuracy > 0.85, (accuracy, baseline)
+    runs = re.findall(r"launching \d+ rank\(s\) of elastic_fit, run (\w+)", caplog.text)
+    assert len(runs) == 3, runs  # the first attempt, the second, the baseline
+    assert [d for r in runs for d in _work_dirs(r)] == []

@@ -44,7 +44,7 @@ from .. import worker_env
 from ..errors import InvalidArgumentError, SparkTrainError
 
 _FORMAT = "sparktrain-elastic/1"
-STATE_NAME = "elastic-state.pkl"
+STATE_NAME = worker_env.ELASTIC_STATE
 
 
 def _tfc():
@@ -63,7 +63,7 @@ def state_url() -> str | None:
     prefix = settings.resolve("elastic_url")
     if not prefix:
         return None
-    run_id = os.environ.get(worker_env.RUN_ID) or "standalone"
+    run_id = os.environ.get(worker_env.ELASTIC_ID) or os.environ.get(worker_env.RUN_ID) or "standalone"
     return f"{prefix.rstrip('/')}/{run_id}/{STATE_NAME}"
 
 
@@ -107,7 +107,9 @@ class State:
         if url is not None and _ctx.rank() == 0:
             from .. import storage
 
-            storage.put_bytes(url, pickle.dumps({"format": _FORMAT, **self._payload()}), self._storage_options)
+            epoch = getattr(self, "epoch", None)  # for the driver's line about where a restart resumes
+            storage.put_bytes(url, pickle.dumps({"format": _FORMAT, **self._payload()}), self._storage_options,
+                              metadata={"epoch": epoch if isinstance(epoch, int) else None})
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
