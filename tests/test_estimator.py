@@ -169,8 +169,9 @@ def test_a_pipeline_trains_on_3_ranks_resumes_and_scores_as_well_as_one_process(
     assert distributed > 0.85 and distributed >= alone - 0.02, (distributed, alone)
 
 
-def test_batches_outnumber_the_loads(fitted):
-    """With a small prediction batch, one worker predicts many batches and still loads the model once."""
+def test_batches_outnumber_the_loads_and_stacked_columns_score_as_the_vector(fitted):
+    """With a small prediction batch, one worker predicts many batches and still loads the model once;
+    the features as numeric columns, stacked, score as the assembled Vector does."""
     records = fitted["records"]
     model = fitted["pm"].stages[-1].copy()
     model.setBatchSize(8)
@@ -178,9 +179,13 @@ def test_batches_outnumber_the_loads(fitted):
     for f in os.listdir(records):
         os.remove(os.path.join(records, f))
     df = fitted["pm"].stages[0].transform(fitted["test_df"].coalesce(1))
-    rows = model.transform(df).select("label__output").collect()
-    assert len(rows) == len(fitted["y"]) - 1400 and len(rows[0][0]) == 10  # one partition: 397 rows, 50 batches
+    rows = model.transform(df).select("id", "label__output").collect()
+    assert len(rows) == len(fitted["y"]) - 1400 and len(rows[0][1]) == 10  # one partition: 397 rows, 50 batches
     assert len(os.listdir(records)) == 1
+    # The same features as 64 numeric columns, stacked side by side: the same predictions.
+    stacked = model.copy().setFeatureCols([f"p{j}" for j in range(64)])
+    by_columns = {r["id"]: r["label__output"] for r in stacked.transform(fitted["test_df"]).collect()}
+    assert by_columns == {r["id"]: r["label__output"] for r in rows}
 
 
 def test_a_saved_pipeline_model_loads_back_and_predicts_identically(fitted, tmp_path):

@@ -126,7 +126,8 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
         run_url = f"{store.rstrip('/')}/{self.getRunId() or 'keras_' + uuid.uuid4().hex[:12]}"
         spec = TrainSpec(
             model=keras_bytes(keras_model), input_names=[t.name for t in keras_model.inputs],
-            output_names=list(keras_model.output_names), optimizer=self.getOptimizer(), loss=self.getLoss(), loss_weights=self.getLossWeights(),
+            output_names=list(getattr(keras_model, "output_names", None) or [t.name for t in keras_model.outputs]),
+            optimizer=self.getOptimizer(), loss=self.getLoss(), loss_weights=self.getLossWeights(),
             metrics=self.getMetrics(), callbacks=list(self.getCallbacks() or []),
             custom_objects=self.getCustomObjects(), compression=self.getGradientCompression(),
             backward_passes_per_step=self.getBackwardPassesPerStep(), feature_cols=feature_cols, label_cols=label_cols,
