@@ -76,6 +76,11 @@ class ResultTooLargeError(SparkTrainError):
     retryable = False  # it would fail the same way again
 
 
+class HostsUpdatedInterrupt(SparkTrainError):
+    """Horovod's name: the cluster changed, so this attempt ends at its commit (``run_elastic``
+    starts the next one at the new size, from that commit)."""
+
+
 class RunCancelledError(SparkTrainError):
     """The run's Spark job group was cancelled from outside."""
 

@@ -109,6 +109,9 @@ SETTINGS = {
         Setting("elastic_url", "SPARKTRAIN_ELASTIC_URL", "spark.sparktrain.elasticUrl", None, lambda n, v: _url(n, v),
                 "fsspec URL (a prefix) where elastic state.commit() writes the training state, under the run's id, "
                 "so that a later attempt of the run (max_attempts) resumes from it; 'none' turns it off"),
+        Setting("elastic_grow_after", "SPARKTRAIN_ELASTIC_GROW_AFTER", "spark.sparktrain.elasticGrowAfter", 60.0,
+                parse_seconds, "run_elastic: seconds that free slots for more ranks must last before the running "
+                "attempt ends at its next commit and the next one starts larger"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
         # Read in the rank's process, where there is no Spark conf: give it with run(env=...).

@@ -17,6 +17,8 @@ CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
 RUN_ID = "SPARKTRAIN_RUN_ID"
 #: ``run_elastic``'s id, the same in all its attempts: where ``hvd.elastic`` commits (else the run id).
 ELASTIC_ID = "SPARKTRAIN_ELASTIC_ID"
+#: ``run_elastic``'s attempt number (1, 2, ...): names the attempt's grow marker, ``grow-<n>``.
+ELASTIC_ATTEMPT = "SPARKTRAIN_ELASTIC_ATTEMPT"
 #: The file of the committed state under ``<elastic_url>/<elastic id or run id>/``.
 ELASTIC_STATE = "elastic-state.pkl"
 #: Which attempt of the run this is, 1-based (see ``run(..., max_attempts=N)``).
@@ -63,6 +65,8 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
     ((RUN_ID,), "the run's id, the same for every attempt"),
     ((ELASTIC_ID,), "only under ``run_elastic``: its id, the same for every attempt and size; ``hvd.elastic`` commits "
                     "under it"),
+    ((ELASTIC_ATTEMPT,), "only under ``run_elastic``: the attempt's number; at each commit rank 0 looks for the "
+                         "driver's ``grow-<n>`` marker beside the state"),
     ((ATTEMPT,), "which attempt this is, 1-based (``run(..., max_attempts=N)``)"),
     ((MAX_ATTEMPTS,), "how many attempts the run has in all; elastic state reads it"),
     (("TF_CONFIG",), 'TensorFlow\'s cluster: ``{"cluster": {"worker": ["host:port", ...]}, "task": {"type": '

@@ -314,9 +314,10 @@ def _work_dirs(run_id: str) -> list[str]:
     return sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"sparktrain-{run_id}-r*")))
 
 
-def elastic_fit(outdir, epochs, fault_epoch):
+def elastic_fit(outdir, epochs, fault_epoch, grow_to=None):
     """A Keras fit from data=df that commits every epoch through hvd.elastic; marks running when every
-    rank of the first attempt begins ``fault_epoch`` (0-based). Rank 0 returns what the test checks."""
+    rank of the first attempt begins ``fault_epoch`` (0-based). With ``grow_to``, it trains until it
+    has run 3 epochs at that size (or ``epochs``). Rank 0 returns what the test checks."""
     import keras
 
     import sparktrain.data
@@ -338,6 +339,10 @@ def elastic_fit(outdir, epochs, fault_epoch):
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == fault_epoch and hvd.size() == first_size and not sizes:
                 mark_time(outdir, f"running-{hvd.rank()}")
+
+        def on_epoch_end(self, epoch, logs=None):
+            if hvd.size() == grow_to and epoch + 1 >= began[-1] + 3:
+                self.model.stop_training = True  # the same on every rank: they share size and epoch
 
     began = []
 
@@ -405,3 +410,43 @@ def test_an_elastic_fit_loses_a_host_and_finishes_on_the_other(cluster, tmp_path
     runs = re.findall(r"launching \d+ rank\(s\) of elastic_fit, run (\w+)", caplog.text)
     assert len(runs) == 3, runs  # the first attempt, the second, the baseline
     assert [d for r in runs for d in _work_dirs(r)] == []
+
+
+@pytest.mark.timeout(420)
+def test_an_elastic_fit_grows_back_when_the_host_returns(cluster, tmp_path, caplog):
+    """run_elastic starts on 2 ranks while host 1 is down (max_num_proc=4); host 1's worker comes
+    back during training. Once its slots have lasted SPARKTRAIN_ELASTIC_GROW_AFTER seconds, the
+    ranks end the attempt at their next commit, and the run goes on with 4 ranks from it."""
+    import logging
+
+    from helpers import digits, read_ranks
+    from pyspark.ml.linalg import Vectors
+    from sparktrain.driver import cluster as capacity
+
+    hosts, standalone, session = cluster
+    conf = dict(session.sparkContext.getConf().getAll())
+    hosts.kill_host(1)
+    found = capacity.wait_for_executors(session.sparkContext, conf, lambda c: c.executors <= 1, 60)
+    assert found.executors == 1, found
+    (x, y), _ = digits()
+    df = session.createDataFrame([(Vectors.dense(x[i]), int(y[i])) for i in range(len(y))], ["features", "label"])
+    env = {"SPARKTRAIN_ELASTIC_URL": f"file://{tmp_path}/elastic", "SPARKTRAIN_ELASTIC_GROW_AFTER": "3",
+           "TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
+    caplog.set_level(logging.INFO, logger="sparktrain")
+    thread, _ = when_running(tmp_path, PER_HOST, lambda: standalone.start_worker(1))
+    try:
+        sparktrain.run_elastic(elastic_fit, args=(str(tmp_path), 300, 1, HOSTS * PER_HOST), num_proc=PER_HOST,
+                               min_num_proc=PER_HOST,
+                               max_num_proc=HOSTS * PER_HOST, data=df, env=env, verbose=1, elastic_timeout=120)
+        thread.join(5)
+        ranks = read_ranks(str(tmp_path))
+        assert sorted(ranks) == [0, 1, 2, 3] and all(ranks[r]["size"] == 4 for r in ranks), ranks
+        assert len({ranks[r]["digest"] for r in ranks}) == 1
+        began = {ranks[r]["began"][0] for r in ranks}
+        assert len(began) == 1 and 0 < began.pop() < 300, ranks  # resumed from the commit where it grew
+        assert all(ranks[r]["sizes"] == [4] for r in ranks)
+        lines = [r.getMessage() for r in caplog.records if "continuing with 4 rank(s)" in r.getMessage()]
+        assert len(lines) == 1 and "the cluster has slots for 4 rank(s)" in lines[0], lines
+    finally:
+        thread.join(120)
+        capacity.wait_for_executors(session.sparkContext, conf, lambda c: c.executors >= HOSTS, 120)

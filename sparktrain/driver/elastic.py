@@ -5,13 +5,17 @@ then, up to ``max_num_proc``. When an attempt fails because a rank or a host was
 attempt starts with the slots there are now, waiting up to ``elastic_timeout`` for at least
 ``min_num_proc``, and ``hvd.elastic.run`` resumes it from the last ``state.commit()``, which rank
 0 wrote under the ``elastic_url`` setting. All attempts share one elastic id, so they share that
-state; reset callbacks run with the new size. ``reset_limit`` bounds the restarts. A failure
-that would happen again (an exception in ``train_fn`` on every rank, bad input) ends the run.
+state; reset callbacks run with the new size. While an attempt runs short of ``max_num_proc``,
+a thread watches the slots; once more have lasted ``elastic_grow_after`` seconds it leaves a
+marker, and the ranks end the attempt at their next commit (``HostsUpdatedInterrupt``) so the
+next one starts larger. ``reset_limit`` bounds the restarts, resizes included. Only a lost rank
+or host restarts the run; an exception of ``train_fn``'s own ends it.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from typing import Any, Callable, Mapping
@@ -80,9 +84,16 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
             f"task slot(s). Lower min_num_proc, or use a master with more slots")
     env[worker_env.ELASTIC_ID] = elastic_id = uuid.uuid4().hex[:12]
     state = f"{elastic_url.rstrip('/')}/{elastic_id}/{worker_env.ELASTIC_STATE}"
-    resets, size, reason = 0, first, ""
+    grow_after = settings.resolve("elastic_grow_after", environ={**os.environ, **env}, conf=conf)
+    options = run_kwargs.get("storage_options")
+    resets, size, reason, attempt = 0, first, "", 0
     while True:
         size = _wait_for_slots(sc, conf, use_gpu, low, size, high, timeout, reason)
+        attempt += 1
+        env[worker_env.ELASTIC_ATTEMPT] = str(attempt)
+        grower = _Grower(sc, conf, use_gpu, size, high, grow_after, f"{state.rsplit('/', 1)[0]}/grow-{attempt}",
+                         options)
+        grower.start()
         try:
             return run(train_fn, args, kwargs, num_proc=size, start_timeout=start_timeout, env=env, stdout=stdout,
                        stderr=stderr, verbose=verbose, prefix_output_with_timestamp=prefix_output_with_timestamp,
@@ -92,15 +103,75 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
             size = low
             continue
         except SparkTrainError as e:
-            if not e.retryable:
-                raise
+            grew = isinstance(e, RankFailedError) and e.failures and \
+                e.root_cause.exc_type.endswith("HostsUpdatedInterrupt")
+            if not grew and not _lost_ranks(e):
+                raise  # it would fail the same way again
             resets += 1
             if reset_limit is not None and resets > reset_limit:
-                raise type(e)(f"{e} (run_elastic gave up after reset_limit={reset_limit} restart(s))") \
-                    if not isinstance(e, RankFailedError) else e
-            reason = _lost(e) + _last_commit(state, run_kwargs.get("storage_options"))
-            size = high
-            _settle(sc, conf, use_gpu)
+                raise SparkTrainError(f"run_elastic gave up after reset_limit={reset_limit} restart(s); the last attempt "
+                                      f"failed: {e}") from e
+            if grew:
+                reason = f"the cluster has slots for {grower.grew} rank(s)" + _last_commit(state, options)
+                size = grower.grew
+            else:
+                reason = _lost(e) + _last_commit(state, options)
+                size = high
+                _settle(sc, conf, use_gpu)
+        finally:
+            grower.stop.set()
+            grower.join()
+
+
+class _Grower(threading.Thread):
+    """While an attempt of ``size`` ranks runs: once the cluster has had slots for more (up to
+    ``high``) for ``after`` seconds, put the marker at which the ranks end the attempt at their
+    next commit. At most once per attempt, and never in an attempt younger than ``after``, so an
+    executor that comes and goes cannot restart the run over and over."""
+
+    def __init__(self, sc, conf, use_gpu: bool, size: int, high: int, after: float, marker: str, storage_options):
+        super().__init__(name="sparktrain-elastic-grow", daemon=True)
+        self.sc, self.conf, self.use_gpu, self.size, self.high = sc, conf, use_gpu, size, high
+        self.after, self.marker, self.storage_options = after, marker, storage_options
+        self.stop = threading.Event()
+        self.grew = 0
+
+    def run(self) -> None:
+        from .. import storage
+        from . import cluster
+
+        if self.size >= self.high:
+            return
+        since = None
+        while not self.stop.wait(1.0):
+            try:
+                more = min(cluster.capacity(self.sc, self.conf).slots(self.use_gpu), self.high)
+            except Exception:  # noqa: BLE001 - the session is stopping
+                return
+            if more <= self.size:
+                since = None
+                continue
+            since = since or time.monotonic()
+            if time.monotonic() - since >= self.after:
+                storage.put_bytes(self.marker, b"grow", self.storage_options)
+                self.grew = more
+                log.info("sparktrain: %d slot(s) free for %g s: the ranks end this attempt at their next commit, and "
+                         "the next one starts with %d", more - self.size, self.after, more)
+                return
+
+
+def _lost_ranks(e: SparkTrainError) -> bool:
+    """Whether a rank or host was lost (a restart can help), not only exceptions of ``train_fn``'s own.
+
+    A rank that exited without an exception, a task Spark lost, an unreachable host, or a
+    collective that failed because a peer went away: Horovod's ``HorovodInternalError``."""
+    if not isinstance(e, RankFailedError):
+        return e.retryable
+    return any(not f.traceback or f.exc_type.rsplit(".", 1)[-1] in _PEER_ERRORS for f in e.failures.values())
+
+
+#: Exceptions a rank raises when a peer goes away: the native engine's, and TensorFlow's.
+_PEER_ERRORS = ("CollectiveError", "UnavailableError", "AbortedError", "DeadlineExceededError", "InternalError")
 
 
 def sizes(num_proc, min_num_proc, max_num_proc, slots: int) -> tuple[int, int, int]:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import keras
 
 from ..errors import InvalidArgumentError
-from ..tensorflow.elastic import ObjectState, State, TensorFlowKerasState, broadcast_object, run  # noqa: F401
+from ..tensorflow.elastic import (HostsUpdatedInterrupt, ObjectState, State, TensorFlowKerasState,  # noqa: F401
+                                  broadcast_object, run)
 
 
 class KerasState(TensorFlowKerasState):

@@ -41,7 +41,7 @@ from typing import Any, Callable
 from .. import context as _ctx
 from .. import settings
 from .. import worker_env
-from ..errors import InvalidArgumentError, SparkTrainError
+from ..errors import HostsUpdatedInterrupt, InvalidArgumentError, SparkTrainError
 
 _FORMAT = "sparktrain-elastic/1"
 STATE_NAME = worker_env.ELASTIC_STATE
@@ -65,6 +65,14 @@ def state_url() -> str | None:
         return None
     run_id = os.environ.get(worker_env.ELASTIC_ID) or os.environ.get(worker_env.RUN_ID) or "standalone"
     return f"{prefix.rstrip('/')}/{run_id}/{STATE_NAME}"
+
+
+def grow_url() -> str | None:
+    """Where ``run_elastic``'s driver puts the marker that ends this attempt at its next commit."""
+    url, attempt = state_url(), os.environ.get(worker_env.ELASTIC_ATTEMPT)
+    if url is None or not attempt:
+        return None
+    return f"{url.rsplit('/', 1)[0]}/grow-{attempt}"
 
 
 def _attempts_allowed() -> int:
@@ -113,7 +121,27 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Horovod checks for added or removed hosts here; a sparktrain attempt's gang is fixed."""
+        """Under ``run_elastic``: when the driver has seen free slots for more ranks, every rank
+        raises :class:`HostsUpdatedInterrupt` here, right after the commit, and the next attempt
+        starts larger from it. Rank 0 looks for the driver's marker; the others learn its answer."""
+        url = grow_url()
+        if url is None:
+            return
+        grow = False
+        if _ctx.rank() == 0:
+            from ..storage.backends import filesystem
+
+            try:
+                fs, path = filesystem(url, self._storage_options)
+                fs.invalidate_cache(path.rsplit("/", 1)[0])
+                grow = bool(fs.exists(path))
+            except Exception:  # noqa: BLE001 - an unreachable store must not stop training
+                grow = False
+        if _ctx.size() > 1:
+            grow = broadcast_object(grow, 0)
+        if grow:
+            raise HostsUpdatedInterrupt("the cluster has free slots for more ranks: this attempt ends at its commit, "
+                                        "and the next one starts larger from it")
 
     def save(self) -> None:
         raise NotImplementedError
