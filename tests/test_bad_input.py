@@ -141,3 +141,15 @@ def test_run_elastic_refuses_bad_input_before_any_spark_job(spark, kwargs, error
     assert _jobs_started(spark) == before
     for word in words:
         assert word in str(e.value), str(e.value)
+
+
+def raises_value_error():
+    raise ValueError("a bug in train_fn")
+
+
+def test_run_elastic_ends_at_once_when_train_fn_itself_raises(spark):
+    """An exception of train_fn's own is not a lost rank: no restart, whatever reset_limit allows."""
+    before = _jobs_started(spark)
+    with pytest.raises(sparktrain.RankFailedError, match="a bug in train_fn"):
+        sparktrain.run_elastic(raises_value_error, num_proc=2, env=ELASTIC, verbose=0)
+    assert _jobs_started(spark) - before == 1  # one attempt's barrier stage, not a second
