@@ -21,6 +21,13 @@ ELASTIC_ID = "SPARKTRAIN_ELASTIC_ID"
 ELASTIC_ATTEMPT = "SPARKTRAIN_ELASTIC_ATTEMPT"
 #: The file of the committed state under ``<elastic_url>/<elastic id or run id>/``.
 ELASTIC_STATE = "elastic-state.pkl"
+
+
+def elastic_file(elastic_url: str, elastic_id: str, name: str) -> str:
+    """A file of one elastic run's under the ``elastic_url`` setting: its state, or a grow marker."""
+    return f"{elastic_url.rstrip('/')}/{elastic_id}/{name}"
+
+
 #: Which attempt of the run this is, 1-based (see ``run(..., max_attempts=N)``).
 ATTEMPT = "SPARKTRAIN_ATTEMPT"
 #: How many attempts the run has in all (``run(..., max_attempts=N)``); elastic state reads it.

@@ -83,7 +83,7 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
             f"min_num_proc={low} ranks cannot run at once: the local master {conf.get('spark.master')} has {slots} "
             f"task slot(s). Lower min_num_proc, or use a master with more slots")
     env[worker_env.ELASTIC_ID] = elastic_id = uuid.uuid4().hex[:12]
-    state = f"{elastic_url.rstrip('/')}/{elastic_id}/{worker_env.ELASTIC_STATE}"
+    state = worker_env.elastic_file(elastic_url, elastic_id, worker_env.ELASTIC_STATE)
     grow_after = settings.resolve("elastic_grow_after", environ={**os.environ, **env}, conf=conf)
     options = run_kwargs.get("storage_options")
     resets, size, reason, attempt = 0, first, "", 0
@@ -91,7 +91,7 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
         size = _wait_for_slots(sc, conf, use_gpu, low, size, high, timeout, reason)
         attempt += 1
         env[worker_env.ELASTIC_ATTEMPT] = str(attempt)
-        grower = _Grower(sc, conf, use_gpu, size, high, grow_after, f"{state.rsplit('/', 1)[0]}/grow-{attempt}",
+        grower = _Grower(sc, conf, use_gpu, size, high, grow_after, worker_env.elastic_file(elastic_url, elastic_id, f"grow-{attempt}"),
                          options)
         grower.start()
         try:
@@ -193,19 +193,15 @@ def _wait_for_slots(sc, conf, use_gpu: bool, low: int, want: int, high: int, tim
     ``timeout`` for ``low``. Logs the change in one line when ``reason`` says why."""
     from . import cluster
 
-    deadline = time.monotonic() + timeout
-    while True:
-        slots = cluster.capacity(sc, conf).slots(use_gpu)
-        if slots >= low:
-            size = min(slots, want, high)
-            if reason:
-                log.warning("sparktrain: %s; continuing with %d rank(s)", reason, size)
-            return size
-        if time.monotonic() >= deadline:
-            raise InsufficientResourcesError(
-                f"run_elastic waited {timeout:g} s for at least min_num_proc={low} slot(s); the cluster has {slots}"
-                + (f" ({reason})" if reason else "") + ". Add executors, or lower min_num_proc")
-        time.sleep(0.5)  # executors come and go with no event the driver's Python side can await
+    slots = cluster.wait_for_executors(sc, conf, lambda c: c.slots(use_gpu) >= low, timeout).slots(use_gpu)
+    if slots < low:
+        raise InsufficientResourcesError(
+            f"run_elastic waited {timeout:g} s for at least min_num_proc={low} slot(s); the cluster has {slots}"
+            + (f" ({reason})" if reason else "") + ". Add executors, or lower min_num_proc")
+    size = min(slots, want, high)
+    if reason:
+        log.warning("sparktrain: %s; continuing with %d rank(s)", reason, size)
+    return size
 
 
 def _settle(sc, conf, use_gpu: bool, quiet: float = 3.0, wait: float = 20.0) -> None:

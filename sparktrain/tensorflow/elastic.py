@@ -63,16 +63,19 @@ def state_url() -> str | None:
     prefix = settings.resolve("elastic_url")
     if not prefix:
         return None
-    run_id = os.environ.get(worker_env.ELASTIC_ID) or os.environ.get(worker_env.RUN_ID) or "standalone"
-    return f"{prefix.rstrip('/')}/{run_id}/{STATE_NAME}"
+    return worker_env.elastic_file(prefix, _elastic_id(), STATE_NAME)
+
+
+def _elastic_id() -> str:
+    return os.environ.get(worker_env.ELASTIC_ID) or os.environ.get(worker_env.RUN_ID) or "standalone"
 
 
 def grow_url() -> str | None:
     """Where ``run_elastic``'s driver puts the marker that ends this attempt at its next commit."""
-    url, attempt = state_url(), os.environ.get(worker_env.ELASTIC_ATTEMPT)
-    if url is None or not attempt:
+    prefix, attempt = settings.resolve("elastic_url"), os.environ.get(worker_env.ELASTIC_ATTEMPT)
+    if not prefix or not attempt:
         return None
-    return f"{url.rsplit('/', 1)[0]}/grow-{attempt}"
+    return worker_env.elastic_file(prefix, _elastic_id(), f"grow-{attempt}")
 
 
 def _attempts_allowed() -> int:
