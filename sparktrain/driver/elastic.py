@@ -146,8 +146,9 @@ class _Grower(threading.Thread):
         while not self.stop.wait(1.0):
             try:
                 more = min(cluster.capacity(self.sc, self.conf).slots(self.use_gpu), self.high)
-            except Exception:  # noqa: BLE001 - the session is stopping
-                return
+            except Exception:  # noqa: BLE001 - a Py4J call from this thread failed (seen: a reset); look again
+                since = None
+                continue
             if more <= self.size:
                 since = None
                 continue
