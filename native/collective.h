@@ -20,8 +20,9 @@ extern "C" {
 /* 2: every collective carries its dtype and shape (so a disagreement names both and leaves the
  * communicator usable); min, max and product; int8, int16, uint16 and bool; reduce-scatter and
  * alltoall. 3: the process's current communicator (stc_set_current, stc_current_acquire),
- * stc_comm_rank and stc_comm_size. 4: stc_config.spin_s. 5: stc_comm_traffic. */
-#define STC_ABI_VERSION 5
+ * stc_comm_rank and stc_comm_size. 4: stc_config.spin_s. 5: stc_comm_traffic. 6: stc_config.progress_path
+ * and the progress record (stc_progress). */
+#define STC_ABI_VERSION 6
 
 enum stc_dtype {
     STC_FLOAT16 = 0,
@@ -71,7 +72,26 @@ typedef struct stc_config {
     const int32_t *rank_local;  /* size entries: each rank's local rank */
     double spin_s;              /* a wait on a local peer spins this long before it sleeps; 0: only
                                    briefly (for ranks that outnumber their host's cores) */
+    const char *progress_path;  /* NULL, or a file the communicator keeps an stc_progress record in, for
+                                   another process to read (the rank's supervisor, to report stalls) */
 } stc_config;
+
+/* Where a rank's collectives stand: the file at stc_config.progress_path holds one record, kept
+ * up to date at the start and end of every collective. A reader copies it and keeps the copy only
+ * when version is even and the same before and after (it is odd while the record changes). */
+#define STC_PROGRESS_MAGIC 0x31475250434e5453ull /* "STCNPRG1" */
+typedef struct stc_progress {
+    uint64_t magic;
+    uint64_t version;
+    uint64_t begun;    /* collectives begun on this communicator */
+    uint64_t active;   /* 1 while collective number `begun` runs, else 0 */
+    int64_t since_us;  /* when it began: CLOCK_REALTIME, microseconds */
+    uint32_t kind;     /* 1 allreduce, 2 broadcast, 3 allgather, 4 barrier, 5 reducescatter, 6 alltoall */
+    uint32_t dtype;    /* an stc_dtype, or STC_OPAQUE + the element size */
+    int32_t arg;       /* the op, or the root of a broadcast */
+    uint32_t ndim;     /* the shape's true number of dims; up to 8 are in dims */
+    int64_t dims[8];
+} stc_progress;
 
 typedef struct stc_comm stc_comm;
 

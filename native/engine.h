@@ -1,6 +1,7 @@
 /* The engine's insides, shared by its files; not part of the ABI (collective.h is).
  *
  * The layers, as Gloo lays them out:
+ *   comm.c         the ABI: a communicator made from its config, and ended
  *   collective.c   the ABI: checks a call, agrees on it (negotiate), composes the algorithms
  *   local.c        algorithms within one host, written against the shared-memory transport
  *   ring.c         algorithms between hosts, written against the ring link
@@ -8,6 +9,7 @@
  *   shm.c          transport: a host's segment, its steps, waits and liveness checks
  *   link.c         transport: the TCP ring connections of a host's leader, streams and abort records
  *   describe.c     what a call is (descriptors, verdicts) and the messages that name it
+ *   progress.c     the record of where this rank's collectives stand, for its supervisor
  *   reduce.c       the element-wise kernels
  */
 #ifndef SPARKTRAIN_ENGINE_H
@@ -100,6 +102,7 @@ struct stc_comm {
     int hb_started;
     _Atomic int hb_stop;
     /* the collective in progress */
+    stc_progress *progress; /* the mapped record (stc_config.progress_path), or NULL */
     int broken;
     double deadline;
     const char *what; /* its name, for messages */
@@ -144,6 +147,12 @@ void set_desc(desc *d, uint32_t kind, int dtype, int32_t arg, int ndim, const in
 const char *desc_differs(const desc *a, const desc *b);
 int mismatch(char *err, size_t errlen, const verdict *v);
 void verdict_of(verdict *v, int rank, const desc *d);
+
+/* progress.c */
+int progress_open(stc_comm *c, const char *path, char *err, size_t errlen);
+void progress_begin(stc_comm *c);
+int progress_end(stc_comm *c, int rc);
+void progress_close(stc_comm *c);
 
 /* shm.c */
 int shm_attach(stc_comm *c, char *err, size_t errlen);

@@ -4,8 +4,10 @@ Pure and shared: the driver's server (``sparktrain.driver.server``) and each ran
 (``sparktrain.executor.task``) speak it. It carries the rendezvous (ranks say hello, the driver
 answers with everyone's address), every rank's output lines, failure reports and stop orders.
 Messages are JSON dicts with a ``type``: ``hello``, ``out``, ``failed`` (rank to driver);
-``peers``, ``abort`` (driver to rank); ``beat`` (both ways, every second while a rank runs) and
-``quiet`` (rank to driver: its process ended, no more beats). Nothing that travels on it is ever unpickled.
+``peers``, ``abort`` (driver to rank); ``beat`` (both ways, every second while a rank runs; a
+rank's may carry ``at``, where its collectives stand), ``quiet`` (rank to driver: its process
+ended, no more beats) and ``stacks`` (driver to rank: send your process's Python stacks; rank to
+driver: ``text``, those stacks). Nothing that travels on it is ever unpickled.
 
 Authentication: the driver opens each connection with a fresh random nonce. Both ends derive
 a connection key ``HMAC(secret, nonce)`` from the run's secret, and every frame carries

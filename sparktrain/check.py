@@ -15,7 +15,7 @@ import sys
 from typing import Any, Callable, Mapping, TextIO
 
 from . import __version__, settings, versions
-from .driver import capacity, cluster, connect, preflight, probe
+from .driver import capacity, cluster, connect, preflight, probe, spark_errors
 from .errors import ClusterConfigError, InsufficientResourcesError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
@@ -93,7 +93,7 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
     try:
         spark, owned = start_session()
     except Exception as e:  # noqa: BLE001 - whatever stopped Spark from starting is the finding
-        report.fail(f"Spark did not start: {cluster.spark_error_reason(e)}")
+        report.fail(f"Spark did not start: {spark_errors.spark_error_reason(e)}")
         return report.finish()
     try:
         _check_session(report, spark, num_proc, wait, timeout)
@@ -244,7 +244,7 @@ def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: b
                     "task slot at the same time. Look for pending tasks in the Spark UI, or pass --timeout")
         return []
     if found.error is not None:
-        report.fail(f"the barrier stage of {size} task(s) failed: {cluster.spark_error_reason(found.error)}")
+        report.fail(f"the barrier stage of {size} task(s) failed: {spark_errors.spark_error_reason(found.error)}")
         return []
     tasks = found.tasks
     report.ok(f"barrier mode: a barrier stage of {size} task(s) ran in {found.seconds:.1f} s")

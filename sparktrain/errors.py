@@ -198,13 +198,15 @@ class RankFailedError(SparkTrainError):
     """
 
     def __init__(self, failures: Sequence[RankFailure] | Mapping[int, RankFailure], attempts: int = 1,
-                 earlier: Sequence[str] = ()):
+                 earlier: Sequence[str] = (), stall: str = ""):
         items = list(failures.values()) if isinstance(failures, Mapping) else list(failures)
         items.sort(key=lambda f: f.time)
         self.failures: dict[int, RankFailure] = {f.rank: f for f in items}
         #: How many attempts were made (``run(..., max_attempts=N)``), and why the earlier ones failed.
         self.attempts = attempts
         self.earlier = tuple(earlier)
+        #: The last stall report of the attempt (``stall_warning``), or "": what late ranks were doing.
+        self.stall = stall
         super().__init__(self._message())
 
     @property
@@ -231,13 +233,15 @@ class RankFailedError(SparkTrainError):
         if others:
             lines += ["", "Other failed ranks, in the order they failed:"]
             lines += [f"  {f.headline()}" for f in others]
+        if self.stall:
+            lines += ["", "The last stall report before the failure:", self.stall]
         if self.attempts > 1:
             lines[0] = f"attempt {self.attempts} of {self.attempts}: " + lines[0]
             lines += ["", "Earlier attempts:"] + [f"  attempt {i}: {why}" for i, why in enumerate(self.earlier, 1)]
         return "\n".join(lines)
 
     def __reduce__(self):
-        return (type(self), (list(self.failures.values()), self.attempts, self.earlier))
+        return (type(self), (list(self.failures.values()), self.attempts, self.earlier, self.stall))
 
 
 _FAILURE_MARK = "SPARKTRAIN-FAILURE:"

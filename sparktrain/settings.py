@@ -31,6 +31,17 @@ def parse_seconds(name: str, value: Any, *, allow_none: bool = False) -> float |
     return float(value)
 
 
+def parse_seconds_or_off(name: str, value: Any) -> float:
+    """A positive number of seconds, or 0 for off."""
+    if (type(value) in (int, float) and value == 0) or (isinstance(value, str) and value.strip().lower() in
+                                                         ("0", "0s", "0.0", "off")):
+        return 0.0
+    try:
+        return parse_seconds(name, value)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{e}; 0 turns it off") from None
+
+
 def parse_spin(name: str, value: Any) -> str | float:
     """``"auto"``, or a number of seconds from 0 to 1 (how long a collective's wait spins)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
@@ -112,6 +123,10 @@ SETTINGS = {
         Setting("elastic_grow_after", "SPARKTRAIN_ELASTIC_GROW_AFTER", "spark.sparktrain.elasticGrowAfter", 60.0,
                 parse_seconds, "run_elastic: seconds that free slots for more ranks must last before the running "
                 "attempt ends at its next commit and the next one starts larger"),
+        Setting("stall_warning", "SPARKTRAIN_STALL_WARNING", "spark.sparktrain.stallWarning", 60.0,
+                parse_seconds_or_off, "seconds a collective waits for ranks that have not arrived before the driver "
+                "prints a stall report: which ranks wait in which collective, which have not arrived, and their "
+                "Python stacks; the same report goes into the error of a run that then fails; 0 turns it off"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
         # Read in the rank's process, where there is no Spark conf: give it with run(env=...).

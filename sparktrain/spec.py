@@ -55,6 +55,9 @@ class TaskSpec:
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
     #: Seconds of silence on the channel after which a rank counts the driver as gone (0: never).
     heartbeat_timeout: float = 8.0
+    #: Seconds a collective may wait for ranks that have not arrived before the driver reports the
+    #: stall (their progress and stacks); 0: never.
+    stall_warning: float = 60.0
 
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.

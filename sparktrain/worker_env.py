@@ -17,7 +17,7 @@ CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
 RUN_ID = "SPARKTRAIN_RUN_ID"
 #: ``run_elastic``'s id, the same in all its attempts: where ``hvd.elastic`` commits (else the run id).
 ELASTIC_ID = "SPARKTRAIN_ELASTIC_ID"
-#: ``run_elastic``'s attempt number (1, 2, ...): names the attempt's grow marker, ``grow-<n>``.
+#: ``run_elastic``'s attempt number (1, 2, ...): names the attempt's resize marker, ``resize-<n>``.
 ELASTIC_ATTEMPT = "SPARKTRAIN_ELASTIC_ATTEMPT"
 #: The file of the committed state under ``<elastic_url>/<elastic id or run id>/``.
 ELASTIC_STATE = "elastic-state.pkl"
@@ -37,6 +37,9 @@ DATA_DIR = "SPARKTRAIN_DATA_DIR"
 
 #: A file holding the key every collective connection of the run proves it holds (sparktrain.engine).
 COLLECTIVE_KEY_FILE = "SPARKTRAIN_COLLECTIVE_KEY_FILE"
+#: A file where the native engine records which collective the rank is in, and since when; the
+#: rank's task reads it to report stalls (sparktrain.engine.progress).
+PROGRESS_FILE = "SPARKTRAIN_PROGRESS_FILE"
 
 #: How many compute threads the rank should use: its task's CPUs (see :func:`thread_defaults`).
 THREADS = "SPARKTRAIN_THREADS"
@@ -54,7 +57,8 @@ TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
 #: Every variable the contract sets; user ``env`` may not override these.
 RESERVED_VARS = frozenset(
     TOPOLOGY_VARS
-    + (RUN_ID, ATTEMPT, MAX_ATTEMPTS, DATA_DIR, COLLECTIVE_KEY_FILE, THREADS, CPU_BUDGET, "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    + (RUN_ID, ATTEMPT, MAX_ATTEMPTS, DATA_DIR, COLLECTIVE_KEY_FILE, PROGRESS_FILE, THREADS, CPU_BUDGET, "TF_CONFIG", "RANK",
+       "WORLD_SIZE", "LOCAL_RANK",
        "LOCAL_WORLD_SIZE",
        "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
 )
@@ -72,8 +76,9 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
     ((RUN_ID,), "the run's id, the same for every attempt"),
     ((ELASTIC_ID,), "only under ``run_elastic``: its id, the same for every attempt and size; ``hvd.elastic`` commits "
                     "under it"),
-    ((ELASTIC_ATTEMPT,), "only under ``run_elastic``: the attempt's number; at each commit rank 0 looks for the "
-                         "driver's ``grow-<n>`` marker beside the state"),
+    ((ELASTIC_ATTEMPT,), "only under ``run_elastic``: the attempt's number; rank 0 watches for the driver's "
+                         "``resize-<n>`` marker beside the state, and the ranks end the attempt at a commit when "
+                         "it is there"),
     ((ATTEMPT,), "which attempt this is, 1-based (``run(..., max_attempts=N)``)"),
     ((MAX_ATTEMPTS,), "how many attempts the run has in all; elastic state reads it"),
     (("TF_CONFIG",), 'TensorFlow\'s cluster: ``{"cluster": {"worker": ["host:port", ...]}, "task": {"type": '
@@ -92,6 +97,8 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
                "unset when it is not"),
     ((COLLECTIVE_KEY_FILE,), "a file only the rank can read, holding the key its collective connections prove "
                              "they hold"),
+    ((PROGRESS_FILE,), "a file in the rank's work directory where the native engine records which collective "
+                       "the rank is in and since when; the rank's task reads it to report stalls"),
     ((DATA_DIR,), "only with ``run(..., data=...)``: this rank's spool, which ``sparktrain.data`` reads"),
     (("PYTHONUNBUFFERED",), "``1``, so that output reaches the driver line by line; ``env`` may override it"),
     (("TF_CPP_MIN_LOG_LEVEL",), "``2`` (TensorFlow's C++ INFO and WARNING lines hidden), ``0`` with "

@@ -287,15 +287,15 @@ class Standalone:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 old.wait(10)
         home = self.hosts.home(i)
-        opts = []
+        opts = ["-Dspark.decommission.enabled=true"]  # SIGPWR makes the worker leave in good order
         if self.gpus:
             script = os.path.join(home, "gpus.sh")
             with open(script, "w") as f:
                 addresses = ",".join(f'"{g}"' for g in range(self.gpus))
                 f.write(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": [{addresses}]}}'\n")
             os.chmod(script, 0o755)
-            opts = [f"-Dspark.worker.resource.gpu.amount={self.gpus}",
-                    f"-Dspark.worker.resource.gpu.discoveryScript={script}"]
+            opts += [f"-Dspark.worker.resource.gpu.amount={self.gpus}",
+                     f"-Dspark.worker.resource.gpu.discoveryScript={script}"]
         env = self._env({"SPARK_LOCAL_DIRS": os.path.join(home, "local"),
                          "SPARK_WORKER_DIR": os.path.join(home, "work"),
                          "SPARK_LOCAL_IP": self.hosts.ips[i], "SPARK_WORKER_OPTS": " ".join(opts)})
@@ -306,6 +306,13 @@ class Standalone:
                     "--cores", str(self.cores), "--memory", self.memory, "--webui-port", "8081",
                     "--work-dir", os.path.join(home, "work"), self.url],
                 env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def decommission(self, i: int) -> None:
+        """Tell host ``i``'s worker to leave, as a cloud's notice does: SIGPWR, which a worker with
+        spark.decommission.enabled answers by decommissioning itself and its executors."""
+        worker = self.workers[i]
+        if worker is not None and worker.poll() is None:
+            worker.send_signal(signal.SIGPWR)  # our child, not yet reaped: its pid is still its own
 
     def alive_workers(self) -> int:
         """How many workers the master counts as alive (its web UI's JSON)."""
@@ -346,7 +353,8 @@ class Standalone:
         """The settings of a driver SparkSession for this cluster."""
         out = {"spark.driver.host": self.hosts.driver_ip, "spark.driver.bindAddress": self.hosts.driver_ip,
                "spark.executor.memory": "1g", "spark.cores.max": str(cores_max or self.cores * self.hosts.n),
-               "spark.executor.cores": str(self.cores), "spark.task.cpus": "1"}
+               "spark.executor.cores": str(self.cores), "spark.task.cpus": "1",
+               "spark.decommission.enabled": "true"}
         out.update(conf)
         return out
 

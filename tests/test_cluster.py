@@ -7,7 +7,7 @@ import os
 import pytest
 
 from sparktrain import localfiles, settings
-from sparktrain.driver import cluster
+from sparktrain.driver import cluster, spark_errors
 from sparktrain.errors import InvalidArgumentError
 
 
@@ -36,14 +36,14 @@ def test_spark_error_reason_leads_with_the_stage_failure_and_the_python_cause():
             '  File "worker.py", line 1, in main\n'
             "ModuleNotFoundError: No module named 'pyarrow'\n"
             "\tat org.apache.spark.api.python.BasePythonRunner.handlePythonException(PythonRunner.scala:1)\n")
-    reason = cluster.spark_error_reason(RuntimeError(text))
+    reason = spark_errors.spark_error_reason(RuntimeError(text))
     assert reason.startswith("barrier task ResultTask(0, 1) finished unsuccessfully."), reason
     assert reason.endswith("ModuleNotFoundError: No module named 'pyarrow'"), reason
     assert "at org.apache" not in reason and "An error occurred" not in reason
 
 
 def test_spark_error_reason_of_a_one_line_error():
-    assert cluster.spark_error_reason(ValueError("bad master URL")) == "bad master URL"
+    assert spark_errors.spark_error_reason(ValueError("bad master URL")) == "bad master URL"
 
 
 def test_the_collective_timeout_is_a_setting_whose_errors_name_the_variable():

@@ -334,11 +334,11 @@ def import_missing_on_task_1(batches):
 
 
 def test_a_spark_failure_reads_as_the_rank_and_its_python_exception_first(spark):
-    from sparktrain.driver import cluster
+    from sparktrain.driver import spark_errors
 
     with pytest.raises(Exception) as e:  # what pyspark raises for a failed job
         spark.range(0, 2, 1, 2).mapInArrow(import_missing_on_task_1, "x int", barrier=True).collect()
-    failure = cluster.read_spark_failure(e.value)
+    failure = spark_errors.read_spark_failure(e.value)
     assert (failure.partition, failure.cause) == (1, "ModuleNotFoundError: No module named 'sparktrain_no_such_module'")
     assert failure.message("run 1234 of train").startswith("the task of partition 1: ModuleNotFoundError")
     message = failure.message("run 1234 of train", rank=1)

@@ -16,20 +16,20 @@ import dataclasses
 import datetime
 import enum
 import logging
-import os
-import posixpath
 import queue
 import sys
 import time
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable
 
 from .. import channel
 from ..errors import (RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError,
                       StartTimeoutError, failures_in)
 from ..spec import SPILLED, TaskSpec
-from .cluster import read_spark_failure
+from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory
-from .server import Closed, DriverServer, Event, Failed, Hello, JobDone, Output, Refused
+from .results import _size, load_result, placement
+from .server import Closed, DriverServer, Event, Failed, Hello, JobDone, Output, Progress, Refused, Stacks
+from .stalls import StallWatch, collect_stacks, user_frames
 
 log = logging.getLogger("sparktrain")
 
@@ -100,7 +100,7 @@ def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str,
 
 def _with_attempts(e: SparkTrainError, attempts: int, earlier: list[str]) -> SparkTrainError:
     if isinstance(e, RankFailedError):
-        return RankFailedError(e.failures, attempts=attempts, earlier=earlier)
+        return RankFailedError(e.failures, attempts=attempts, earlier=earlier, stall=e.stall)
     history = "; ".join(f"attempt {i}: {why}" for i, why in enumerate(earlier, 1))
     return type(e)(f"{e} (attempt {attempts} of {attempts}; earlier attempts failed: {history})")
 
@@ -147,6 +147,8 @@ class Attempt:
         self.start_seconds: float | None = None
         #: Why this attempt is stopping: the error it raises unless ranks reported a failure.
         self.stopping: SparkTrainError | None = None
+        self.stalls = StallWatch(spec.size, spec.stall_warning, self.hosts,
+                                 self.server.request_stacks if self.server else lambda ranks: None)
 
     # -- the loop ----------------------------------------------------------------------------------
     def supervise(self) -> Any:
@@ -161,8 +163,14 @@ class Attempt:
                 self._handle(self._next_event(TICK))
                 self._step()
             self._drain()
-        except BaseException:
-            # KeyboardInterrupt (a notebook's stop button) or any driver-side error: stop everything.
+        except BaseException as e:
+            # KeyboardInterrupt (a notebook's stop button) or any driver-side error: stop everything,
+            # after saying what every rank was doing when the user stopped it.
+            if isinstance(e, KeyboardInterrupt):
+                try:
+                    self._print_stacks()
+                except KeyboardInterrupt:
+                    pass  # interrupted again: stop the ranks without them
             self._stop("the driver was interrupted")
             raise
         finally:
@@ -193,6 +201,9 @@ class Attempt:
                 self._stop("the run's Spark job ended")
             self.phase = Phase.ENDED
         elif self.phase is not Phase.STOPPING:
+            report = self.stalls.check(time.monotonic()) if self.phase is Phase.RUNNING else None
+            if report:
+                log.warning("sparktrain: run %s: %s", self.info.run_id, report)
             why = self._reason_to_stop()
             if why is not None:
                 self.stopping, reason = why
@@ -201,7 +212,7 @@ class Attempt:
     def _reason_to_stop(self) -> tuple[SparkTrainError, str] | None:
         now = time.monotonic()
         if self.failures:
-            error = RankFailedError(self.failures)
+            error = RankFailedError(self.failures, stall=self.stalls.last_report or "")
             return error, f"rank {error.root_cause.rank} failed"
         if self.phase is Phase.STARTING and now - self.started > self.spec.start_timeout:
             missing = self.server.missing_ranks() if self.server else []
@@ -211,9 +222,10 @@ class Attempt:
                 f"({size - len(missing)} of {size} checked in). Each rank needs one task slot at the "
                 "same time; check the Spark UI for stuck tasks, or raise start_timeout"), "start_timeout expired"
         if self.deadline is not None and now > self.deadline:
+            stall = f"\n\nThe last stall report:\n{self.stalls.last_report}" if self.stalls.last_report else ""
             return RunTimeoutError(
                 f"run {self.info.run_id} of {self.info.fn_name} took longer than timeout={self.info.timeout:g} s and "
-                "was stopped; raise timeout or pass timeout=None for no limit"), "timeout expired"
+                f"was stopped; raise timeout or pass timeout=None for no limit{stall}"), "timeout expired"
         return None
 
     def _next_event(self, timeout: float) -> Event | None:
@@ -240,12 +252,35 @@ class Attempt:
                 self.start_seconds = time.monotonic() - self.started
                 log.info("sparktrain: all %d rank(s) started in %.2f s on %s", self.spec.size, self.start_seconds,
                          placement(self.hosts))
+        elif isinstance(event, Progress):
+            self.stalls.progress(event.rank, event.at, event.time)
+        elif isinstance(event, Stacks):
+            self.stalls.stacks(event.rank, event.text)
         elif isinstance(event, Closed):
             self.disconnected.add(event.rank)
         elif isinstance(event, Refused):
             log.warning("sparktrain: refused a connection from %s (%s)", event.peer, event.reason)
         elif isinstance(event, JobDone) or event is None:
             pass  # _step looks at the job itself
+
+    def _print_stacks(self) -> None:
+        """Every running rank's Python stacks, printed where the run prints (on an interrupt)."""
+        if self.server is None or self.phase is not Phase.RUNNING:
+            return
+
+        def next_stacks(timeout: float):
+            event = self._next_event(min(timeout, TICK))
+            if isinstance(event, Stacks):
+                return event.rank, event.text
+            self._handle(event)
+            return None
+
+        ranks = sorted(self.hosts)
+        got = collect_stacks(ranks, self.server.request_stacks, next_stacks)
+        for rank in ranks:
+            text = user_frames(got.get(rank, "")) or "(no stack arrived)"
+            log.warning("sparktrain: run %s was interrupted; rank %d (%s) was at:\n%s", self.info.run_id, rank,
+                        self.hosts[rank], "".join("  " + line for line in text.splitlines(True)).rstrip())
 
     def _drain(self) -> None:
         """Handle what ranks sent before they disconnected (their last output, failure reports);
@@ -285,7 +320,7 @@ class Attempt:
     # -- the outcome -------------------------------------------------------------------------------
     def _outcome(self) -> Any:
         if self.failures:
-            raise RankFailedError(self.failures)
+            raise RankFailedError(self.failures, stall=self.stalls.last_report or "")
         if self.stopping is not None:
             raise self.stopping
         if self.job.error is not None:
@@ -336,51 +371,6 @@ class Attempt:
                 local_rank=sum(1 for r, h in self.hosts.items() if r < rank and h == self.hosts[rank]),
                 message=f"{failure.cause} ({died})" if failure.cause else died)])
         return SparkTrainError(failure.message(run, rank))
-
-
-def load_result(data: bytes | None) -> Any:
-    """Rank 0's value from the bytes Spark carried, or from storage where rank 0 spilled it."""
-    import cloudpickle
-
-    if not data:
-        return None
-    if not data.startswith(SPILLED):
-        return cloudpickle.loads(data)
-    import tempfile
-
-    from .. import storage
-
-    url = data[len(SPILLED):].decode()
-    log.info("sparktrain: rank 0's value was too large for spark.driver.maxResultSize; reading it from %s", url)
-    try:
-        with tempfile.TemporaryDirectory(prefix="sparktrain-result-") as tmp:
-            local = storage.get_file(url, os.path.join(tmp, "result.pkl"))
-            with open(local, "rb") as f:
-                return cloudpickle.load(f)
-    finally:
-        try:
-            fs, path = storage.filesystem(url)
-            fs.rm(posixpath.dirname(path), recursive=True)
-        except Exception as e:  # noqa: BLE001 - the value is safe; say what is left behind
-            log.warning("sparktrain: could not delete the spilled result under %s: %s", url, e)
-
-
-def placement(hosts: Mapping[int, str]) -> str:
-    """``10.0.0.5 (ranks 0-1), 10.0.0.6 (rank 2)``: where the ranks run."""
-    by_host: dict[str, list[int]] = {}
-    for rank in sorted(hosts):
-        by_host.setdefault(hosts[rank], []).append(rank)
-    parts = []
-    for host, ranks in by_host.items():
-        contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
-        which = (f"rank {ranks[0]}" if len(ranks) == 1 else
-                 f"ranks {ranks[0]}-{ranks[-1]}" if contiguous else "ranks " + ",".join(map(str, ranks)))
-        parts.append(f"{host} ({which})")
-    return ", ".join(parts)
-
-
-def _size(n: int) -> str:
-    return f"{n} bytes" if n < 1024 else f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
 def _first_line(text: str) -> str:

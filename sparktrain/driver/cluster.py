@@ -2,7 +2,8 @@
 
 pyspark is imported inside the functions that need it. Every question about "is this a local
 master", "how many executors should there be" or "what did Spark's error say" is answered here,
-once, for ``run``, ``sparktrain check`` and the CLI.
+once, for ``run``, ``sparktrain check`` and the CLI; what Spark's errors say is in
+``spark_errors``.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from ..errors import ClusterConfigError, InsufficientResourcesError
 from . import capacity as rules
 from .capacity import Capacity
+from .spark_errors import spark_error_reason
 
 
 def is_connect(spark) -> bool:
@@ -313,77 +315,23 @@ def local_gpus(size: int) -> list[list[str]]:
 
 # -- Spark's errors ----------------------------------------------------------------------------------
 
-_PYTHON_ERROR = re.compile(r"^(\[\w+\] )?[\w.]+(Error|Exception)\b.*:")
-_TRACEBACK = "Traceback (most recent call last):"
-#: How Spark introduces a Python worker's traceback; with the cause moved first, it would dangle.
-_PYTHON_WORKER_SAYS = "[PYTHON_EXCEPTION] An exception was thrown from the Python worker:"
 
-
-def _error_text(error: Any) -> str:
-    java = getattr(error, "java_exception", None)
-    return str(java.toString()) if java is not None else str(error)
-
-
-def python_cause(error: Any) -> str | None:
-    """The executor's Python exception (``ModuleNotFoundError: No module named 'x'``) when Spark's
-    error carries a Python worker's traceback; None otherwise."""
-    text = _error_text(error)
-    if "Traceback" not in text:
-        return None
-    causes = [line.strip() for line in text.splitlines() if _PYTHON_ERROR.match(line.strip())]
-    return causes[-1][:500] if causes else None
-
-
-def spark_error_reason(error: Any, *, with_cause: bool = True) -> str:
-    """The informative part of a Spark (or Py4J) error, without the JVM stack.
-
-    py4j puts "An error occurred while calling" first; Spark puts the stage failure after "Job
-    aborted due to stage failure:"; a failed Python task carries the worker's traceback, whose
-    last "...Error: ..." line is the cause (appended, unless ``with_cause=False``). The reason
-    never ends on a bare "Traceback (most recent call last):".
-    """
-    text = _error_text(error)
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("at ")]
-    if not lines:
-        return type(error).__name__ if isinstance(error, BaseException) else ""
-    picked: list[str] = []
-    for line in lines:
-        if "Job aborted due to stage failure:" in line:
-            picked = [line.split("Job aborted due to stage failure:", 1)[1].strip()]
-        elif picked and ("Exception:" in line or "Failure" in line) and len(picked) < 2:
-            picked.append(line.split("Exception: ", 1)[-1])
-    if not picked:
-        picked = [next((line for line in lines if not line.startswith("An error occurred while calling")), lines[0])]
-    reason = " ".join(p for p in picked if p != _TRACEBACK).removesuffix(_TRACEBACK).strip()
-    cause = python_cause(error) if with_cause else None
-    if cause and cause not in reason:
-        reason = f"{reason[:300]} ... {cause}"
-    return reason[:800]
-
-
-@dataclasses.dataclass(frozen=True)
-class SparkFailure:
-    """What a failed barrier job's error says: which task (its partition) failed, the executor's
-    Python exception when Spark carried one, and Spark's own context.
-
-    A task's partition is not its rank: ranks are numbered by host (``worker_env.ranks_by_host``),
-    so the caller names the rank where it knows which rank that task ran."""
-
-    partition: int | None
-    cause: str | None
-    context: str
-
-    def message(self, run: str, rank: int | None = None) -> str:
-        """``rank 1: ModuleNotFoundError: ...`` first, then ``<run> failed in Spark: <context>``."""
-        if self.cause:
-            where = (f"rank {rank}: " if rank is not None else
-                     f"the task of partition {self.partition}: " if self.partition is not None else "")
-            return f"{where}{self.cause}\n{run} failed in Spark: {self.context}"
-        return f"{run} failed in Spark: {self.context}"
-
-
-def read_spark_failure(error: Any) -> SparkFailure:
-    """Read a failed barrier job's error (see :class:`SparkFailure`)."""
-    task = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", _error_text(error))
-    context = spark_error_reason(error, with_cause=False).removesuffix(_PYTHON_WORKER_SAYS).strip()
-    return SparkFailure(int(task.group(1)) if task else None, python_cause(error), context)
+def decommissioning_hosts(sc) -> list[str]:
+    """The hosts of executors Spark is decommissioning (``spark.decommission.enabled``: a worker or
+    executor announced that it is leaving; Spark no longer counts its slots). Best effort, through
+    the scheduler's JVM objects; [] where they cannot be read."""
+    jsc = sc._jsc.sc()
+    hosts: list[str] = []
+    try:
+        pending = jsc.taskScheduler().executorsPendingDecommission()
+        keys = pending.keysIterator()
+        while keys.hasNext():
+            executor = keys.next()
+            worker = pending.get(executor).get().workerHost()
+            host = worker.get() if worker.isDefined() else \
+                str(jsc.statusStore().executorSummary(executor).hostPort()).rsplit(":", 1)[0]
+            if host not in hosts:
+                hosts.append(host)
+    except Exception:  # noqa: BLE001 - internal APIs: without them, a shrink is not told apart from a loss
+        return hosts
+    return hosts

@@ -5,10 +5,11 @@ then, up to ``max_num_proc``. When an attempt fails because a rank or a host was
 attempt starts with the slots there are now, waiting up to ``elastic_timeout`` for at least
 ``min_num_proc``, and ``hvd.elastic.run`` resumes it from the last ``state.commit()``, which rank
 0 wrote under the ``elastic_url`` setting. All attempts share one elastic id, so they share that
-state; reset callbacks run with the new size. While an attempt runs short of ``max_num_proc``,
-a thread watches the slots; once more have lasted ``elastic_grow_after`` seconds it leaves a
-marker, and the ranks end the attempt at their next commit (``HostsUpdatedInterrupt``) so the
-next one starts larger. ``reset_limit`` bounds the restarts, resizes included. Only a lost rank
+state; reset callbacks run with the new size. While an attempt runs, a thread watches the slots:
+once more have lasted ``elastic_grow_after`` seconds, or at once when an executor under the run is
+being decommissioned (``spark.decommission.enabled``), it leaves a marker, and the ranks end the
+attempt at their next commit (``HostsUpdatedInterrupt``; ``CommitStateCallback`` commits at the
+end of that step) so the next one starts at the new size. ``reset_limit`` bounds the restarts, resizes included. Only a lost rank
 or host restarts the run; an exception of ``train_fn``'s own ends it.
 """
 from __future__ import annotations
@@ -91,9 +92,9 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
         size = _wait_for_slots(sc, conf, use_gpu, low, size, high, timeout, reason)
         attempt += 1
         env[worker_env.ELASTIC_ATTEMPT] = str(attempt)
-        grower = _Grower(sc, conf, use_gpu, size, high, grow_after, worker_env.elastic_file(elastic_url, elastic_id, f"grow-{attempt}"),
-                         options)
-        grower.start()
+        resizer = _Resizer(sc, conf, use_gpu, size, high, grow_after,
+                           worker_env.elastic_file(elastic_url, elastic_id, f"resize-{attempt}"), options)
+        resizer.start()
         try:
             return run(train_fn, args, kwargs, num_proc=size, start_timeout=start_timeout, env=env, stdout=stdout,
                        stderr=stderr, verbose=verbose, prefix_output_with_timestamp=prefix_output_with_timestamp,
@@ -103,62 +104,75 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
             size = low
             continue
         except SparkTrainError as e:
-            grew = isinstance(e, RankFailedError) and e.failures and \
-                e.root_cause.exc_type.endswith("HostsUpdatedInterrupt")
-            if not grew and not _lost_ranks(e):
+            resized = isinstance(e, RankFailedError) and e.failures and \
+                e.root_cause.exc_type.endswith("HostsUpdatedInterrupt") and resizer.resized
+            if not resized and not _lost_ranks(e):
                 raise  # it would fail the same way again
             resets += 1
             if reset_limit is not None and resets > reset_limit:
                 raise SparkTrainError(f"run_elastic gave up after reset_limit={reset_limit} restart(s); the last attempt "
                                       f"failed: {e}") from e
-            if grew:
-                reason = f"the cluster has slots for {grower.grew} rank(s)" + _last_commit(state, options)
-                size = grower.grew
+            if resized:
+                reason = resizer.why + _last_commit(state, options)
+                size = resizer.resized
             else:
                 reason = _lost(e) + _last_commit(state, options)
                 size = high
                 _settle(sc, conf, use_gpu)
         finally:
-            grower.stop.set()
-            grower.join()
+            resizer.stop.set()
+            resizer.join()
 
 
-class _Grower(threading.Thread):
-    """While an attempt of ``size`` ranks runs: once the cluster has had slots for more (up to
-    ``high``) for ``after`` seconds, put the marker at which the ranks end the attempt at their
-    next commit. At most once per attempt, and never in an attempt younger than ``after``, so an
-    executor that comes and goes cannot restart the run over and over."""
+class _Resizer(threading.Thread):
+    """While an attempt of ``size`` ranks runs, watch the cluster's slots and leave the marker at
+    which the ranks end the attempt at their next commit (``sparktrain.tensorflow.resize``):
+
+    - at once when there are fewer slots than ranks while the ranks still run: an executor under
+      the run is being decommissioned (Spark no longer counts it), so the ranks commit at the end
+      of their step and the next attempt starts without it;
+    - once slots for more ranks (up to ``high``) have lasted ``after`` seconds. At most once per
+      attempt, and never in an attempt younger than ``after``, so an executor that comes and goes
+      cannot restart the run over and over.
+    """
 
     def __init__(self, sc, conf, use_gpu: bool, size: int, high: int, after: float, marker: str, storage_options):
-        super().__init__(name="sparktrain-elastic-grow", daemon=True)
+        super().__init__(name="sparktrain-elastic-resize", daemon=True)
         self.sc, self.conf, self.use_gpu, self.size, self.high = sc, conf, use_gpu, size, high
         self.after, self.marker, self.storage_options = after, marker, storage_options
         self.stop = threading.Event()
-        self.grew = 0
+        #: The size the next attempt should have, once the marker is down; the reason, for the log.
+        self.resized = 0
+        self.why = ""
 
     def run(self) -> None:
         from .. import storage
         from . import cluster
 
-        if self.size >= self.high:
-            return
         since = None
         while not self.stop.wait(1.0):
             try:
-                more = min(cluster.capacity(self.sc, self.conf).slots(self.use_gpu), self.high)
+                slots = cluster.capacity(self.sc, self.conf).slots(self.use_gpu)
+                leaving = cluster.decommissioning_hosts(self.sc) if slots < self.size else []
             except Exception:  # noqa: BLE001 - a Py4J call from this thread failed (seen: a reset); look again
                 since = None
                 continue
-            if more <= self.size:
+            if slots < self.size and leaving:
+                self.resized = max(1, slots)
+                self.why = f"host {', '.join(leaving)} is being decommissioned"
+            elif slots > self.size and self.size < self.high:
+                since = since or time.monotonic()
+                if time.monotonic() - since < self.after:
+                    continue
+                self.resized = min(slots, self.high)
+                self.why = f"the cluster has slots for {self.resized} rank(s)"
+            else:
                 since = None
                 continue
-            since = since or time.monotonic()
-            if time.monotonic() - since >= self.after:
-                storage.put_bytes(self.marker, b"grow", self.storage_options)
-                self.grew = more
-                log.info("sparktrain: %d slot(s) free for %g s: the ranks end this attempt at their next commit, and "
-                         "the next one starts with %d", more - self.size, self.after, more)
-                return
+            storage.put_bytes(self.marker, self.why.encode(), self.storage_options)
+            log.info("sparktrain: %s: the ranks end this attempt at their next commit, and the next one starts with "
+                     "%d rank(s)", self.why, self.resized)
+            return
 
 
 def _lost_ranks(e: SparkTrainError) -> bool:
@@ -227,8 +241,9 @@ def _last_commit(url: str, storage_options) -> str:
         meta = storage.read_manifest(url, storage_options).get("metadata", {})
     except Exception:  # noqa: BLE001 - no commit yet, or the store is unreachable from here
         return "; no commit yet: the next attempt starts from the beginning"
-    epoch = meta.get("epoch")
-    return "; the next attempt resumes from the last commit" + (f", at epoch {epoch}" if epoch is not None else "")
+    epoch, batch = meta.get("epoch"), meta.get("batch")
+    where = f", at epoch {epoch}" if epoch is not None else ""
+    return "; the next attempt resumes from the last commit" + where + (f", batch {batch}" if where and batch else "")
 
 
 def _lost(e: SparkTrainError) -> str:

@@ -352,6 +352,7 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
         grace_period=settings.resolve("grace_period", conf=conf),
         heartbeat_timeout=settings.resolve("heartbeat_timeout", conf=conf),
+        stall_warning=settings.resolve("stall_warning", environ={**os.environ, **(env or {})}, conf=conf),
         user_env=settings.rank_env(env, conf), checkpoint=checkpoint,
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
         return_output=return_output, log_target=log_target,

@@ -50,6 +50,24 @@ class Failed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Progress:
+    """A rank's beat carried where its collectives stand (``sparktrain.engine.progress.read``),
+    received at monotonic ``time``."""
+
+    rank: int
+    at: dict
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacks:
+    """A rank's threads' Python stacks, as asked for (``request_stacks``); "" when it could not answer."""
+
+    rank: int
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Closed:
     """A rank's connection ended: its task is done with its processes, or it died."""
 
@@ -69,7 +87,7 @@ class JobDone:
     """The Spark (or local) job ended; put on the queue by the job itself, to wake the loop at once."""
 
 
-Event = Union[Hello, Output, Failed, Closed, Refused, JobDone]
+Event = Union[Hello, Output, Failed, Progress, Stacks, Closed, Refused, JobDone]
 
 
 class DriverServer:
@@ -212,6 +230,10 @@ class DriverServer:
             self.events.put(Output(rank, msg["stream"], msg["line"], msg["time"]))
         elif kind == "failed":
             self.events.put(Failed(rank, msg["failure"]))
+        elif kind == "beat" and isinstance(msg.get("at"), dict):
+            self.events.put(Progress(rank, msg["at"], time.monotonic()))
+        elif kind == "stacks":
+            self.events.put(Stacks(rank, str(msg.get("text", ""))))
 
     def _beat_loop(self) -> None:
         while not self._beats.wait(channel.BEAT_SECONDS):
@@ -264,6 +286,13 @@ class DriverServer:
             return self._all_closed.wait_for(
                 lambda: all(c.closed for r, c in self._channels.items() if r not in self._unreachable),
                 timeout=max(0.0, timeout))
+
+    def request_stacks(self, ranks) -> None:
+        """Ask these ranks' tasks for their processes' Python stacks (answered as :class:`Stacks`)."""
+        with self._lock:
+            channels = [self._channels[r] for r in ranks if r in self._channels]
+        for chan in channels:
+            self._send_quietly(chan, {"type": "stacks"})
 
     def abort(self, reason: str) -> None:
         """Tell every connected rank to stop its processes now, and every later one not to start."""

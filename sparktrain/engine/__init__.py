@@ -1,8 +1,9 @@
 """The native CPU collective engine (``native/``), seen from Python.
 
 The package, by subject: ``loader`` (loading the C library, its ABI), ``topology`` (where each
-rank sits), ``handshake`` (the ring's authenticated connections), ``communicator`` (the
-:class:`Communicator`), and here, a communicator from a rank's environment.
+rank sits), ``handshake`` (the ring's authenticated connections), ``ragged`` (what allgather and
+alltoall compare first), ``communicator`` (the :class:`Communicator`), ``progress`` (reading where a
+rank's collectives stand), and here, a communicator from a rank's environment.
 
 The engine is a small C library built into the package (``sparktrain/_collective*.so``) and
 loaded with ctypes, which releases the GIL for every call. Within a host the ranks meet in
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 
-from .. import settings
+from .. import settings, worker_env
 from .communicator import SPIN_S, Communicator, default_spin, split_rows
 from .loader import (_ABI_VERSION, BROKEN, DTYPES, KEY_FILE_ENV, LIBRARY_ENV, MISMATCH, OPS, PEER, TIMEOUT,  # noqa: F401
                       CollectiveError, _library_path, available, library, unavailable_reason)
@@ -67,4 +68,4 @@ def from_env(timeout: float | None = None, environ=None) -> Communicator:
     force_tcp = settings.resolve("cpu_transport", environ=environ) == "tcp"
     spin = settings.resolve("spin_wait", environ=environ)
     return Communicator(rank, size, hosts, ports, key, name, timeout=timeout, force_tcp=force_tcp,
-                        spin=None if spin == "auto" else spin)
+                        spin=None if spin == "auto" else spin, progress=environ.get(worker_env.PROGRESS_FILE))

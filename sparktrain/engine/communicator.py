@@ -10,7 +10,9 @@ from typing import Sequence
 
 from .. import cpus, worker_env
 from .handshake import _connect_ring
-from .loader import (CollectiveError, DTYPES, OPS, _Config, _DTYPE_CODES, _ERRLEN, _MAX_DIMS, _OPAQUE, _OPAQUE_MAX, _OP_CODES, available, library, unavailable_reason)
+from .ragged import check_ragged, meta_of, sent_rows, split_problem, splits_refused
+from .loader import (CollectiveError, DTYPES, OPS, _Config, _DTYPE_CODES, _ERRLEN, _OP_CODES, library,
+                     move_code, unavailable_reason)
 from .topology import layout, segment_name
 
 
@@ -53,16 +55,6 @@ def _reduce_code(dtype, op: str, what: str) -> int:
     return code
 
 
-def _move_code(dtype) -> int:
-    """The engine's code for a dtype it only moves: its own where it has one, else opaque bytes."""
-    code = _DTYPE_CODES.get(str(dtype))
-    if code is not None:
-        return code
-    if dtype.hasobject or not 0 < dtype.itemsize <= _OPAQUE_MAX:
-        raise CollectiveError(f"the native engine moves fixed-size dtypes of at most {_OPAQUE_MAX} bytes; got {dtype}")
-    return _OPAQUE + dtype.itemsize
-
-
 def _dims(shape):
     """A shape as the engine's (ndim, int64 array) arguments; the array must outlive the call."""
     arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
@@ -97,12 +89,14 @@ class Communicator:
     spin : seconds a wait on a rank of this host spins before it sleeps (``spin_wait``); None:
         ``SPIN_S`` where this host's ranks do not outnumber its cores, else 0 (they sleep almost
         at once, leaving the cores to the ranks that still compute).
+    progress : a file where the engine keeps the record of which collective this rank is in and
+        since when (``stc_progress``), which the rank's task reads to report stalls; None: none.
     """
 
     def __init__(self, rank: int, size: int, hosts: Sequence[str], ports: Sequence[int], secret: bytes, name: str,
                  timeout: float = 600.0, force_tcp: bool = False, bind_host: str | None = None,
                  chunk_bytes: int = 0, heartbeat: float | None = None, listener: socket.socket | None = None,
-                 spin: float | None = None):
+                 spin: float | None = None, progress: str | None = None):
         lib = library()
         if lib is None:
             raise CollectiveError(unavailable_reason() or "the native engine is not available")
@@ -143,7 +137,8 @@ class Communicator:
                       timeout_s=max(0.001, deadline - time.monotonic()),
                       heartbeat_s=float(heartbeat if heartbeat is not None else min(30.0, self.timeout)),
                       next_fd=next_sock.fileno() if next_sock else -1, prev_fd=prev_sock.fileno() if prev_sock else -1,
-                      rank_node=node_arr, rank_local=local_arr, spin_s=self.spin)
+                      rank_node=node_arr, rank_local=local_arr, spin_s=self.spin,
+                      progress_path=progress.encode() if progress else None)
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERRLEN)
         rc = lib.stc_create(ctypes.byref(cfg), ctypes.byref(handle), err, _ERRLEN)
@@ -235,7 +230,7 @@ class Communicator:
 
         out = np.array(array, order="C", copy=True)
         ndim, dims = _dims(out.shape)
-        self._call(self._lib.stc_broadcast, out.ctypes.data, _move_code(out.dtype), ndim, dims, int(root))
+        self._call(self._lib.stc_broadcast, out.ctypes.data, move_code(out.dtype), ndim, dims, int(root))
         return out
 
     def _gather_meta(self, meta):
@@ -245,32 +240,6 @@ class Communicator:
         meta = np.ascontiguousarray(meta, np.int64)
         return self._gatherv(meta.view(np.uint8), [meta.nbytes] * self.size, _DTYPE_CODES["int64"],
                              (meta.size,)).view(np.int64).reshape(self.size, meta.size)
-
-    @staticmethod
-    def _shape_text(meta_row) -> str:
-        ndim, code = int(meta_row[0]), int(meta_row[1])
-        name = DTYPES[code] if 0 <= code < len(DTYPES) else f"opaque{(code - _OPAQUE) * 8}"
-        return f"{name}[{','.join(str(int(d)) for d in meta_row[2:2 + ndim])}]"
-
-    def _meta_of(self, a, extra=()):
-        """[ndim, dtype code, dims (padded to 64), *extra]: what a ragged collective compares."""
-        import numpy as np
-
-        meta = np.zeros(2 + _MAX_DIMS + len(extra), np.int64)
-        meta[0], meta[1] = a.ndim, _move_code(a.dtype)
-        meta[2:2 + a.ndim] = a.shape
-        meta[2 + _MAX_DIMS:] = extra
-        return meta
-
-    def _check_ragged(self, what: str, metas) -> None:
-        """The same verdict on every rank (each rank against rank 0): trailing dims and dtype agree."""
-        for r in range(1, self.size):
-            if metas[r, 0] != metas[0, 0] or metas[r, 1] != metas[0, 1] or \
-                    (metas[r, 3:2 + _MAX_DIMS] != metas[0, 3:2 + _MAX_DIMS]).any():
-                differ = "dtypes" if metas[r, 1] != metas[0, 1] else "shapes"
-                raise CollectiveError(
-                    f"rank {self.rank}: {what}: rank 0 passed {self._shape_text(metas[0])} but rank {r} passed "
-                    f"{self._shape_text(metas[r])}: the {differ} differ (only the first dimension may differ)")
 
     def allgather(self, array):
         """Every rank's ``array`` concatenated along the first axis, in rank order.
@@ -284,11 +253,11 @@ class Communicator:
         if a.ndim == 0:
             a = a.reshape(1)
         # First every rank's shape and dtype, so a mismatch is an error and never garbage.
-        metas = self._gather_meta(self._meta_of(a))
-        self._check_ragged("allgather", metas)
+        metas = self._gather_meta(meta_of(a))
+        check_ragged(self.rank, "allgather", metas)
         row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
         counts = [int(metas[r, 2]) * row for r in range(self.size)]
-        flat = self._gatherv(a.reshape(-1).view(np.uint8), counts, _move_code(a.dtype), a.shape)
+        flat = self._gatherv(a.reshape(-1).view(np.uint8), counts, move_code(a.dtype), a.shape)
         return flat.view(a.dtype).reshape((int(metas[:, 2].sum()),) + a.shape[1:])
 
     def alltoall(self, array, splits=None):
@@ -304,49 +273,20 @@ class Communicator:
 
         a = np.ascontiguousarray(array)
         n = self.size
-        rows = a.shape[0] if a.ndim else 0
         # A problem with this rank's own splits is told to every rank (the meta carries it), so
         # that all of them raise instead of some waiting for the others.
-        problem, given = 0, np.zeros(n, np.int64)
-        if a.ndim == 0:
-            problem = 1
-        elif splits is None:
-            if rows % n:
-                problem = 2
-            else:
-                given[:] = rows // n
-        else:
-            sp = np.asarray(splits).reshape(-1)
-            if sp.size != n or (sp.size and not np.issubdtype(sp.dtype, np.integer)):
-                problem = 3
-            elif (sp < 0).any():
-                problem, given[:] = 4, sp
-            elif int(sp.sum()) != rows:
-                problem, given[:] = 5, sp
-            else:
-                given[:] = sp
-        metas = self._gather_meta(self._meta_of(a, [problem, np.asarray(splits).size if splits is not None else n,
-                                                    *given]))
-        for r in range(n):
-            p = int(metas[r, 2 + _MAX_DIMS])
-            if p:
-                shape = self._shape_text(metas[r])
-                got = metas[r, 4 + _MAX_DIMS:].tolist()
-                why = {1: "a scalar has no rows to send; pass an array of at least one dimension",
-                       2: f"its {int(metas[r, 2])} rows do not split evenly over {n} ranks; pass splits",
-                       3: f"splits must be {n} integers, one per rank (it passed {int(metas[r, 3 + _MAX_DIMS])} "
-                          "values, or values that are not integers)",
-                       4: f"splits {got} are negative",
-                       5: f"splits {got} sum to {sum(got)}, not to its {int(metas[r, 2])} rows"}[p]
-                raise CollectiveError(f"rank {self.rank}: alltoall: rank {r} passed {shape}: {why}")
-        self._check_ragged("alltoall", metas)
-        sent = metas[:, 4 + _MAX_DIMS:]  # sent[i][j]: rows from rank i to rank j
+        metas = self._gather_meta(meta_of(a, split_problem(a, splits, n)))
+        problem = splits_refused(metas, n)
+        if problem:
+            raise CollectiveError(f"rank {self.rank}: alltoall: {problem}")
+        check_ragged(self.rank, "alltoall", metas)
+        sent = sent_rows(metas)  # sent[i][j]: rows from rank i to rank j
         row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
         received_splits = sent[:, self.rank].astype(np.int64)
         out = np.empty((int(received_splits.sum()),) + a.shape[1:], a.dtype)
         sends = (ctypes.c_uint64 * (n * n))(*(sent.reshape(-1) * row).tolist())
         ndim, dims = _dims(a.shape)
-        self._call(self._lib.stc_alltoallv, a.ctypes.data, out.ctypes.data, sends, _move_code(a.dtype), ndim, dims)
+        self._call(self._lib.stc_alltoallv, a.ctypes.data, out.ctypes.data, sends, move_code(a.dtype), ndim, dims)
         return out, received_splits
 
     def _gatherv(self, data, counts: list[int], dtype: int, shape):

@@ -14,7 +14,7 @@ LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"
 #: The file holding the run's collective key; ``run`` writes it into the rank's work directory.
 KEY_FILE_ENV = worker_env.COLLECTIVE_KEY_FILE
 
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _ERRLEN = 1024
 _HELLO = b"STC1"
 
@@ -58,8 +58,18 @@ class _Config(ctypes.Structure):
         ("timeout_s", ctypes.c_double), ("heartbeat_s", ctypes.c_double),
         ("next_fd", ctypes.c_int), ("prev_fd", ctypes.c_int),
         ("rank_node", ctypes.POINTER(ctypes.c_int32)), ("rank_local", ctypes.POINTER(ctypes.c_int32)),
-        ("spin_s", ctypes.c_double),
+        ("spin_s", ctypes.c_double), ("progress_path", ctypes.c_char_p),
     ]
+
+
+def move_code(dtype) -> int:
+    """The engine's code for a dtype it only moves: its own where it has one, else opaque bytes."""
+    code = _DTYPE_CODES.get(str(dtype))
+    if code is not None:
+        return code
+    if dtype.hasobject or not 0 < dtype.itemsize <= _OPAQUE_MAX:
+        raise CollectiveError(f"the native engine moves fixed-size dtypes of at most {_OPAQUE_MAX} bytes; got {dtype}")
+    return _OPAQUE + dtype.itemsize
 
 
 _lib = None

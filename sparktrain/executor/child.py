@@ -1,4 +1,4 @@
-"""Entry point of one rank's process: ``python -m sparktrain.executor.child WORKDIR PARENT_PID [--go FD]``.
+"""Entry point of one rank's process: ``python -m sparktrain.executor.child WORKDIR PARENT_PID [--go FD] [--stacks FD]``.
 
 It loads ``WORKDIR/payload.pkl`` (cloudpickled ``(train_fn, args, kwargs)``), calls the
 function, and leaves behind either ``result.pkl`` (rank 0 only) or ``error.json``. Both are
@@ -6,6 +6,10 @@ written under a temporary name and renamed, so the parent never reads half a fil
 
 Held (``--go FD``), it waits before it reads anything of the user's until the task writes the
 rank's whole environment down that pipe (see ``ChildProcess.go``), and takes it as its own.
+
+With ``--stacks FD``, SIGUSR1 makes it write every thread's Python stack (``faulthandler``) to that
+pipe, from the signal handler itself, so a rank busy in C code or in a sleep still answers: the
+task asks for it when the driver reports a stall or the user interrupts the run.
 
 It dies with its parent (the barrier task): a parent-death signal (SIGTERM) is set first
 thing, then the parent pid is re-checked to close the race with a parent that died before that;
@@ -115,6 +119,10 @@ def main(argv: list[str]) -> int:
     if go is None:
         _pin_cores()
     _die_with_parent(parent_pid)
+    if "--stacks" in argv[2:]:
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, file=int(argv[argv.index("--stacks") + 1]), all_threads=True)
     import cloudpickle
 
     if go is not None:

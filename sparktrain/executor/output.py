@@ -17,6 +17,7 @@ from .. import channel
 from ..tflog import NO_GPU_LINE, below_log_level
 from ..errors import RankFailure
 from ..spec import TaskSpec
+from .stacks import StackDump, beat
 from .supervisor import ChildProcess
 
 #: Lines of output each rank keeps for its failure report.
@@ -45,6 +46,9 @@ class RankIO:
         self.log = None
         #: The key the ranks' collective connections prove they hold (see collective_key).
         self.collective_key = b""
+        #: The native engine's progress record of the rank (sent with every beat), once it is known.
+        self.progress_path: str | None = None
+        self.stacks = StackDump()
 
     def open_log(self) -> None:
         if self.spec.log_target is None or not self.show:
@@ -112,9 +116,11 @@ class RankIO:
             os.set_blocking(f.fileno(), False)
             sel.register(f.fileno(), selectors.EVENT_READ, stream)
             buffers[stream] = b""
+        sel.register(child.stacks, selectors.EVENT_READ, "stacks")
         driver_sock = self.chan.sock if self.chan is not None else None
         if driver_sock is not None:
             sel.register(driver_sock, selectors.EVENT_READ, "driver")
+        beats = self.spec.heartbeat_timeout or self.spec.stall_warning
         open_pipes = 2
         exited_at = None
         self.heard = time.monotonic()
@@ -125,15 +131,22 @@ class RankIO:
                     sel.unregister(driver_sock)
                     driver_sock = None
                 now = time.monotonic()
-                if self.chan is not None and self.spec.heartbeat_timeout and now - beat_at >= channel.BEAT_SECONDS:
+                if self.chan is not None and beats and now - beat_at >= channel.BEAT_SECONDS:
                     beat_at = now
-                    self.send({"type": "beat"})
+                    self.send(beat(self.progress_path if self.spec.stall_warning else None))
                 self._check_driver(child, now)
-                for key, _ in sel.select(timeout=0.5):
+                stacks = self.stacks.done(now)
+                if stacks is not None:
+                    self.send({"type": "stacks", "text": stacks})
+                for key, _ in sel.select(timeout=0.5 if self.stacks.asked is None else 0.1):
                     if key.data == "driver" and self.chan is None:
                         continue
                     if key.data == "driver":
                         self._on_driver_message(child)
+                        continue
+                    if key.data == "stacks":
+                        if not self.stacks.read(key.fd, time.monotonic()):
+                            sel.unregister(key.fileobj)
                         continue
                     try:
                         chunk = os.read(key.fd, 65536)
@@ -188,6 +201,8 @@ class RankIO:
             self.chan = None  # pump() unregisters the socket
             return
         self.heard = time.monotonic()
+        if msg.get("type") == "stacks" and not self.stacks.ask(child, self.heard):
+            self.send({"type": "stacks", "text": ""})  # it has exited: nothing to wait for
         if msg.get("type") == "abort" and self.abort_reason is None:
             self.abort_reason = msg.get("reason", "stopped by the driver")
             child.stop(self.spec.grace_period)

@@ -50,6 +50,7 @@ def rank_env(spec: TaskSpec, rank: int, hosts: Sequence[str], ports: Sequence[in
     env.update(tracking.rank_env(rank, spec.mlflow, workdir))
     env["PYTHONPATH"] = _child_pythonpath()
     env[worker_env.COLLECTIVE_KEY_FILE] = _write_key(workdir, key)
+    env[worker_env.PROGRESS_FILE] = os.path.join(workdir, "progress")
     if data_dir is not None:
         env[worker_env.DATA_DIR] = data_dir
     return env

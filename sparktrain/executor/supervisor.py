@@ -52,7 +52,8 @@ class ChildProcess:
     """A supervised rank process: ``python -m sparktrain.executor.child WORKDIR PARENT_PID``.
 
     stdout and stderr are pipes the caller reads; stdin is ``/dev/null``. :attr:`pidfd` names the
-    process for as long as this object lives (hand it to the rank's watcher).
+    process for as long as this object lives (hand it to the rank's watcher). :meth:`request_stacks`
+    makes the process write every thread's Python stack to :attr:`stacks`, a non-blocking pipe.
 
     Held (``held=True``), it starts its interpreter and waits, having read nothing of the user's,
     until :meth:`go` gives it its whole environment: the caller starts it while the ranks meet.
@@ -68,6 +69,12 @@ class ChildProcess:
         #: The go pipe's identity, so that :meth:`go` never writes into a descriptor that was closed
         #: behind its back and reused for another file.
         self._go_inode: tuple[int, int] | None = None
+        #: Where the child writes its threads' stacks when asked (:meth:`request_stacks`). Its end
+        #: does not block: a stack nobody reads is cut short, never a rank stuck in its handler.
+        self.stacks, stacks_write = os.pipe()
+        os.set_blocking(self.stacks, False)
+        os.set_blocking(stacks_write, False)
+        argv += ["--stacks", str(stacks_write)]
         if held:
             go_read, self._go = os.pipe()
             st = os.fstat(self._go)
@@ -82,13 +89,15 @@ class ChildProcess:
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # own session and process group: pgid == pid
                 close_fds=True,
-                pass_fds=(go_read,) if go_read is not None else (),
+                pass_fds=(stacks_write,) + ((go_read,) if go_read is not None else ()),
             )
         except BaseException:
+            os.close(self.stacks)
             if self._go is not None:
                 os.close(self._go)
             raise
         finally:
+            os.close(stacks_write)
             if go_read is not None:
                 os.close(go_read)
         self.pid = self.proc.pid
@@ -138,6 +147,17 @@ class ChildProcess:
         """Whether the child has exited (waiting up to ``timeout`` s); it stays unreaped."""
         return bool(select.select([self.pidfd], [], [], timeout)[0])
 
+    def request_stacks(self) -> bool:
+        """Ask the child for its threads' stacks (SIGUSR1, through the pidfd: never a stranger).
+        False when it has exited."""
+        if self.pidfd < 0 or self.exited():
+            return False
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGUSR1)
+            return True
+        except ProcessLookupError:
+            return False
+
     def stop(self, grace: float) -> int:
         """Terminate the whole group, wait up to ``grace`` seconds, then kill what is left.
 
@@ -175,6 +195,9 @@ class ChildProcess:
         if self._go is not None:
             os.close(self._go)
             self._go = None
+        if self.stacks >= 0:
+            os.close(self.stacks)
+            self.stacks = -1
         for f in (self.proc.stdout, self.proc.stderr):
             if f is not None and not f.closed:
                 try:

@@ -85,6 +85,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             state.open_log()
             env = rankenv.rank_env(spec, rank, hosts, ports, master_port, topo, gpu_addresses, workdir,
                                    state.collective_key, data_dir)
+            state.progress_path = env[worker_env.PROGRESS_FILE]
             if spool is not None:
                 empty = [n for n in spec.feed if not sum(int(s.get(n, 0)) for s in shards)]
                 if empty:  # every rank sees the same counts, so every rank stops here alike

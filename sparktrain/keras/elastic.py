@@ -22,6 +22,7 @@ from __future__ import annotations
 import keras
 
 from ..errors import InvalidArgumentError
+from ..tensorflow import resize
 from ..tensorflow.elastic import (HostsUpdatedInterrupt, ObjectState, State, TensorFlowKerasState,  # noqa: F401
                                   broadcast_object, run)
 
@@ -34,7 +35,10 @@ class CommitStateCallback(keras.callbacks.Callback):
     """Commit ``state`` every ``batches_per_commit`` batches and at the end of every epoch.
 
     Each commit with the ``elastic_url`` setting writes the model and optimizer (rank 0), so pick
-    ``batches_per_commit`` to make that a small part of the time.
+    ``batches_per_commit`` to make that a small part of the time. Under ``run_elastic`` it also
+    commits at the end of the step in which the driver asked for a new size (an executor being
+    decommissioned, or free slots for more ranks), so that the attempt ends losing no step: one
+    small broadcast a step, from rank 0, says whether it did (``sparktrain.tensorflow.resize``).
     """
 
     def __init__(self, state: State, batches_per_commit: int = 1):
@@ -50,8 +54,8 @@ class CommitStateCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches_remaining -= 1
-        if self.batches_remaining == 0:
-            self.state.commit()
+        if self.batches_remaining == 0 or resize.requested(self.state._storage_options):
+            self.state.commit()  # raises HostsUpdatedInterrupt when a new size was asked for
             self.batches_remaining = self.batches_per_commit
 
     def on_epoch_end(self, epoch, logs=None):

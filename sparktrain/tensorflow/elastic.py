@@ -41,6 +41,7 @@ from typing import Any, Callable
 from .. import context as _ctx
 from .. import settings
 from .. import worker_env
+from . import resize
 from ..errors import HostsUpdatedInterrupt, InvalidArgumentError, SparkTrainError
 
 _FORMAT = "sparktrain-elastic/1"
@@ -68,14 +69,6 @@ def state_url() -> str | None:
 
 def _elastic_id() -> str:
     return os.environ.get(worker_env.ELASTIC_ID) or os.environ.get(worker_env.RUN_ID) or "standalone"
-
-
-def grow_url() -> str | None:
-    """Where ``run_elastic``'s driver puts the marker that ends this attempt at its next commit."""
-    prefix, attempt = settings.resolve("elastic_url"), os.environ.get(worker_env.ELASTIC_ATTEMPT)
-    if not prefix or not attempt:
-        return None
-    return worker_env.elastic_file(prefix, _elastic_id(), f"grow-{attempt}")
 
 
 def _attempts_allowed() -> int:
@@ -118,33 +111,21 @@ class State:
         if url is not None and _ctx.rank() == 0:
             from .. import storage
 
-            epoch = getattr(self, "epoch", None)  # for the driver's line about where a restart resumes
+            # For the driver's line about where a restart resumes.
+            epoch, batch = getattr(self, "epoch", None), getattr(self, "batch", None)
             storage.put_bytes(url, pickle.dumps({"format": _FORMAT, **self._payload()}), self._storage_options,
-                              metadata={"epoch": epoch if isinstance(epoch, int) else None})
+                              metadata={"epoch": epoch if isinstance(epoch, int) else None,
+                                        "batch": batch if isinstance(batch, int) else None})
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Under ``run_elastic``: when the driver has seen free slots for more ranks, every rank
-        raises :class:`HostsUpdatedInterrupt` here, right after the commit, and the next attempt
-        starts larger from it. Rank 0 looks for the driver's marker; the others learn its answer."""
-        url = grow_url()
-        if url is None:
-            return
-        grow = False
-        if _ctx.rank() == 0:
-            from ..storage.backends import filesystem
-
-            try:
-                fs, path = filesystem(url, self._storage_options)
-                fs.invalidate_cache(path.rsplit("/", 1)[0])
-                grow = bool(fs.exists(path))
-            except Exception:  # noqa: BLE001 - an unreachable store must not stop training
-                grow = False
-        if _ctx.size() > 1:
-            grow = broadcast_object(grow, 0)
-        if grow:
-            raise HostsUpdatedInterrupt("the cluster has free slots for more ranks: this attempt ends at its commit, "
-                                        "and the next one starts larger from it")
+        """Under ``run_elastic``: when the driver wants a new size (free slots for more ranks, or an
+        executor being decommissioned), every rank raises :class:`HostsUpdatedInterrupt` here,
+        right after the commit, and the next attempt starts at that size from it
+        (``sparktrain.tensorflow.resize``)."""
+        why = resize.requested(self._storage_options, look_now=True)
+        if why:
+            raise HostsUpdatedInterrupt(f"{why}: this attempt ends at its commit, and the next one starts from it")
 
     def save(self) -> None:
         raise NotImplementedError
