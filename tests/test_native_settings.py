@@ -84,7 +84,37 @@ def test_a_missing_library_falls_back_to_tensorflows_ring_with_one_warning(monke
 def test_the_library_is_found_and_speaks_this_abi():
     if engine.unavailable_reason() is not None:
         pytest.skip(engine.unavailable_reason())
-    assert engine.library().stc_abi_version() == engine._ABI_VERSION == 5
+    assert engine.library().stc_abi_version() == engine._ABI_VERSION == 6
+
+
+def test_the_progress_record_follows_each_collective_and_is_left_inactive_by_a_refused_one(tmp_path):
+    """The record a rank's task reads for stall reports (stc_progress): what began last, and that
+    nothing runs once a call returned, whichever way it ended."""
+    import numpy as np
+
+    from sparktrain.engine import progress
+
+    if engine.unavailable_reason() is not None:
+        pytest.skip(engine.unavailable_reason())
+    path = str(tmp_path / "progress")
+    comm = engine.Communicator(0, 1, ["127.0.0.1"], [0], b"k" * 32, f"progress-{os.getpid()}", timeout=5,
+                               progress=path)
+    try:
+        assert progress.read(path)["n"] == 0 and not progress.read(path)["active"]
+        comm.allreduce(np.ones((3, 4), np.float32), op="max")
+        at = progress.read(path)
+        assert (at["n"], at["active"], at["what"], at["dtype"], at["shape"], at["op"]) == \
+            (1, False, "allreduce", "float32", [3, 4], "max")
+        assert progress.text(at) == "allreduce #1 (float32[3,4], max)"
+        comm.broadcast(np.arange(5, dtype=np.int64), root=0)
+        assert progress.text(progress.read(path)) == "broadcast #2 (int64[5], root 0)"
+        with pytest.raises(engine.CollectiveError):
+            comm.reducescatter(np.float32(1.0))  # refused by the engine after it began: a scalar has no rows
+        at = progress.read(path)
+        assert at["n"] == 3 and not at["active"], at
+    finally:
+        comm.close()
+    assert progress.read(str(tmp_path / "none")) is None  # no engine, no record
 
 
 def test_spin_wait_is_auto_or_seconds_and_a_bad_value_fails_on_the_driver_naming_it():
