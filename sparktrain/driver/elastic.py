@@ -250,5 +250,5 @@ def _lost(e: SparkTrainError) -> str:
     if isinstance(e, RankFailedError) and e.failures:
         root = e.root_cause
         where = f" on host {root.host}" if getattr(root, "host", None) else ""
-        return f"rank {root.rank}{where} was lost ({root.exc_type})"
+        return f"rank {root.rank}{where} was lost" + (f" ({root.exc_type})" if root.exc_type else "")
     return f"the attempt failed ({str(e).splitlines()[0][:200]})"
