@@ -73,21 +73,25 @@ def gpu_rank_view(outdir):
     import json
     import time
 
-    import tensorflow as tf
-
     from helpers import mark_time
-    from sparktrain.tensorflow import ringops
-    from sparktrain.tensorflow.runtime import state
 
     attempt = int(os.environ["SPARKTRAIN_ELASTIC_ATTEMPT"])
     rank, size = int(os.environ["SPARKTRAIN_RANK"]), int(os.environ["SPARKTRAIN_SIZE"])
-    state.gpu, state.size, state.rank = True, size, rank  # the state init() leaves on a GPU rank
-    graph = tf.function(lambda t: ringops.allreduce(t, "sum")).get_concrete_function(
-        tf.TensorSpec([8], tf.float32)).graph
-    op = next(o for o in graph.get_operations() if o.type == "CollectiveReduceV2")
+    traced = {}
+    if rank == 0:  # one rank traces (TensorFlow's import is most of a rank's cost); all build alike
+        import tensorflow as tf
+
+        from sparktrain.tensorflow import ringops
+        from sparktrain.tensorflow.runtime import state
+
+        state.gpu, state.size, state.rank = True, size, rank  # the state init() leaves on a GPU rank
+        graph = tf.function(lambda t: ringops.allreduce(t, "sum")).get_concrete_function(
+            tf.TensorSpec([8], tf.float32)).graph
+        op = next(o for o in graph.get_operations() if o.type == "CollectiveReduceV2")
+        traced = {"hint": op.get_attr("communication_hint").decode(),
+                  "group_size": int(tf.get_static_value(op.inputs[1]))}
     record_rank(outdir, f"-attempt{attempt}", visible=os.environ["CUDA_VISIBLE_DEVICES"],
-                workers=json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"],
-                hint=op.get_attr("communication_hint").decode(), group_size=int(tf.get_static_value(op.inputs[1])))
+                workers=json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"], **traced)
     if attempt == 1:
         mark_time(outdir, f"running-{rank}")
         while True:  # until its executor is taken away, or the driver stops it
@@ -130,6 +134,6 @@ def test_an_elastic_gpu_run_that_loses_an_executor_goes_on_with_the_gpus_left(cl
         gpus = [ranks[r]["visible"].split(",") for r in sorted(ranks)]
         assert all(len(g) == 1 and g[0] in {"5", "6", "7"} for g in gpus), gpus
         assert all(len(ranks[r]["workers"]) == n for r in ranks)  # the runtime is rebuilt at the new size
-        assert {(ranks[r]["hint"], ranks[r]["group_size"]) for r in ranks} == {("nccl", n)}
+        assert (ranks[0]["hint"], ranks[0]["group_size"]) == ("nccl", n)
     lines = [r.getMessage() for r in caplog.records if "continuing with 2 rank(s)" in r.getMessage()]
     assert len(lines) == 1 and "was lost" in lines[0], lines

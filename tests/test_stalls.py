@@ -103,12 +103,12 @@ def test_a_stall_report_names_the_late_rank_and_its_line_then_the_run_goes_on(tm
 
 @pytest.mark.timeout(120)
 def test_a_collective_timeout_carries_the_stall_report(tmp_path):
-    """The late rank never comes: the others' collective times out, and the error says why."""
+    """The late rank never comes: the others' collective times out (5 s), and the error says why."""
     reports = _capture(None)
     try:
         with pytest.raises(RankFailedError) as info:
             sparktrain.run(late_rank, args=(str(tmp_path), 1), num_proc=2, local_mode=True, timeout=100, verbose=0,
-                           env={"SPARKTRAIN_STALL_WARNING": "1", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "8"})
+                           env={"SPARKTRAIN_STALL_WARNING": "1", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "5"})
     finally:
         logging.getLogger("sparktrain").removeHandler(reports)
     error = info.value
