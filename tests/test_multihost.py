@@ -339,13 +339,16 @@ def elastic_fit(outdir, epochs, fault_epoch, grow_to=None, batch_size=16, hold_f
     class Mark(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
-            if epoch == fault_epoch and hvd.size() == first_size and not sizes:
+            if epoch == fault_epoch and hvd.size() == first_size and not sizes and not hold_for_resize:
                 mark_time(outdir, f"running-{hvd.rank()}")
 
         def on_train_batch_end(self, batch, logs=None):
-            # With hold_for_resize, every rank of the first attempt waits at batch 5 of fault_epoch
-            # until the driver's resize marker is down, so that the ranks see it mid-epoch.
+            # With hold_for_resize, the ranks of the first attempt say they run once batch 5 of
+            # fault_epoch is done, and wait at batch 10 until the driver's resize marker is down:
+            # the marker comes after batch 5 and before the epoch's end, whatever the timing.
             if hold_for_resize and self.epoch == fault_epoch and batch == 5 and not sizes:
+                mark_time(outdir, f"running-{hvd.rank()}")
+            if hold_for_resize and self.epoch == fault_epoch and batch == 10 and not sizes:
                 import glob
                 import time
 
@@ -501,8 +504,9 @@ def test_a_decommissioned_worker_shrinks_an_elastic_fit_at_a_step(cluster, tmp_p
     """spark.decommission.enabled: host 1's worker is told to leave (SIGPWR) in epoch 1 of a
     4-rank run_elastic fit. Spark stops counting its slots; the driver leaves the resize marker;
     the ranks commit at the end of the step in which rank 0 saw it and end the attempt without a
-    failure; the run goes on with host 0's 2 ranks from that mid-epoch commit. (The ranks hold at
-    batch 5 until the marker is down, so that it lands inside the epoch whatever the timing.)"""
+    failure; the run goes on with host 0's 2 ranks from that mid-epoch commit. (The worker is told
+    after batch 5, and the ranks hold at batch 10 until the marker is down, so that it lands
+    inside the epoch whatever the timing.)"""
     from helpers import digits, read_ranks
     from pyspark.ml.linalg import Vectors
     from sparktrain.driver import cluster as capacity
@@ -528,7 +532,7 @@ def test_a_decommissioned_worker_shrinks_an_elastic_fit_at_a_step(cluster, tmp_p
         resumed = {(ranks[r]["began"][0], ranks[r]["resumed_at"][0]) for r in ranks}
         assert len(resumed) == 1, ranks
         epoch, batch = resumed.pop()
-        assert epoch == 1 and batch > 5, ranks  # committed at a step after the marker, inside the epoch
+        assert epoch == 1 and batch > 5, ranks  # committed at a step after the notice, inside the epoch
         lines = [r.getMessage() for r in caplog.records if "continuing with 2 rank(s)" in r.getMessage()]
         assert len(lines) == 1 and f"host {hosts.ips[1]} is being decommissioned" in lines[0], lines
         assert f"from the last commit, at epoch {epoch}, batch {batch};" in lines[0], lines
