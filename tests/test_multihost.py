@@ -344,8 +344,8 @@ def elastic_fit(outdir, epochs, fault_epoch, grow_to=None, batch_size=16, hold_f
 
         def on_train_batch_end(self, batch, logs=None):
             # With hold_for_resize, the ranks of the first attempt say they run once batch 5 of
-            # fault_epoch is done, and wait at batch 10 until rank 0 has seen the driver's resize marker:
-            # the marker comes after batch 5 and before the epoch's end, whatever the timing.
+            # fault_epoch is done, and wait at batch 10 until rank 0 has seen the driver's resize
+            # marker: it comes after batch 5 and before the epoch's end, whatever the timing.
             if hold_for_resize and self.epoch == fault_epoch and batch == 5 and not sizes:
                 mark_time(outdir, f"running-{hvd.rank()}")
             if hold_for_resize and self.epoch == fault_epoch and batch == 10 and not sizes:
@@ -357,6 +357,10 @@ def elastic_fit(outdir, epochs, fault_epoch, grow_to=None, batch_size=16, hold_f
                     if resize.requested():
                         break
                     time.sleep(0.05)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if hvd.size() == grow_to and epoch + 1 >= began[-1] + 3:
+                self.model.stop_training = True  # the same on every rank: they share size and epoch
 
     began = []
 
