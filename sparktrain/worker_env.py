@@ -24,8 +24,13 @@ ELASTIC_STATE = "elastic-state.pkl"
 
 
 def elastic_file(elastic_url: str, elastic_id: str, name: str) -> str:
-    """A file of one elastic run's under the ``elastic_url`` setting: its state, or a grow marker."""
+    """A file of one elastic run's under the ``elastic_url`` setting: its state, or a resize marker."""
     return f"{elastic_url.rstrip('/')}/{elastic_id}/{name}"
+
+
+def elastic_id(environ) -> str:
+    """In a rank: the id its elastic files are under (``run_elastic``'s, else the run's)."""
+    return environ.get(ELASTIC_ID) or environ.get(RUN_ID) or "standalone"
 
 
 #: Which attempt of the run this is, 1-based (see ``run(..., max_attempts=N)``).

@@ -27,7 +27,7 @@ from ..errors import (RankFailedError, RankFailure, RunCancelledError, RunTimeou
 from ..spec import SPILLED, TaskSpec
 from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory
-from .results import _size, load_result, placement
+from .results import byte_size, load_result, placement
 from .server import Closed, DriverServer, Event, Failed, Hello, JobDone, Output, Progress, Refused, Stacks
 from .stalls import StallWatch, collect_stacks, user_frames
 
@@ -331,7 +331,7 @@ class Attempt:
         if self.spec.checkpoint is not None:
             returned = f"checkpoint at {value}"
         else:
-            returned = (f"{_size(len(data))} pickled" if data and not data.startswith(SPILLED) else
+            returned = (f"{byte_size(len(data))} pickled" if data and not data.startswith(SPILLED) else
                         "a value spilled to storage" if data else "nothing")
         started = (f"ranks started in {self.start_seconds:.2f} s" if self.start_seconds is not None
                    else "ranks rendezvoused through Spark")

@@ -9,8 +9,9 @@ state; reset callbacks run with the new size. While an attempt runs, a thread wa
 once more have lasted ``elastic_grow_after`` seconds, or at once when an executor under the run is
 being decommissioned (``spark.decommission.enabled``), it leaves a marker, and the ranks end the
 attempt at their next commit (``HostsUpdatedInterrupt``; ``CommitStateCallback`` commits at the
-end of that step) so the next one starts at the new size. ``reset_limit`` bounds the restarts, resizes included. Only a lost rank
-or host restarts the run; an exception of ``train_fn``'s own ends it.
+end of that step) so the next one starts at the new size. ``reset_limit`` bounds the restarts,
+resizes included. Only a lost rank or host restarts the run; an exception of ``train_fn``'s own
+ends it.
 """
 from __future__ import annotations
 

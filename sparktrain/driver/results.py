@@ -53,5 +53,5 @@ def placement(hosts: Mapping[int, str]) -> str:
     return ", ".join(parts)
 
 
-def _size(n: int) -> str:
+def byte_size(n: int) -> str:
     return f"{n} bytes" if n < 1024 else f"{n / 2**10:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"

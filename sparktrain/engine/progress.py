@@ -11,13 +11,12 @@ from __future__ import annotations
 import struct
 import time
 
-from .loader import DTYPES, _OPAQUE
+from .loader import DTYPES, OPS, _OPAQUE
 
 MAGIC = 0x31475250434E5453
 #: magic, version, begun, active, since_us; kind, dtype, arg, ndim; dims[8]
 _RECORD = struct.Struct("=QQQQqIIiI8q")
 KINDS = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "barrier", 5: "reducescatter", 6: "alltoall"}
-_OPS = ("sum", "average", "min", "max", "product")
 
 
 def read(path: str, tries: int = 5) -> dict | None:
@@ -52,7 +51,7 @@ def describe(fields) -> dict:
             "dtype": DTYPES[dtype] if dtype < len(DTYPES) else f"opaque{(dtype - _OPAQUE) * 8}",
             "shape": dims if ndim <= 8 else dims[:7] + ["..."]}
     if what in ("allreduce", "reducescatter"):
-        info["op"] = _OPS[arg] if 0 <= arg < len(_OPS) else str(arg)
+        info["op"] = OPS[arg] if 0 <= arg < len(OPS) else str(arg)
     elif what == "broadcast":
         info["root"] = arg
     return info

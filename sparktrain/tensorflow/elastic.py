@@ -64,11 +64,7 @@ def state_url() -> str | None:
     prefix = settings.resolve("elastic_url")
     if not prefix:
         return None
-    return worker_env.elastic_file(prefix, _elastic_id(), STATE_NAME)
-
-
-def _elastic_id() -> str:
-    return os.environ.get(worker_env.ELASTIC_ID) or os.environ.get(worker_env.RUN_ID) or "standalone"
+    return worker_env.elastic_file(prefix, worker_env.elastic_id(os.environ), STATE_NAME)
 
 
 def _attempts_allowed() -> int:

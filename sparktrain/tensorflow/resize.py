@@ -28,8 +28,7 @@ def marker_url() -> str | None:
     prefix, attempt = settings.resolve("elastic_url"), os.environ.get(worker_env.ELASTIC_ATTEMPT)
     if not prefix or not attempt:
         return None
-    elastic_id = os.environ.get(worker_env.ELASTIC_ID) or os.environ.get(worker_env.RUN_ID) or "standalone"
-    return worker_env.elastic_file(prefix, elastic_id, f"resize-{attempt}")
+    return worker_env.elastic_file(prefix, worker_env.elastic_id(os.environ), f"resize-{attempt}")
 
 
 class _Watch(threading.Thread):
