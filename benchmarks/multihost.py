@@ -17,6 +17,12 @@ ratio to the raw stream measured in the same configuration.
 
     sudo .venv/bin/python benchmarks/multihost.py [--hosts 2,3] [--per-host 1,2] [--shape none,1gbit] \\
         [--write benchmarks/RESULTS.md]
+
+``--keras`` measures training instead: a Spark standalone cluster on the simulated hosts
+(``tests/standalone.py``), and a Keras 3 fit of ``epoch_time.py``'s CNN through ``sparktrain.run``
+with ``DistributedOptimizer``, 32 samples per rank per step (weak scaling), on one host and on
+``--hosts`` hosts with ``--per-host`` ranks each: the samples/s of the epochs after the first, and
+the ratio to one host's.
 """
 from __future__ import annotations
 
@@ -144,6 +150,8 @@ def main() -> int:
     p.add_argument("--small-iters", type=int, default=300)
     p.add_argument("--large-iters", type=int, default=5)
     p.add_argument("--write", metavar="RESULTS_MD")
+    p.add_argument("--keras", action="store_true", help="a Keras fit's samples/s across hosts against one host")
+    p.add_argument("--epochs", type=int, default=5, help="with --keras: epochs per fit (the first is not timed)")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     p.add_argument("--stream-receive", help=argparse.SUPPRESS)
     p.add_argument("--stream-send", help=argparse.SUPPRESS)
@@ -165,6 +173,8 @@ def main() -> int:
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
+    if args.keras:
+        return keras_scaling(args)
     kinds = args.kinds.split(",")
     rows = []
     for h in map(int, args.hosts.split(",")):
@@ -199,6 +209,68 @@ def main() -> int:
             machine, command, HEADER, rows)
         write_section(args.write, section, SECTION_BEGIN, SECTION_END)
         print(f"wrote the multi-host section of {args.write}")
+    return 0
+
+
+KERAS_BEGIN = "<!-- multihost-keras:begin -->"
+KERAS_END = "<!-- multihost-keras:end -->"
+KERAS_HEADER = ["hosts", "ranks/host", "ranks", "samples/s", "vs one host", "ideal"]
+
+
+def keras_fit(hosts: int, per_host: int, epochs: int) -> dict:
+    """One fit on a standalone cluster of ``hosts`` simulated hosts with ``per_host`` ranks each."""
+    import cloudpickle
+
+    import epoch_time
+    import simhosts
+    from conftest import make_spark, stop_spark
+    from standalone import Standalone
+
+    import sparktrain
+
+    cloudpickle.register_pickle_by_value(epoch_time)  # the executors need not find benchmarks/
+    sim = simhosts.SimHosts(hosts).up()
+    cluster = session = None
+    try:
+        cluster = Standalone(sim, cores=per_host).start()
+        session = make_spark(cluster.url, **cluster.session_conf())
+        n = hosts * per_host
+        return sparktrain.run(epoch_time.train_keras3, args=("cnn", 10, 32 * n, epochs, 1e-3, True), num_proc=n,
+                              verbose=0, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    finally:
+        if session is not None:
+            stop_spark(session)
+        if cluster is not None:
+            cluster.stop()
+        left = sim.down()
+        if left:
+            print("left behind: " + "; ".join(left), file=sys.stderr)
+
+
+def keras_scaling(args) -> int:
+    per = int(args.per_host.split(",")[0])
+    rows, base = [], None
+    for h in sorted({1, *map(int, args.hosts.split(","))}):
+        got = keras_fit(h, per, args.epochs)
+        n = h * per
+        rate = got["steps"] * 32 * n / statistics.median(got["epoch_s"][1:])
+        base = base or rate / h
+        rows.append([str(h), str(per), str(n), f"{rate:.0f}", f"{rate / base:.2f}x", f"{h}.00x"])
+        print(text_table(KERAS_HEADER, rows[-1:]), flush=True)
+    print()
+    print(text_table(KERAS_HEADER, rows))
+    if args.write:
+        machine = machine_line(["pyspark", "tensorflow"]) + f", {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        command = " ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])
+        section = markdown_section(
+            KERAS_BEGIN, KERAS_END, "Keras across simulated hosts",
+            "A Keras 3 fit of the digits CNN (epoch_time.py's) through sparktrain.run with DistributedOptimizer, "
+            "on a Spark standalone cluster of simulated hosts (one core each), 32 samples per rank per step: "
+            "samples/s of the epochs after the first (median), against the same fit on one host. Ideal is the "
+            "hosts' cores over one host's. Written by `benchmarks/multihost.py --keras`.",
+            machine, command, KERAS_HEADER, rows)
+        write_section(args.write, section, KERAS_BEGIN, KERAS_END)
+        print(f"wrote the Keras section of {args.write}")
     return 0
 
 

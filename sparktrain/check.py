@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Callable, Mapping, TextIO
 
-from . import __version__, settings, versions
+from . import __version__, nics, settings, versions
 from .driver import capacity, cluster, connect, preflight, probe, spark_errors
 from .errors import ClusterConfigError, InsufficientResourcesError
 
@@ -169,6 +169,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     else:
         tasks = _probe(report, spark, conf, size, use_gpu, timeout)
     _versions(report, driver, tasks)
+    _hosts(report, driver, tasks, conf)
     _engines(report, driver, tasks)
     _backends(report, driver, tasks)
 
@@ -329,6 +330,28 @@ def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
 def _where(tasks: list[dict]) -> str:
     names = [f"task {t['task']} at {t['address']}" for t in tasks]
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _hosts(report: Report, driver: dict, tasks: list[dict], conf: Mapping[str, str]) -> None:
+    """What each executor host offers its ranks: the CPUs a task's process can use (its affinity mask
+    capped by its cgroup quota) and its networks, with the address the nics setting picks there."""
+    chosen = settings.resolve("nics", conf=conf)
+    report.line()
+    report.line("Hosts (CPUs a task can use: affinity and cgroup quota; networks" +
+                (f"; nics={','.join(chosen)})" if chosen else ")"))
+    seen: dict[str, list[dict]] = {}
+    for t in tasks:
+        seen.setdefault(t["address"].rsplit(":", 1)[0], []).append(t)
+    for host, ts in [("the driver", [driver]), *seen.items()]:
+        t = ts[0]
+        networks = t.get("networks") or {}
+        line = f"{t.get('cpus') or '?'} CPU(s); " + nics.describe({k: v for k, v in networks.items() if k != "lo"})
+        if chosen:
+            picked = nics.address(chosen, networks)
+            line += f"; nics -> {picked or 'no address'}"
+            if picked is None:
+                report.fail(nics.no_match(chosen, host if t is driver else f"executor host {host}", networks))
+        report.field(host if t is driver else f"{host} ({len(ts)} task(s))", line)
 
 
 def _engines(report: Report, driver: dict, tasks: list[dict]) -> None:

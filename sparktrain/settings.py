@@ -10,6 +10,7 @@ import math
 import os
 from typing import Any, Callable, Mapping
 
+from . import nics
 from .errors import InvalidArgumentError
 
 
@@ -127,6 +128,10 @@ SETTINGS = {
                 parse_seconds_or_off, "seconds a collective waits for ranks that have not arrived before the driver "
                 "prints a stall report: which ranks wait in which collective, which have not arrived, and their "
                 "Python stacks; the same report goes into the error of a run that then fails; 0 turns it off"),
+        Setting("nics", "SPARKTRAIN_NICS", "spark.sparktrain.nics", None, nics.parse,
+                "the network ranks use for the driver's channel and their ring, as Horovod's nics: interface "
+                "names or subnets, comma-separated ('eth1' or '10.1.0.0/16'); each host uses its first address "
+                "that matches. None: the addresses Spark knows the driver and the executors by"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
         # Read in the rank's process, where there is no Spark conf: give it with run(env=...).

@@ -58,6 +58,9 @@ class TaskSpec:
     #: Seconds a collective may wait for ranks that have not arrived before the driver reports the
     #: stall (their progress and stacks); 0: never.
     stall_warning: float = 60.0
+    #: The ``nics`` setting: the interfaces or subnets whose address each rank offers the others
+    #: (``sparktrain.nics``); None: the executor's address as Spark knows it.
+    nics: tuple[str, ...] | None = None
 
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.

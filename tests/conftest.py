@@ -8,8 +8,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-#: Fixtures that start real storage servers (azurite, moto_s3).
-pytest_plugins = ["storage_servers"]
+#: Fixtures that start real storage servers (azurite, moto_s3), and the multi-host tier's cluster.
+pytest_plugins = ["storage_servers", "multihost_cluster"]
 
 
 #: The suite's JVMs (drivers, executors, standalone daemons, the Connect server) live for seconds
@@ -102,6 +102,8 @@ def pytest_configure(config):
     os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", JVM_QUICK_START)
     config.addinivalue_line("markers", "spark: needs a real Spark session")
     config.addinivalue_line("markers", "multihost: runs on simulated hosts (tests/simhosts.py); needs root")
+    config.addinivalue_line("markers", "slow: the slow multi-host tier, run before a release rather than in "
+                                       "CI: pytest -m 'multihost and slow' -n 0")
 
 
 #: The modules that take longest, longest first: they start first, so that the test processes

@@ -15,24 +15,22 @@ import tempfile
 import time
 
 from conftest import JVM_QUICK_START
+from storage_servers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ConnectServer:
-    """``spark-submit --class ...SparkConnectServer`` on ``master``; ``url`` is its ``sc://`` address."""
+    """``spark-submit --class ...SparkConnectServer`` on ``master``; ``url`` is its ``sc://`` address.
+    ``host``: the address it listens on (the simulated hosts' bridge, for the multi-host tier)."""
 
-    def __init__(self, master: str = "local[3]", timeout: float = 180.0, conf: dict | None = None):
+    def __init__(self, master: str = "local[3]", timeout: float = 180.0, conf: dict | None = None,
+                 host: str = "127.0.0.1"):
         import pyspark
 
-        self.port = free_port()
-        self.url = f"sc://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"sc://{host}:{self.port}"
         home = os.path.dirname(pyspark.__file__)
         env = dict(os.environ, SPARK_HOME=home, PYSPARK_PYTHON=sys.executable,
                    PYTHONPATH=os.pathsep.join([HERE, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -45,7 +43,7 @@ class ConnectServer:
             [os.path.join(home, "bin", "spark-submit"), "--master", master,
              "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
              "--conf", f"spark.connect.grpc.binding.port={self.port}",
-             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+             "--conf", f"spark.connect.grpc.binding.address={host}",
              "--conf", "spark.ui.enabled=false", "--conf", "spark.ui.showConsoleProgress=false",
              "--conf", f"spark.driver.extraJavaOptions={JVM_QUICK_START} "
              f"-Dlog4j2.configurationFile={HERE}/log4j2-test.properties",
@@ -60,7 +58,7 @@ class ConnectServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the Connect server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                socket.create_connection((self.host, self.port), timeout=1).close()
                 return
             except OSError:
                 if time.monotonic() > deadline:

@@ -24,17 +24,20 @@ START_DEADLINE = 120.0
 
 
 class MlflowServer:
-    def __init__(self):
-        self.port = free_port()
+    """``host``: the address it listens on (the simulated hosts' bridge, for the multi-host tier)."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+        self.port = free_port(host)
         self.workdir = tempfile.mkdtemp(prefix="mlflow-server-")
-        self.uri = f"http://127.0.0.1:{self.port}"
+        self.uri = f"http://{host}:{self.port}"
         self.log_path = os.path.join(self.workdir, "server.log")
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                [sys.executable, "-m", "mlflow", "server", "--host", self.host, "--port", str(self.port),
                  "--workers", "1",
                  "--backend-store-uri", f"sqlite:///{os.path.join(self.workdir, 'mlflow.db')}",
                  "--artifacts-destination", os.path.join(self.workdir, "artifacts")],

@@ -1,8 +1,10 @@
-"""Simulated hosts on one machine, and a Spark standalone cluster on them.
+"""Simulated hosts on one machine (a Spark standalone cluster on them: tests/standalone.py).
 
 Each simulated host is a set of namespaces and a cgroup, as root:
 - its own network namespace, with a veth pair to a bridge in the driver's namespace and an
-  address of its own on the bridge's subnet;
+  address of its own on the bridge's subnet (``eth0``); and a second network, as hosts with a
+  separate data network have: another veth pair (``eth1``) to a second bridge and subnet, which
+  carries only what is sent to its addresses (``data_ips``, ``data_driver_ip``);
 - its own hostname (a UTS namespace) and ``/etc/hosts`` naming every host (a worker whose
   hostname does not resolve hangs without a word);
 - its own ``/dev/shm``, a private tmpfs in a mount namespace of its own;
@@ -16,22 +18,15 @@ process, namespace, veth, bridge, cgroup or directory behind.
 Links can be shaped (``shape``: a tbf qdisc on both ends of the veth) and cut silently
 (``cut``: the bridge side down, so no reset reaches anyone).
 
-By hand, to try things::
-
-    sudo .venv/bin/python tests/simhosts.py --hosts 2 --ranks-per-host 2
-
-prints the master's URL and the driver's address, and tears everything down on Ctrl-C.
+To bring hosts and a cluster up by hand: ``tests/standalone.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -81,6 +76,12 @@ class SimHosts:
         self.names = [f"sim{self.tag}-h{i}" for i in range(n)]
         self.netns = [f"st{self.tag}h{i}" for i in range(n)]
         self.veths = [f"st{self.tag}h{i}" for i in range(n)]  # the bridge side; the host side is eth0
+        # The second network: its own bridge and subnet; the host side is eth1.
+        self.data_subnet = f"10.{150 + int(self.tag[:2], 16) % 50}.{int(self.tag[2:], 16)}"
+        self.data_bridge = f"std{self.tag}"
+        self.data_driver_ip = f"{self.data_subnet}.1"
+        self.data_ips = [f"{self.data_subnet}.{10 + i}" for i in range(n)]
+        self.data_veths = [f"st{self.tag}d{i}" for i in range(n)]
         self.cgroups = [f"sparktrain-sim-{self.tag}-h{i}" for i in range(n)]
         self.root = workdir or tempfile.mkdtemp(prefix=f"sparktrain-sim-{self.tag}-")
         self.cores = os.sched_getaffinity(0)
@@ -93,6 +94,9 @@ class SimHosts:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.driver_ip}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
+            _ip("link", "add", self.data_bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.data_driver_ip}/24", "dev", self.data_bridge)
+            _ip("link", "set", self.data_bridge, "up")
             cores = sorted(self.cores)
             hosts_file = "".join(f"{ip} {name}\n" for ip, name in zip(self.ips, self.names))
             hosts_file = f"127.0.0.1 localhost\n{self.driver_ip} sim{self.tag}-driver\n" + hosts_file
@@ -108,6 +112,14 @@ class SimHosts:
                 _ip("netns", "exec", ns, "ip", "link", "set", "eth0", "up")
                 _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
                 _ip("netns", "exec", ns, "ip", "route", "add", "default", "via", self.driver_ip)
+                data = self.data_veths[i]
+                _ip("link", "add", data, "type", "veth", "peer", "name", f"{data}p")
+                _ip("link", "set", f"{data}p", "netns", ns)
+                _ip("link", "set", data, "master", self.data_bridge)
+                _ip("link", "set", data, "up")
+                _ip("netns", "exec", ns, "ip", "link", "set", f"{data}p", "name", "eth1")
+                _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.data_ips[i]}/24", "dev", "eth1")
+                _ip("netns", "exec", ns, "ip", "link", "set", "eth1", "up")
                 home = self.home(i)
                 os.makedirs(os.path.join(home, "local"), exist_ok=True)
                 os.makedirs(os.path.join(home, "work"), exist_ok=True)
@@ -146,7 +158,8 @@ class SimHosts:
             if _ip("netns", "del", self.netns[i], check=False).returncode and \
                     self.netns[i] in _ip("netns", "list", check=False).stdout:
                 left.append(f"netns {self.netns[i]}")
-        _ip("link", "del", self.bridge, check=False)
+        for link in (*self.veths, *self.data_veths, self.bridge, self.data_bridge):  # gone with a netns, unless
+            _ip("link", "del", link, check=False)                                      # up() stopped half-way
         shutil.rmtree(self.root, ignore_errors=True)
         self._up = False
         return left
@@ -231,163 +244,9 @@ class SimHosts:
     def heal(self, i: int) -> None:
         _ip("link", "set", self.veths[i], "up")
 
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class Standalone:
-    """A Spark standalone master in the driver's namespace and one worker per simulated host, from
-    the pip pyspark's ``bin/spark-class``."""
-
-    def __init__(self, hosts: SimHosts, cores: int = 2, memory: str = "2g", gpus: int = 0, log_dir: str | None = None):
-        import pyspark
-
-        self.hosts, self.cores, self.memory, self.gpus = hosts, cores, memory, gpus
-        self.spark_home = os.path.dirname(pyspark.__file__)
-        self.log_dir = log_dir or os.path.join(hosts.root, "logs")
-        self.port = free_port(hosts.driver_ip)
-        self.ui_port = free_port(hosts.driver_ip)
-        self.url = f"spark://{hosts.driver_ip}:{self.port}"
-        self.master: subprocess.Popen | None = None
-        self.workers: list[subprocess.Popen | None] = [None] * hosts.n
-
-    def _env(self, extra: dict) -> dict:
-        env = dict(os.environ, SPARK_HOME=self.spark_home, PYSPARK_PYTHON=sys.executable,
-                   SPARK_NO_DAEMONIZE="1", **extra)
-        here = os.path.dirname(os.path.abspath(__file__))
-        env["PYTHONPATH"] = os.pathsep.join([here, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
-        return env
-
-    def start(self, timeout: float = 120.0) -> "Standalone":
-        os.makedirs(self.log_dir, exist_ok=True)
-        spark_class = os.path.join(self.spark_home, "bin", "spark-class")
-        try:
-            with open(os.path.join(self.log_dir, "master.log"), "wb") as log:
-                self.master = subprocess.Popen(
-                    [spark_class, "org.apache.spark.deploy.master.Master", "--host", self.hosts.driver_ip,
-                     "--port", str(self.port), "--webui-port", str(self.ui_port)],
-                    env=self._env({}), stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True)
-            for i in range(self.hosts.n):
-                self.start_worker(i)
-            self.wait_for_workers(self.hosts.n, timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def start_worker(self, i: int) -> None:
-        """Start host ``i``'s worker (again, after ``kill_host``: the old one is reaped first)."""
-        old = self.workers[i]
-        if old is not None:
-            self.hosts.kill_host(i)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                old.wait(10)
-        home = self.hosts.home(i)
-        opts = ["-Dspark.decommission.enabled=true"]  # SIGPWR makes the worker leave in good order
-        if self.gpus:
-            script = os.path.join(home, "gpus.sh")
-            with open(script, "w") as f:
-                addresses = ",".join(f'"{g}"' for g in range(self.gpus))
-                f.write(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": [{addresses}]}}'\n")
-            os.chmod(script, 0o755)
-            opts += [f"-Dspark.worker.resource.gpu.amount={self.gpus}",
-                     f"-Dspark.worker.resource.gpu.discoveryScript={script}"]
-        env = self._env({"SPARK_LOCAL_DIRS": os.path.join(home, "local"),
-                         "SPARK_WORKER_DIR": os.path.join(home, "work"),
-                         "SPARK_LOCAL_IP": self.hosts.ips[i], "SPARK_WORKER_OPTS": " ".join(opts)})
-        spark_class = os.path.join(self.spark_home, "bin", "spark-class")
-        with open(os.path.join(self.log_dir, f"worker-{i}.log"), "ab") as log:
-            self.workers[i] = self.hosts.popen(
-                i, [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", self.hosts.ips[i],
-                    "--cores", str(self.cores), "--memory", self.memory, "--webui-port", "8081",
-                    "--work-dir", os.path.join(home, "work"), self.url],
-                env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def decommission(self, i: int) -> None:
-        """Tell host ``i``'s worker to leave, as a cloud's notice does: SIGPWR, which a worker with
-        spark.decommission.enabled answers by decommissioning itself and its executors."""
-        worker = self.workers[i]
-        if worker is not None and worker.poll() is None:
-            worker.send_signal(signal.SIGPWR)  # our child, not yet reaped: its pid is still its own
-
-    def alive_workers(self) -> int:
-        """How many workers the master counts as alive (its web UI's JSON)."""
-        import json
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://{self.hosts.driver_ip}:{self.ui_port}/json/", timeout=2) as r:
-                return int(json.load(r).get("aliveworkers", 0))
-        except (OSError, ValueError):
-            return 0
-
-    def wait_for_workers(self, n: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.alive_workers() < n:
-            if self.master is not None and self.master.poll() is not None:
-                raise RuntimeError(f"the standalone master exited ({self.master.returncode}); see {self.log_dir}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {self.alive_workers()} of {n} workers registered within {timeout:g} s; "
-                                   f"see {self.log_dir}")
-            time.sleep(0.2)  # the master announces no registration; bounded poll of its state
-
-    def stop(self) -> None:
-        for i in range(self.hosts.n):
-            self.hosts.kill_host(i)
-            if self.workers[i] is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.workers[i].wait(10)
-        if self.master is not None and self.master.poll() is None:
-            os.killpg(self.master.pid, signal.SIGTERM)  # our child, not yet reaped: its pid is still its own
-            try:
-                self.master.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.master.pid, signal.SIGKILL)
-                self.master.wait(10)
-
-    def session_conf(self, cores_max: int | None = None, **conf) -> dict:
-        """The settings of a driver SparkSession for this cluster."""
-        out = {"spark.driver.host": self.hosts.driver_ip, "spark.driver.bindAddress": self.hosts.driver_ip,
-               "spark.executor.memory": "1g", "spark.cores.max": str(cores_max or self.cores * self.hosts.n),
-               "spark.executor.cores": str(self.cores), "spark.task.cpus": "1",
-               "spark.decommission.enabled": "true"}
-        out.update(conf)
-        return out
-
-
-def main() -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(description="Bring up simulated hosts and a Spark standalone cluster on them.")
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--ranks-per-host", type=int, default=2, help="worker cores")
-    p.add_argument("--gpus", type=int, default=0, help="fake GPUs per worker")
-    args = p.parse_args()
-    reason = why_not()
-    if reason:
-        print(reason, file=sys.stderr)
-        return 2
-    hosts = SimHosts(args.hosts).up()
-    cluster = None
-    try:
-        cluster = Standalone(hosts, cores=args.ranks_per_host, gpus=args.gpus).start()
-        print(f"master {cluster.url}; driver address {hosts.driver_ip}; hosts {', '.join(hosts.ips)}")
-        print("spark conf: " + " ".join(f"--conf {k}={v}" for k, v in cluster.session_conf().items()))
-        print(f"logs in {cluster.log_dir}; Ctrl-C tears everything down")
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    finally:
-        if cluster is not None:
-            cluster.stop()
-        left = hosts.down()
-        if left:
-            print("left behind: " + "; ".join(left), file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    def bytes_sent(self, i: int, network: str = "data") -> int:
+        """Bytes host ``i`` has sent on a network ("data": eth1's; "main": eth0's), counted at the
+        bridge's side of its veth, which receives them."""
+        veth = (self.data_veths if network == "data" else self.veths)[i]
+        with open(f"/sys/class/net/{veth}/statistics/rx_bytes") as f:
+            return int(f.read())

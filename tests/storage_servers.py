@@ -23,23 +23,24 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
+def wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: float = 30.0,
+                   host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode} before listening on {port}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.05)  # no event for "a port started listening"; bounded poll
-    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout} s")
+    raise TimeoutError(f"nothing listened on {host}:{port} within {timeout} s")
 
 
 def azurite_binary() -> str | None:
@@ -48,20 +49,22 @@ def azurite_binary() -> str | None:
 
 
 class Azurite:
-    """One azurite-blob process with its own workspace; restartable on the same port and data."""
+    """One azurite-blob process with its own workspace; restartable on the same port and data.
+    ``host``: the address it listens on (the simulated hosts' bridge, for the multi-host tier)."""
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
         self.binary = azurite_binary()
-        self.port = free_port()
+        self.host = host
+        self.port = free_port(host)
         self.workspace = tempfile.mkdtemp(prefix="azurite-")
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self.workspace,
+            [self.binary, "--blobHost", self.host, "--blobPort", str(self.port), "--location", self.workspace,
              "--silent", "--disableTelemetry", "--skipApiVersionCheck", "--loose"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        wait_listening(self.port, self.proc)
+        wait_listening(self.port, self.proc, host=self.host)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -78,7 +81,7 @@ class Azurite:
 
     def connection_string(self, key: str = AZURITE_KEY) -> str:
         return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
-                f"BlobEndpoint=http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT};")
+                f"BlobEndpoint=http://{self.host}:{self.port}/{AZURITE_ACCOUNT};")
 
     def options(self, key: str = AZURITE_KEY) -> dict:
         return {"account_name": AZURITE_ACCOUNT, "connection_string": self.connection_string(key)}
@@ -152,7 +155,7 @@ class CuttableProxy:
             sock.close()
 
 
-def _require_azurite() -> None:
+def require_azurite() -> None:
     if azurite_binary() is None:
         if os.environ.get("CI"):
             pytest.fail("azurite-blob is not installed: run `npm install --prefix .node azurite` (see README)")
@@ -161,7 +164,7 @@ def _require_azurite() -> None:
 
 @pytest.fixture(scope="session")
 def azurite():
-    _require_azurite()
+    require_azurite()
     server = Azurite()
     server.start()
     yield server
@@ -185,7 +188,7 @@ def moto_s3():
 @pytest.fixture
 def own_azurite():
     """An Azurite of this test's own, to kill and restart without disturbing the shared one."""
-    _require_azurite()
+    require_azurite()
     server = Azurite()
     server.start()
     yield server

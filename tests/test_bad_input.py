@@ -79,6 +79,9 @@ CASES = [
     ("max_attempts 0", dict(max_attempts=0), sparktrain.InvalidArgumentError, ["max_attempts", "0"]),
     ("use_gpu without GPU conf", dict(use_gpu=True), sparktrain.ClusterConfigError,
      ["spark.task.resource.gpu.amount"]),
+    ("nics not a name", dict(nics="eth 1"), sparktrain.InvalidArgumentError, ["nics", "'eth 1'", "eth1"]),
+    ("nics not on the driver", dict(nics="198.51.100.0/24,nosuch0"), sparktrain.InvalidArgumentError,
+     ["nics=198.51.100.0/24,nosuch0", "the driver", "lo 127.0.0.1", "spark.sparktrain.nics"]),
     ("more ranks than slots", dict(num_proc=5), sparktrain.InsufficientResourcesError, ["5", "2"]),
 ]
 

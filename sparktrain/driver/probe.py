@@ -28,7 +28,7 @@ CONNECT_TIMEOUT = 3.0
 
 def facts_function() -> Callable[[tuple, tuple], dict]:
     """What a process reports about itself: Python, package versions, storage backends, CPU engine,
-    and which of the modules a rank's task imports (``cluster.TASK_MODULES``) it cannot import.
+    the CPUs it can use and its networks, and which of the modules a rank's task imports (``cluster.TASK_MODULES``) it cannot import.
     The driver calls the same function for its side of ``check``'s tables."""
     task_modules = cluster.TASK_MODULES
 
@@ -46,6 +46,12 @@ def facts_function() -> Callable[[tuple, tuple], dict]:
                 missing.append(m)
         found = {"executable": sys.executable, "versions": {"python": platform.python_version()},
                  "backends": {}, "missing": missing}
+        try:  # what ranks here could use: CPUs (affinity and cgroup quota) and networks (for nics)
+            from sparktrain import cpus, nics
+
+            found["cpus"], found["networks"] = cpus.usable_cpus(), nics.interfaces()
+        except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
+            found["cpus"], found["networks"] = None, {"?": [f"{type(e).__name__}"]}
         try:  # which engine a rank's CPU collectives would run on here
             from sparktrain import engine
 

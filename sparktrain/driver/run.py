@@ -60,6 +60,7 @@ def run(
     data: Any = None,
     log_url: str | None = None,
     resources: Mapping[str, float] | None = None,
+    nics: str | Iterable[str] | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -118,6 +119,10 @@ def run(
         Kubernetes cluster with dynamic allocation off), so the application's other stages keep
         their own resources. Each rank's compute threads (``OMP_NUM_THREADS``,
         ``TF_NUM_INTRAOP_THREADS``) follow its cpus unless ``env`` sets them. See docs/resources.md.
+    nics : the network for the driver's channel and the ranks' ring, as Horovod's ``nics``:
+        interface names or subnets (``"eth1"``, ``["10.1.0.0/16"]``); each host, the driver's
+        included, uses its first address that matches (also ``SPARKTRAIN_NICS`` or
+        ``spark.sparktrain.nics``). None: the addresses Spark knows the hosts by. See docs/cluster-conf.md.
 
     Returns
     -------
@@ -150,6 +155,8 @@ def run(
     timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
     if max_attempts is not None:
         max_attempts = settings.resolve("max_attempts", max_attempts)
+    if nics is not None:
+        nics = settings.resolve("nics", nics)
     _configure_logging(verbose)
     import cloudpickle
 
@@ -212,6 +219,12 @@ def run(
         driver_host = connect.client_host(spark)
         # The probe that chooses the rendezvous reports the executors' Python too, once per session.
         connect.check_executors_python(spark, driver_host if rendezvous == "auto" else None)
+    nics = settings.resolve("nics", nics, conf=conf)
+    if nics:
+        from .. import nics as networks
+
+        driver_host = networks.own_address(nics, "the driver")
+        log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(nics), driver_host)
     if use_gpu is None:
         use_gpu = bool(asked.gpus) if asked is not None and asked.gpus is not None else capacity.gpu_amount(conf) > 0
     local_master = cluster.is_local(master)
@@ -257,7 +270,7 @@ def run(
                       env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
                       spill_url=_spill_url(master, conf), feed=tuple(frames or ()),
                       return_output=connected and rendezvous == "barrier" and log_target is None,
-                      log_target=log_target, task_cpus=task_cpus)
+                      log_target=log_target, task_cpus=task_cpus, nics=nics)
     source = None
     if frames:
         from . import feed
@@ -343,7 +356,8 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
                output_ranks: frozenset[int] | None, max_result_bytes: int, env: Mapping[str, str],
                conf: Mapping[str, str], checkpoint: bytes | None, start_timeout: float | None,
                spill_url: str | None = None, feed: tuple[str, ...] = (), return_output: bool = False,
-               log_target: bytes | None = None, task_cpus: int | None = None) -> TaskSpec:
+               log_target: bytes | None = None, task_cpus: int | None = None,
+               nics: tuple[str, ...] | None = None) -> TaskSpec:
     """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
     settings.warn_retired(conf, {**os.environ, **(env or {})})
     return TaskSpec(
@@ -356,8 +370,9 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         user_env=settings.rank_env(env, conf), checkpoint=checkpoint,
         spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
         return_output=return_output, log_target=log_target,
-        mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus,
+        mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus, nics=nics,
     )
+
 
 
 def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Iterator, Sequence
 
-from .. import tflog, worker_env
+from .. import nics, tflog, worker_env
 from ..data import layout
 from ..errors import InvalidArgumentError, SparkTrainError, type_name
 from ..spec import OUTPUT_SEQ, RESULT_FIELDS, TaskSpec
@@ -55,6 +55,8 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
     child: ChildProcess | None = None
     try:
         try:
+            if spec.nics:  # the address this host offers the other ranks, on the network nics names
+                state.host = nics.own_address(spec.nics, f"rank {rank}'s host {host}")
             data_dir = spool = None
             if spec.feed:
                 owned.append(OwnedDir(f"sparktrain-{spec.run_id}-r{rank}-data-", local_dir()))

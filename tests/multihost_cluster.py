@@ -1,0 +1,117 @@
+"""The multi-host tier's cluster: a Spark standalone cluster whose workers are simulated hosts
+(tests/simhosts.py: a network namespace, hostname, /etc/hosts, /dev/shm and core each; and
+tests/standalone.py), started once for the whole tier (the test_multihost*.py modules, run with
+``-n 0``). The driver is the test process, on the hosts' bridge. Also the helpers those modules
+share: runs that allreduce across the hosts until a fault, and what a run left behind."""
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import time
+
+import pytest
+
+import simhosts
+from conftest import make_spark, stop_spark
+from standalone import Standalone
+
+import sparktrain
+
+WHY_NOT = simhosts.why_not()
+#: Apply to every multi-host test module: the tier's mark, and a skip with the reason where
+#: simulated hosts cannot be made (not root, no ``ip``).
+MARKS = [pytest.mark.multihost, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
+
+HOSTS, PER_HOST = 2, 2
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    from sparktrain.driver import cluster as capacity
+
+    hosts = simhosts.SimHosts(HOSTS).up()
+    standalone = session = None
+    try:
+        standalone = Standalone(hosts, cores=PER_HOST).start()
+        conf = standalone.session_conf()
+        session = make_spark(standalone.url, **conf)
+        found = capacity.wait_for_executors(session.sparkContext, conf, lambda c: c.executors >= HOSTS, 120)
+        assert found.executors >= HOSTS, f"only {found.executors} executors registered; see {standalone.log_dir}"
+        yield hosts, standalone, session
+    finally:
+        if session is not None:
+            stop_spark(session)
+        if standalone is not None:
+            standalone.stop()
+        left = hosts.down()
+    assert not left, left
+
+
+def allreduce_until_stopped(outdir):
+    """Every rank allreduces across the hosts until it is stopped; it says once that it runs, and where."""
+    import json
+    import socket
+
+    import numpy as np
+
+    from helpers import mark_time
+    from sparktrain import engine
+
+    comm = engine.from_env()
+    if comm.rank == 0:
+        with open(os.path.join(outdir, "run_id"), "w") as f:
+            json.dump(os.environ["SPARKTRAIN_RUN_ID"], f)
+    comm.allreduce(np.ones(1000), "sum")
+    with open(os.path.join(outdir, f"host-{comm.rank}"), "w") as f:
+        f.write(socket.gethostname())
+    mark_time(outdir, f"running-{comm.rank}")
+    while True:
+        comm.allreduce(np.ones(1000), "sum")
+
+
+def when_running(outdir, n: int, fault) -> tuple:
+    """A started thread that runs ``fault()`` once every rank of ``n`` has written its running
+    file in ``outdir``, and the list that gets the time it began."""
+    import threading
+
+    from helpers import wait_for_file
+
+    at: list[float] = []
+
+    def wait_then_fault():
+        for r in range(n):
+            wait_for_file(os.path.join(str(outdir), f"running-{r}"), 120)
+        at.append(time.monotonic())
+        fault()
+
+    thread = threading.Thread(target=wait_then_fault, daemon=True)
+    thread.start()
+    return thread, at
+
+
+def fail_by(tmp_path, n: int, fault) -> tuple:
+    """Run ``allreduce_until_stopped`` on ``n`` ranks with ``fault()`` once they all run; returns
+    the run's RankFailedError, when the fault began and when the run failed."""
+    thread, at = when_running(tmp_path, n, fault)
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        sparktrain.run(allreduce_until_stopped, args=(str(tmp_path),), num_proc=n, timeout=90, verbose=0)
+    failed_at = time.monotonic()
+    thread.join(5)
+    return e.value, at[0], failed_at
+
+
+def ranks_on(outdir, hostname: str) -> list[int]:
+    n = HOSTS * PER_HOST
+    return [r for r in range(n) if open(os.path.join(outdir, f"host-{r}")).read() == hostname]
+
+
+def run_id_of(outdir) -> str:
+    import json
+
+    with open(os.path.join(outdir, "run_id")) as f:
+        return json.load(f)
+
+
+def work_dirs(run_id: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"sparktrain-{run_id}-r*")))
