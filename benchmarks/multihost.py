@@ -6,27 +6,32 @@ hostname, a private ``/dev/shm`` and a core each, on one bridge; needs root), nu
 by host, and runs in one go, on the same hosts:
 
 - the raw link: one TCP stream from host 1 to host 0 (Python ``sendall``/``recv_into``), MB/s;
+  and duplex: hosts 0 and 1 each sending to the other while receiving, one stream each way, as a
+  ring's host does (its CPU carries both directions), the slower direction's MB/s;
 - the native engine (``sparktrain.engine.Communicator``) and Gloo (``torch.distributed``), each
   rank a process on its host: the median time of a 4 KiB allreduce, and of a 64 MiB one, whose
   algorithm bandwidth is 64 MiB over that time.
 
 A ring allreduce over h hosts moves 2(h-1)/h of the data over each host's link, so its algorithm
 bandwidth is at most link x h / (2(h-1)). With ``--shape 1gbit`` every host's link is shaped
-(tbf, both ends), and the table gives the 64 MiB figure's ratio to that limit; unshaped, its
-ratio to the raw stream measured in the same configuration.
+(tbf, both ends) and the link is that rate; unshaped, it is the raw stream measured in the same
+configuration. "native / limit" is the 64 MiB figure over that limit; "native / duplex limit"
+over the same bound with the duplex figure as the link, where the hosts' CPUs, not the link, set
+the rate.
 
     sudo .venv/bin/python benchmarks/multihost.py [--hosts 2,3] [--per-host 1,2] [--shape none,1gbit] \\
-        [--write benchmarks/RESULTS.md]
+        [--cores one,all] [--write benchmarks/RESULTS.md]
 
 ``--keras`` measures training instead: a Spark standalone cluster on the simulated hosts
 (``tests/standalone.py``), and a Keras 3 fit of ``epoch_time.py``'s CNN through ``sparktrain.run``
-with ``DistributedOptimizer``, 32 samples per rank per step (weak scaling), on one host and on
+with ``DistributedOptimizer``, a fixed batch per rank (``--batch``: 32 and 256; weak scaling), on one host and on
 ``--hosts`` hosts with ``--per-host`` ranks each: the samples/s of the epochs after the first, and
 the ratio to one host's.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -105,6 +110,48 @@ def stream_sender(ip: str, nbytes: int) -> None:
             s.sendall(block)
 
 
+def stream_duplex(me: str, peer: str, nbytes: int) -> None:
+    """Send ``nbytes`` to ``peer`` while receiving as much from it, on one connection each way,
+    as a ring's host does: its CPU carries both directions at once. Prints MB/s each way."""
+    import socket
+    import threading
+
+    srv = socket.create_server((me, PORT + 101))
+    print("LISTENING", flush=True)
+    got = {}
+
+    def receive():
+        conn, _ = srv.accept()
+        buf, n, start = bytearray(1 << 20), 0, None
+        while n < nbytes:
+            k = conn.recv_into(buf)
+            if not k:
+                break
+            start = start or time.perf_counter()
+            n += k
+        got["in"] = n / (time.perf_counter() - start) / 1e6
+
+    rx = threading.Thread(target=receive)
+    rx.start()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            out = socket.create_connection((peer, PORT + 101), timeout=60)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # the peer's listener is not up yet; bounded
+    block = b"\0" * (1 << 20)
+    start = time.perf_counter()
+    for _ in range(nbytes // len(block)):
+        out.sendall(block)
+    got["out"] = nbytes / (time.perf_counter() - start) / 1e6
+    rx.join(120)
+    out.close()
+    print("RESULTS " + json.dumps(got), flush=True)
+
+
 def _results(proc: subprocess.Popen, timeout: float) -> dict:
     out, err = proc.communicate(timeout=timeout)
     for line in out.splitlines():
@@ -124,11 +171,17 @@ def measure(sim, per_host: int, kinds: list[str], small_iters: int, large_iters:
     send = sim.popen(1, [*me, "--stream-send", sim.ips[0]], env=env)
     send.wait(300)
     figures = {"raw": _results(recv, 60)["mbps"]}
+    duplex = [sim.popen(i, [*me, "--stream-duplex", sim.ips[i], sim.ips[1 - i]], env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    ends = [_results(p, 300) for p in duplex]
+    figures["duplex"] = min(min(e["in"], e["out"]) for e in ends)
     hosts = [ip for ip in sim.ips for _ in range(per_host)]  # host by host
     for kind in kinds:
-        procs = [sim.popen(r // per_host, [*me, "--worker", kind, str(r), ",".join(hosts), str(small_iters),
-                                           str(large_iters)], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True) for r in range(len(hosts))]
+        # One process per host starts that host's ranks, so that they share its /dev/shm (each
+        # process simhosts starts has a private one) as a Spark worker's tasks do.
+        procs = [sim.popen(i, [*me, "--host-ranks", kind, ",".join(str(i * per_host + k) for k in range(per_host)),
+                               ",".join(hosts), str(small_iters), str(large_iters)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(sim.n)]
         try:
             figures[kind] = _results(procs[0], 600)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -150,11 +203,17 @@ def main() -> int:
     p.add_argument("--small-iters", type=int, default=300)
     p.add_argument("--large-iters", type=int, default=5)
     p.add_argument("--write", metavar="RESULTS_MD")
+    p.add_argument("--cores", default="one",
+                   help="'one': a core per host (shared when there are more hosts than cores); 'all': every "
+                        "host may use every core; or both, 'one,all'")
     p.add_argument("--keras", action="store_true", help="a Keras fit's samples/s across hosts against one host")
     p.add_argument("--epochs", type=int, default=5, help="with --keras: epochs per fit (the first is not timed)")
+    p.add_argument("--batch", default="32,256", help="with --keras: samples per rank per step (a list)")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     p.add_argument("--stream-receive", help=argparse.SUPPRESS)
     p.add_argument("--stream-send", help=argparse.SUPPRESS)
+    p.add_argument("--stream-duplex", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--host-ranks", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         kind, rank, hosts, small, large = args.worker
@@ -165,6 +224,14 @@ def main() -> int:
         return 0
     if args.stream_send:
         stream_sender(args.stream_send, 512 << 20)
+        return 0
+    if args.host_ranks:
+        kind, ranks, hosts, small, large = args.host_ranks
+        children = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", kind, r, hosts, small,
+                                      large]) for r in ranks.split(",")]
+        return max(c.wait() for c in children)
+    if args.stream_duplex:
+        stream_duplex(*args.stream_duplex, 512 << 20)
         return 0
 
     import simhosts
@@ -177,35 +244,31 @@ def main() -> int:
         return keras_scaling(args)
     kinds = args.kinds.split(",")
     rows = []
-    for h in map(int, args.hosts.split(",")):
-        for per in map(int, args.per_host.split(",")):
-            sim = simhosts.SimHosts(h).up()
-            try:
-                for shape in args.shape.split(","):
-                    for i in range(h):
-                        if shape == "none":
-                            sim.unshape(i)
-                        else:
-                            sim.shape(i, shape)
-                    f = measure(sim, per, kinds, args.small_iters, args.large_iters)
-                    rows.append(_row(h, per, shape, f, kinds))
-                    print(text_table(HEADER, rows[-1:]), flush=True)
-            finally:
-                left = sim.down()
-                if left:
-                    print("left behind: " + "; ".join(left), file=sys.stderr)
+    for cores, h, per in itertools.product(args.cores.split(","), map(int, args.hosts.split(",")),
+                                           map(int, args.per_host.split(","))):
+        sim = simhosts.SimHosts(h, share_cores=cores == "all").up()
+        try:
+            for shape in args.shape.split(","):
+                for i in range(h):
+                    if shape == "none":
+                        sim.unshape(i)
+                    else:
+                        sim.shape(i, shape)
+                f = measure(sim, per, kinds, args.small_iters, args.large_iters)
+                rows.append(_row(h, per, shape, f, kinds, cores))
+                print(text_table(HEADER, rows[-1:]), flush=True)
+        finally:
+            left = sim.down()
+            if left:
+                print("left behind: " + "; ".join(left), file=sys.stderr)
     print()
     print(text_table(HEADER, rows))
     if args.write:
-        machine = machine_line(["pyspark", "torch"]) + f", {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        machine = machine_line(["torch"]).replace("local mode (no Spark)", "no Spark")
         command = " ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])
         section = markdown_section(
             SECTION_BEGIN, SECTION_END, "Across simulated hosts",
-            "Allreduce between simulated hosts on one machine (network namespaces on a bridge, one core per host "
-            "where there are enough), ranks numbered host by host: the native engine and Gloo (torch.distributed), "
-            "with a raw TCP stream between two of the hosts measured in the same configuration. Algorithm bandwidth "
-            "is 64 MiB over the median time. Limit: for a shaped link, a ring's most, link x h / (2(h-1)); "
-            "unshaped, the raw stream. Written by `benchmarks/multihost.py`.",
+            INTRO,
             machine, command, HEADER, rows)
         write_section(args.write, section, SECTION_BEGIN, SECTION_END)
         print(f"wrote the multi-host section of {args.write}")
@@ -214,10 +277,10 @@ def main() -> int:
 
 KERAS_BEGIN = "<!-- multihost-keras:begin -->"
 KERAS_END = "<!-- multihost-keras:end -->"
-KERAS_HEADER = ["hosts", "ranks/host", "ranks", "samples/s", "vs one host", "ideal"]
+KERAS_HEADER = ["hosts", "ranks/host", "ranks", "batch/rank", "samples/s", "vs one host", "ideal"]
 
 
-def keras_fit(hosts: int, per_host: int, epochs: int) -> dict:
+def keras_fit(hosts: int, per_host: int, epochs: int, batch: int) -> dict:
     """One fit on a standalone cluster of ``hosts`` simulated hosts with ``per_host`` ranks each."""
     import cloudpickle
 
@@ -235,7 +298,7 @@ def keras_fit(hosts: int, per_host: int, epochs: int) -> dict:
         cluster = Standalone(sim, cores=per_host).start()
         session = make_spark(cluster.url, **cluster.session_conf())
         n = hosts * per_host
-        return sparktrain.run(epoch_time.train_keras3, args=("cnn", 10, 32 * n, epochs, 1e-3, True), num_proc=n,
+        return sparktrain.run(epoch_time.train_keras3, args=("cnn", 10, batch * n, epochs, 1e-3, True), num_proc=n,
                               verbose=0, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     finally:
         if session is not None:
@@ -249,23 +312,25 @@ def keras_fit(hosts: int, per_host: int, epochs: int) -> dict:
 
 def keras_scaling(args) -> int:
     per = int(args.per_host.split(",")[0])
-    rows, base = [], None
-    for h in sorted({1, *map(int, args.hosts.split(","))}):
-        got = keras_fit(h, per, args.epochs)
-        n = h * per
-        rate = got["steps"] * 32 * n / statistics.median(got["epoch_s"][1:])
-        base = base or rate / h
-        rows.append([str(h), str(per), str(n), f"{rate:.0f}", f"{rate / base:.2f}x", f"{h}.00x"])
-        print(text_table(KERAS_HEADER, rows[-1:]), flush=True)
+    rows = []
+    for batch in map(int, args.batch.split(",")):
+        base = None
+        for h in sorted({1, *map(int, args.hosts.split(","))}):
+            got = keras_fit(h, per, args.epochs, batch)
+            n = h * per
+            rate = got["steps"] * batch * n / statistics.median(got["epoch_s"][1:])
+            base = base or rate / h
+            rows.append([str(h), str(per), str(n), str(batch), f"{rate:.0f}", f"{rate / base:.2f}x", f"{h}.00x"])
+            print(text_table(KERAS_HEADER, rows[-1:]), flush=True)
     print()
     print(text_table(KERAS_HEADER, rows))
     if args.write:
-        machine = machine_line(["pyspark", "tensorflow"]) + f", {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        machine = machine_line(["tensorflow"], master="spark standalone on simulated hosts")
         command = " ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])
         section = markdown_section(
             KERAS_BEGIN, KERAS_END, "Keras across simulated hosts",
             "A Keras 3 fit of the digits CNN (epoch_time.py's) through sparktrain.run with DistributedOptimizer, "
-            "on a Spark standalone cluster of simulated hosts (one core each), 32 samples per rank per step: "
+            "on a Spark standalone cluster of simulated hosts (one core each), a fixed batch per rank (weak scaling): "
             "samples/s of the epochs after the first (median), against the same fit on one host. Ideal is the "
             "hosts' cores over one host's. Written by `benchmarks/multihost.py --keras`.",
             machine, command, KERAS_HEADER, rows)
@@ -274,23 +339,38 @@ def keras_scaling(args) -> int:
     return 0
 
 
-HEADER = ["hosts", "ranks/host", "link", "raw MB/s", "4 KiB native us", "4 KiB Gloo us", "64 MiB native MB/s",
-          "64 MiB Gloo MB/s", "native / Gloo", "native / limit"]
+INTRO = (
+    "Allreduce between simulated hosts on one machine (network namespaces on a bridge), ranks numbered host by "
+    "host: the native engine and Gloo (torch.distributed), with, in the same configuration, a raw TCP stream from "
+    "one host to another (raw) and both hosts sending to each other at once (duplex, the slower direction), "
+    "which is what a ring asks of each host. Algorithm bandwidth is 64 MiB over the median time. A ring's most "
+    "is link x h / (2(h-1)): the link is the shaped rate, or the raw stream unshaped (native / limit); the "
+    "duplex figure in its place gives native / duplex limit. Cores: 1, a core of its own per host; 2/3, three "
+    "hosts on two cores; all 2, every host may use both cores of the machine, so the hosts overlap: each host's "
+    "ranks count 2 CPUs and spin-wait, and with 2 ranks per host 4 or 6 ranks spin on 2 cores, which the 4 KiB "
+    "figures of those rows show. Written by `benchmarks/multihost.py`.")
+HEADER = ["hosts", "cores/host", "ranks/host", "link", "raw MB/s", "duplex MB/s", "4 KiB native us", "4 KiB Gloo us",
+          "64 MiB native MB/s", "64 MiB Gloo MB/s", "native / Gloo", "native / limit", "native / duplex limit"]
 
 
-def _row(h: int, per: int, shape: str, f: dict, kinds: list[str]) -> list[str]:
+def _row(h: int, per: int, shape: str, f: dict, kinds: list[str], cores: str) -> list[str]:
     def cell(kind, size, scale, fmt):
         v = f.get(kind)
         return fmt.format(scale(v[str(size)])) if isinstance(v, dict) else ("-" if v is None else "failed")
 
     algbw = {k: LARGE / f[k][str(LARGE)] / 1e6 for k in kinds if isinstance(f.get(k), dict)}
-    limit = RATES[shape] / 1e6 * h / (2 * (h - 1)) if shape in RATES else f["raw"]
-    return [str(h), str(per), shape, f"{f['raw']:.0f}",
+    ring = h / (2 * (h - 1))  # a ring allreduce's algorithm bandwidth over each link's rate
+    limit = RATES[shape] / 1e6 * ring if shape in RATES else f["raw"] * ring
+    duplex_limit = min(limit, f["duplex"] * ring)
+    shared = "1" if h <= os.cpu_count() else f"{os.cpu_count()}/{h}"
+    return [str(h), shared if cores == "one" else f"all {os.cpu_count()}", str(per), shape, f"{f['raw']:.0f}",
+            f"{f['duplex']:.0f}",
             cell("native", SMALL, lambda t: t * 1e6, "{:.0f}"), cell("gloo", SMALL, lambda t: t * 1e6, "{:.0f}"),
             f"{algbw['native']:.0f}" if "native" in algbw else "failed",
             f"{algbw['gloo']:.0f}" if "gloo" in algbw else "failed",
             f"{algbw['native'] / algbw['gloo']:.2f}x" if {"native", "gloo"} <= set(algbw) else "-",
-            f"{algbw['native'] / limit:.2f}" if "native" in algbw else "-"]
+            f"{algbw['native'] / limit:.2f}" if "native" in algbw else "-",
+            f"{algbw['native'] / duplex_limit:.2f}" if "native" in algbw else "-"]
 
 
 if __name__ == "__main__":

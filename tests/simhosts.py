@@ -66,8 +66,11 @@ def _in_cgroup(pid: int, cgroup: str) -> bool:
 class SimHosts:
     """``n`` simulated hosts on a bridge; the driver's namespace holds the bridge's address."""
 
-    def __init__(self, n: int, workdir: str | None = None):
+    def __init__(self, n: int, workdir: str | None = None, share_cores: bool = False):
+        """``share_cores``: every host may use every core of the machine (for measurements that
+        ask what more cores per host would give), instead of one core each."""
         self.n = n
+        self.share_cores = share_cores
         self.tag = secrets.token_hex(2)
         self.subnet = f"10.{200 + int(self.tag[:2], 16) % 50}.{int(self.tag[2:], 16)}"
         self.bridge = f"stb{self.tag}"
@@ -132,7 +135,7 @@ class SimHosts:
                 with open(os.path.join(cg, "cpuset.mems"), "w") as f:
                     f.write(mems)
                 with open(os.path.join(cg, "cpuset.cpus"), "w") as f:
-                    f.write(str(cores[i % len(cores)]))
+                    f.write(",".join(map(str, cores)) if self.share_cores else str(cores[i % len(cores)]))
             self._up = True
         except BaseException:
             self.down()
