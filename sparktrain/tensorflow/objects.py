@@ -1,6 +1,8 @@
 """Collectives on picklable Python objects (Horovod's ``functions.py``): ``broadcast_object``,
 ``allgather_object`` and ``broadcast_object_fn``. Objects travel pickled (cloudpickle, as
-Horovod's), as uint8 tensors over the same engine as every other collective. Eager only."""
+Horovod's), as uint8 tensors over the same engine as every other collective. Eagerly, or in a TensorFlow 1
+graph, where, as Horovod's do, they build their collectives and run them at once in ``session``
+(default: the graph's default session, else a session of their own); not inside ``tf.function``."""
 from __future__ import annotations
 
 import io
@@ -30,16 +32,29 @@ def _loads(data: bytes):
     return cloudpickle.loads(data)
 
 
-def _eager(what: str) -> None:
-    if not _tf().executing_eagerly():
-        raise InvalidArgumentError(f"{what} moves Python objects and runs eagerly only; call it outside tf.function")
+def _not_in_function(what: str) -> None:
+    if _tf().inside_function():
+        raise InvalidArgumentError(f"{what} moves Python objects, which a tf.function cannot return; call it "
+                                   "eagerly (outside tf.function), or in a TensorFlow 1 graph with a session")
+
+
+def _value(tensor, session):
+    """``tensor``'s value as numpy: eagerly, or run in ``session`` (a TensorFlow 1 graph)."""
+    tf = _tf()
+    if tf.executing_eagerly():
+        return tensor.numpy()
+    sess = session or tf.compat.v1.get_default_session()
+    if sess is not None:
+        return sess.run(tensor)
+    with tf.compat.v1.Session() as own:
+        return own.run(tensor)
 
 
 def broadcast_object(obj, root_rank: int = 0, session=None, name: str | None = None,
                      process_set=collectives.global_process_set):
     """``obj`` as it is on ``root_rank``, on every rank (the others pass anything, say None)."""
     require_init()
-    _eager("broadcast_object")
+    _not_in_function("broadcast_object")
     collectives._check_process_set(process_set)
     collectives._check_root(root_rank)
     tf = _tf()
@@ -47,12 +62,12 @@ def broadcast_object(obj, root_rank: int = 0, session=None, name: str | None = N
         return obj
     payload = _dumps(obj) if state.rank == root_rank else b""
     length = collectives.broadcast(tf.constant([len(payload)], tf.int64), root_rank)
-    n = int(length.numpy()[0])
+    n = int(_value(length, session)[0])
     import numpy as np
 
     data = np.frombuffer(payload, np.uint8) if state.rank == root_rank else np.zeros(n, np.uint8)
-    data = collectives.broadcast(tf.constant(data, tf.uint8), root_rank)
-    return obj if state.rank == root_rank else _loads(bytes(data.numpy()))
+    data = _value(collectives.broadcast(tf.constant(data, tf.uint8), root_rank), session)
+    return obj if state.rank == root_rank else _loads(bytes(data))
 
 
 def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = None,
@@ -67,7 +82,7 @@ def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = Non
 def allgather_object(obj, session=None, name: str | None = None, process_set=collectives.global_process_set) -> list:
     """Every rank's ``obj``, in rank order."""
     require_init()
-    _eager("allgather_object")
+    _not_in_function("allgather_object")
     collectives._check_process_set(process_set)
     tf = _tf()
     import numpy as np
@@ -75,8 +90,8 @@ def allgather_object(obj, session=None, name: str | None = None, process_set=col
     payload = np.frombuffer(_dumps(obj), np.uint8)
     if state.size == 1:
         return [obj]
-    sizes = collectives.allgather(tf.constant([payload.size], tf.int64)).numpy()
-    data = collectives.allgather(tf.constant(payload, tf.uint8)).numpy()
+    sizes = _value(collectives.allgather(tf.constant([payload.size], tf.int64)), session)
+    data = _value(collectives.allgather(tf.constant(payload, tf.uint8)), session)
     out, offset = [], 0
     for n in sizes:
         out.append(_loads(data[offset:offset + int(n)].tobytes()))
