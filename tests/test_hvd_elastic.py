@@ -59,12 +59,12 @@ def crash_then_resume(outdir):
 @pytest.mark.timeout(300)
 def test_a_retried_attempt_resumes_from_the_committed_epoch_and_weights(tmp_path):
     url = str(tmp_path / "elastic")
-    epochs = sparktrain.run(crash_then_resume, args=(str(tmp_path),), num_proc=-3, max_attempts=2, verbose=0,
+    epochs = sparktrain.run(crash_then_resume, args=(str(tmp_path),), num_proc=-2, max_attempts=2, verbose=0,
                             env={**ENV, "SPARKTRAIN_ELASTIC_URL": url})
     assert epochs == 4
     first = read_ranks(str(tmp_path), "-start1")
     second = read_ranks(str(tmp_path), "-start2")
-    assert sorted(first) == sorted(second) == [0, 1, 2]
+    assert sorted(first) == sorted(second) == [0, 1]
     assert {info["start"]["epoch"] for info in first.values()} == {0}
     committed = read_ranks(str(tmp_path), "-commits1")[0]["committed"]
     assert sorted(committed) == ["1", "2"]  # the crash came after epoch 2's commit

@@ -114,7 +114,7 @@ def test_a_retried_keras_run_resumes_from_its_latest_checkpoint_on_azurite(spark
     container = f"retries-{uuid.uuid4().hex[:8]}"
     fs.mkdir(container)
     prefix = f"abfs://{container}/run"
-    result = sparktrain.run(fit_resuming, args=(prefix, options, 4), num_proc=3, max_attempts=2,
+    result = sparktrain.run(fit_resuming, args=(prefix, options, 4), num_proc=2, max_attempts=2,
                             env={"TF_CPP_MIN_LOG_LEVEL": "3"}, output_ranks=[])
     # The second attempt continued after the two epochs the first one committed.
     assert (result["attempt"], result["initial_epoch"], result["epochs_run"]) == (2, 2, 2)

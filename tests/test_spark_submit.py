@@ -45,21 +45,18 @@ def _submit(tmp_path, *args):
                           cwd=tmp_path)
 
 
-def test_spark_submit_script(tmp_path):
-    proc = _submit(tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_a_submitted_script_uses_its_session_and_a_failed_run_fails_the_job(tmp_path):
+    """One submission: the script's first run succeeds on spark-submit's session, its second fails."""
+    proc = _submit(tmp_path, "--fail")
     lines = proc.stdout.splitlines()
-    assert "[0]<stdout>:submitted from rank 0 of 2" in lines and "[1]<stdout>:submitted from rank 1 of 2" in lines
+    assert "[0]<stdout>:submitted from rank 0 of 2" in lines and "[1]<stdout>:submitted from rank 1 of 2" in lines, \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
     # The script's own session was used (its master and app name), not an embedded one.
     assert "RESULT submitted-result local[2] submitted" in lines
     assert "started an embedded" not in proc.stderr
-
-
-def test_spark_submit_job_fails_with_nonzero_exit(tmp_path):
-    proc = _submit(tmp_path, "--fail")
+    # Then the failed run fails the job: a nonzero exit, the error with the rank's traceback.
     assert proc.returncode != 0
-    # spark-submit's Python runner merges the driver's stderr into stdout.
-    out = proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr  # spark-submit's Python runner merges the driver's stderr into stdout
     # Both ranks divide by zero; whichever fails first is the root cause.
     assert re.search(r"sparktrain.errors.RankFailedError: [12] ranks? failed; root cause: rank [01] ", out)
     assert "ZeroDivisionError: division by zero" in out
