@@ -84,21 +84,25 @@ def worker(kind: str, rank: int, hosts: list[str], small_iters: int, large_iters
         print("RESULTS " + json.dumps(out), flush=True)
 
 
+def _receive(conn, nbytes: int) -> float:
+    """Receive up to ``nbytes`` from ``conn``; MB/s from the first byte to the last."""
+    buf, got, start = bytearray(1 << 20), 0, None
+    while got < nbytes:
+        n = conn.recv_into(buf)
+        if not n:
+            break
+        start = start or time.perf_counter()
+        got += n
+    return got / (time.perf_counter() - start) / 1e6
+
+
 def stream_receiver(ip: str, nbytes: int) -> None:
     import socket
 
     with socket.create_server((ip, PORT + 100)) as srv:
         print("LISTENING", flush=True)
         conn, _ = srv.accept()
-        buf = bytearray(1 << 20)
-        got, start = 0, None
-        while got < nbytes:
-            n = conn.recv_into(buf)
-            if not n:
-                break
-            start = start or time.perf_counter()
-            got += n
-        print("RESULTS " + json.dumps({"mbps": got / (time.perf_counter() - start) / 1e6}), flush=True)
+        print("RESULTS " + json.dumps({"mbps": _receive(conn, nbytes)}), flush=True)
 
 
 def stream_sender(ip: str, nbytes: int) -> None:
@@ -122,14 +126,7 @@ def stream_duplex(me: str, peer: str, nbytes: int) -> None:
 
     def receive():
         conn, _ = srv.accept()
-        buf, n, start = bytearray(1 << 20), 0, None
-        while n < nbytes:
-            k = conn.recv_into(buf)
-            if not k:
-                break
-            start = start or time.perf_counter()
-            n += k
-        got["in"] = n / (time.perf_counter() - start) / 1e6
+        got["in"] = _receive(conn, nbytes)
 
     rx = threading.Thread(target=receive)
     rx.start()
@@ -285,29 +282,15 @@ def keras_fit(hosts: int, per_host: int, epochs: int, batch: int) -> dict:
     import cloudpickle
 
     import epoch_time
-    import simhosts
-    from conftest import make_spark, stop_spark
-    from standalone import Standalone
+    from standalone import cluster_session
 
     import sparktrain
 
     cloudpickle.register_pickle_by_value(epoch_time)  # the executors need not find benchmarks/
-    sim = simhosts.SimHosts(hosts).up()
-    cluster = session = None
-    try:
-        cluster = Standalone(sim, cores=per_host).start()
-        session = make_spark(cluster.url, **cluster.session_conf())
+    with cluster_session(hosts, per_host):
         n = hosts * per_host
         return sparktrain.run(epoch_time.train_keras3, args=("cnn", 10, batch * n, epochs, 1e-3, True), num_proc=n,
                               verbose=0, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
-    finally:
-        if session is not None:
-            stop_spark(session)
-        if cluster is not None:
-            cluster.stop()
-        left = sim.down()
-        if left:
-            print("left behind: " + "; ".join(left), file=sys.stderr)
 
 
 def keras_scaling(args) -> int:

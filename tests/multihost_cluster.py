@@ -13,8 +13,7 @@ import time
 import pytest
 
 import simhosts
-from conftest import make_spark, stop_spark
-from standalone import Standalone
+from standalone import cluster_session
 
 import sparktrain
 
@@ -28,24 +27,9 @@ HOSTS, PER_HOST = 2, 2
 
 @pytest.fixture(scope="session")
 def cluster():
-    from sparktrain.driver import cluster as capacity
-
-    hosts = simhosts.SimHosts(HOSTS).up()
-    standalone = session = None
-    try:
-        standalone = Standalone(hosts, cores=PER_HOST).start()
-        conf = standalone.session_conf()
-        session = make_spark(standalone.url, **conf)
-        found = capacity.wait_for_executors(session.sparkContext, conf, lambda c: c.executors >= HOSTS, 120)
-        assert found.executors >= HOSTS, f"only {found.executors} executors registered; see {standalone.log_dir}"
-        yield hosts, standalone, session
-    finally:
-        if session is not None:
-            stop_spark(session)
-        if standalone is not None:
-            standalone.stop()
-        left = hosts.down()
-    assert not left, left
+    """``(SimHosts, Standalone, session)``, once for the tier; nothing is left of it after."""
+    with cluster_session(HOSTS, PER_HOST) as found:
+        yield found
 
 
 def allreduce_until_stopped(outdir):

@@ -104,25 +104,12 @@ class SimHosts:
             hosts_file = "".join(f"{ip} {name}\n" for ip, name in zip(self.ips, self.names))
             hosts_file = f"127.0.0.1 localhost\n{self.driver_ip} sim{self.tag}-driver\n" + hosts_file
             for i in range(self.n):
-                ns, veth = self.netns[i], self.veths[i]
+                ns = self.netns[i]
                 _ip("netns", "add", ns)
-                _ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
-                _ip("link", "set", f"{veth}p", "netns", ns)
-                _ip("link", "set", veth, "master", self.bridge)
-                _ip("link", "set", veth, "up")
-                _ip("netns", "exec", ns, "ip", "link", "set", f"{veth}p", "name", "eth0")
-                _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.ips[i]}/24", "dev", "eth0")
-                _ip("netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+                self._link(ns, self.veths[i], self.bridge, "eth0", self.ips[i])
                 _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
                 _ip("netns", "exec", ns, "ip", "route", "add", "default", "via", self.driver_ip)
-                data = self.data_veths[i]
-                _ip("link", "add", data, "type", "veth", "peer", "name", f"{data}p")
-                _ip("link", "set", f"{data}p", "netns", ns)
-                _ip("link", "set", data, "master", self.data_bridge)
-                _ip("link", "set", data, "up")
-                _ip("netns", "exec", ns, "ip", "link", "set", f"{data}p", "name", "eth1")
-                _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.data_ips[i]}/24", "dev", "eth1")
-                _ip("netns", "exec", ns, "ip", "link", "set", "eth1", "up")
+                self._link(ns, self.data_veths[i], self.data_bridge, "eth1", self.data_ips[i])
                 home = self.home(i)
                 os.makedirs(os.path.join(home, "local"), exist_ok=True)
                 os.makedirs(os.path.join(home, "work"), exist_ok=True)
@@ -141,6 +128,17 @@ class SimHosts:
             self.down()
             raise
         return self
+
+    @staticmethod
+    def _link(ns: str, veth: str, bridge: str, name: str, address: str) -> None:
+        """A veth pair from ``bridge`` into namespace ``ns``, named ``name`` there, with ``address``/24."""
+        _ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
+        _ip("link", "set", f"{veth}p", "netns", ns)
+        _ip("link", "set", veth, "master", bridge)
+        _ip("link", "set", veth, "up")
+        _ip("netns", "exec", ns, "ip", "link", "set", f"{veth}p", "name", name)
+        _ip("netns", "exec", ns, "ip", "addr", "add", f"{address}/24", "dev", name)
+        _ip("netns", "exec", ns, "ip", "link", "set", name, "up")
 
     def home(self, i: int) -> str:
         return os.path.join(self.root, f"h{i}")

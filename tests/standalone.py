@@ -141,6 +141,35 @@ class Standalone:
         return out
 
 
+@contextlib.contextmanager
+def cluster_session(hosts: int, cores: int, wait: float = 120.0):
+    """``n`` simulated hosts, a standalone cluster of ``cores`` per worker on them, and a driver
+    SparkSession in this process whose executors have all registered: yields ``(SimHosts,
+    Standalone, session)``; stops and removes everything after, raising if anything is left."""
+    from conftest import make_spark, stop_spark
+
+    from sparktrain.driver import cluster as capacity
+
+    sim = SimHosts(hosts).up()
+    standalone = session = None
+    try:
+        standalone = Standalone(sim, cores=cores).start()
+        conf = standalone.session_conf()
+        session = make_spark(standalone.url, **conf)
+        found = capacity.wait_for_executors(session.sparkContext, conf, lambda c: c.executors >= hosts, wait)
+        if found.executors < hosts:
+            raise RuntimeError(f"only {found.executors} executors registered; see {standalone.log_dir}")
+        yield sim, standalone, session
+    finally:
+        if session is not None:
+            stop_spark(session)
+        if standalone is not None:
+            standalone.stop()
+        left = sim.down()
+    if left:
+        raise RuntimeError("left behind: " + "; ".join(left))
+
+
 def main() -> int:
     import argparse
 
