@@ -215,3 +215,36 @@ def test_rank_0_sends_its_checkpoint_to_azurite_on_the_drivers_host(cluster):
         import shutil
 
         shutil.rmtree(server.workspace, ignore_errors=True)
+
+
+def spool_probe(outdir):
+    """Where this rank's share of the fed DataFrame was spooled, and how many rows it holds."""
+    import socket
+
+    import sparktrain.data
+    from helpers import record_rank
+
+    shard = sparktrain.data.shard()
+    record_rank(outdir, data_dir=os.environ["SPARKTRAIN_DATA_DIR"], hostname=socket.gethostname(),
+                rows=int(shard.rows), rows_per_rank=[int(n) for n in shard.rows_per_rank])
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_fed_rows_spool_on_each_hosts_local_dirs_and_go_with_the_run(cluster, tmp_path):
+    """run(data=df) across hosts: each rank's share is spooled under its own host's Spark local
+    directory (the worker's SPARK_LOCAL_DIRS), every row is someone's, and no spool is left."""
+    import glob
+
+    hosts, _, session = cluster
+    assert sparktrain.run(spool_probe, args=(str(tmp_path),), num_proc=HOSTS * PER_HOST, data=session.range(0, 1001),
+                          verbose=0) == 0
+    ranks = read_ranks(str(tmp_path))
+    for info in ranks.values():
+        home = hosts.home(hosts.names.index(info["hostname"]))
+        assert info["data_dir"].startswith(os.path.join(home, "local") + os.sep), (info["data_dir"], home)
+    assert sum(info["rows"] for info in ranks.values()) == 1001
+    assert ranks[0]["rows_per_rank"] == [ranks[r]["rows"] for r in sorted(ranks)]
+    run_id = ranks[0]["env"]["SPARKTRAIN_RUN_ID"]
+    for i in range(HOSTS):
+        assert glob.glob(os.path.join(hosts.home(i), "local", "**", f"sparktrain-{run_id}-*"), recursive=True) == []

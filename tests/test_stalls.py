@@ -119,6 +119,25 @@ def test_a_collective_timeout_carries_the_stall_report(tmp_path):
     assert f"line {_late_line()} in late_rank" in text.split("The last stall report")[1]
 
 
+@pytest.mark.timeout(120)
+def test_a_run_timeout_carries_the_stall_report(tmp_path):
+    """The late rank never comes, and the run's own timeout (6 s) ends it first: the RunTimeoutError
+    says what the late rank was doing."""
+    from sparktrain.errors import RunTimeoutError
+
+    reports = _capture(None)
+    try:
+        with pytest.raises(RunTimeoutError) as info:
+            sparktrain.run(late_rank, args=(str(tmp_path), 1), num_proc=2, local_mode=True, timeout=6, verbose=0,
+                           env={"SPARKTRAIN_STALL_WARNING": "1", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"})
+    finally:
+        logging.getLogger("sparktrain").removeHandler(reports)
+    text = str(info.value)
+    assert "timeout=6 s" in text and reports.reports, (text, reports.reports)
+    assert "The last stall report before the timeout:" in text
+    assert f"line {_late_line()} in late_rank" in text.split("The last stall report")[1]
+
+
 @pytest.mark.timeout(60)
 def test_stall_warning_zero_turns_reports_off_and_bad_values_are_refused_before_launch(tmp_path):
     ran = tmp_path / "ran"

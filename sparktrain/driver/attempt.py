@@ -222,7 +222,8 @@ class Attempt:
                 f"({size - len(missing)} of {size} checked in). Each rank needs one task slot at the "
                 "same time; check the Spark UI for stuck tasks, or raise start_timeout"), "start_timeout expired"
         if self.deadline is not None and now > self.deadline:
-            stall = f"\n\nThe last stall report:\n{self.stalls.last_report}" if self.stalls.last_report else ""
+            stall = f"\n\nThe last stall report before the timeout:\n{self.stalls.last_report}" \
+                if self.stalls.last_report else ""
             return RunTimeoutError(
                 f"run {self.info.run_id} of {self.info.fn_name} took longer than timeout={self.info.timeout:g} s and "
                 f"was stopped; raise timeout or pass timeout=None for no limit{stall}"), "timeout expired"
