@@ -101,17 +101,24 @@ def test_a_stall_report_names_the_late_rank_and_its_line_then_the_run_goes_on(tm
     fault_time("stall report, stall_warning=2 s (local)", 2 + 10, reports.at[0] - read_time(str(tmp_path), "entered"))
 
 
+def _late_rank_never_comes(tmp_path, error_type, timeout: float, collective_timeout: float):
+    """Run ``late_rank`` on 2 ranks whose rank 1 never arrives, with stall reports every second;
+    returns the ``error_type`` the run raised and the reports the driver logged."""
+    reports = _capture(None)
+    try:
+        with pytest.raises(error_type) as info:
+            sparktrain.run(late_rank, args=(str(tmp_path), 1), num_proc=2, local_mode=True, timeout=timeout,
+                           verbose=0, env={"SPARKTRAIN_STALL_WARNING": "1",
+                                           "SPARKTRAIN_COLLECTIVE_TIMEOUT": str(collective_timeout)})
+    finally:
+        logging.getLogger("sparktrain").removeHandler(reports)
+    return info.value, reports
+
+
 @pytest.mark.timeout(120)
 def test_a_collective_timeout_carries_the_stall_report(tmp_path):
     """The late rank never comes: the others' collective times out (5 s), and the error says why."""
-    reports = _capture(None)
-    try:
-        with pytest.raises(RankFailedError) as info:
-            sparktrain.run(late_rank, args=(str(tmp_path), 1), num_proc=2, local_mode=True, timeout=100, verbose=0,
-                           env={"SPARKTRAIN_STALL_WARNING": "1", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "5"})
-    finally:
-        logging.getLogger("sparktrain").removeHandler(reports)
-    error = info.value
+    error, reports = _late_rank_never_comes(tmp_path, RankFailedError, timeout=100, collective_timeout=5)
     assert error.root_cause.rank == 0 and "timed out" in error.root_cause.message, error
     assert reports.reports and error.stall == reports.reports[-1].split(": ", 2)[-1], (reports.reports, error.stall)
     text = str(error)
@@ -125,14 +132,8 @@ def test_a_run_timeout_carries_the_stall_report(tmp_path):
     says what the late rank was doing."""
     from sparktrain.errors import RunTimeoutError
 
-    reports = _capture(None)
-    try:
-        with pytest.raises(RunTimeoutError) as info:
-            sparktrain.run(late_rank, args=(str(tmp_path), 1), num_proc=2, local_mode=True, timeout=6, verbose=0,
-                           env={"SPARKTRAIN_STALL_WARNING": "1", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"})
-    finally:
-        logging.getLogger("sparktrain").removeHandler(reports)
-    text = str(info.value)
+    error, reports = _late_rank_never_comes(tmp_path, RunTimeoutError, timeout=6, collective_timeout=60)
+    text = str(error)
     assert "timeout=6 s" in text and reports.reports, (text, reports.reports)
     assert "The last stall report before the timeout:" in text
     assert f"line {_late_line()} in late_rank" in text.split("The last stall report")[1]
