@@ -77,7 +77,8 @@ def address(nics: Sequence[str], table: Mapping[str, Sequence[str]] | None = Non
             net = ipaddress.ip_network(entry, strict=False)
             for addrs in table.values():
                 for a in addrs:
-                    if ipaddress.ip_address(a).version == net.version and ipaddress.ip_address(a) in net:
+                    ip = ipaddress.ip_address(a)
+                    if ip.version == net.version and ip in net:
                         return a
         elif table.get(entry):
             return table[entry][0]

@@ -28,7 +28,8 @@ CONNECT_TIMEOUT = 3.0
 
 def facts_function() -> Callable[[tuple, tuple], dict]:
     """What a process reports about itself: Python, package versions, storage backends, CPU engine,
-    the CPUs it can use and its networks, and which of the modules a rank's task imports (``cluster.TASK_MODULES``) it cannot import.
+    the CPUs it can use and its networks, and which of the modules a rank's task imports
+    (``cluster.TASK_MODULES``) it cannot import.
     The driver calls the same function for its side of ``check``'s tables."""
     task_modules = cluster.TASK_MODULES
 

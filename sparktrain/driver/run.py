@@ -122,7 +122,7 @@ def run(
     nics : the network for the driver's channel and the ranks' ring, as Horovod's ``nics``:
         interface names or subnets (``"eth1"``, ``["10.1.0.0/16"]``); each host, the driver's
         included, uses its first address that matches (also ``SPARKTRAIN_NICS`` or
-        ``spark.sparktrain.nics``). None: the addresses Spark knows the hosts by. See docs/cluster-conf.md.
+        ``spark.sparktrain.nics``). None: the addresses Spark knows the hosts by. See docs/run.md.
 
     Returns
     -------
@@ -372,7 +372,6 @@ def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tupl
         return_output=return_output, log_target=log_target,
         mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus, nics=nics,
     )
-
 
 
 def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
