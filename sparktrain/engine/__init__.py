@@ -38,7 +38,7 @@ from .loader import (_ABI_VERSION, BROKEN, DTYPES, KEY_FILE_ENV, LIBRARY_ENV, MI
 from .topology import layout, segment_name  # noqa: F401
 
 __all__ = ["BROKEN", "DTYPES", "MISMATCH", "OPS", "PEER", "SPIN_S", "TIMEOUT", "CollectiveError", "Communicator",
-           "available", "default_spin", "from_env", "layout", "library", "segment_name", "split_rows",
+           "available", "contract", "default_spin", "from_env", "layout", "library", "segment_name", "split_rows",
            "unavailable_reason"]
 
 
@@ -48,6 +48,15 @@ def from_env(timeout: float | None = None, environ=None) -> Communicator:
     Addresses come from the run's rendezvous (``TF_CONFIG``: every rank's host and the port
     reserved for its collective runtime); the key from the file ``run`` wrote for this rank.
     """
+    c = contract(timeout, environ)
+    return Communicator(c["rank"], c["size"], c["hosts"], c["ports"], c["secret"], c["name"], timeout=c["timeout"],
+                        force_tcp=c["force_tcp"], spin=c["spin"], progress=c["progress"])
+
+
+def contract(timeout: float | None = None, environ=None) -> dict:
+    """What a rank of ``sparktrain.run`` needs for a communicator, from its env: ``rank``, ``size``,
+    ``hosts``, ``ports``, ``secret``, ``name``, ``timeout``, ``force_tcp``, ``spin`` and ``progress``
+    (the arguments of :class:`Communicator`; a process set's communicator uses them too)."""
     environ = os.environ if environ is None else environ
     timeout = settings.resolve("collective_timeout", timeout, environ=environ)
     try:
@@ -56,16 +65,15 @@ def from_env(timeout: float | None = None, environ=None) -> Communicator:
     except (KeyError, ValueError) as e:
         raise CollectiveError(f"the native engine needs the run's env contract (TF_CONFIG, SPARKTRAIN_RANK): {e}") \
             from None
-    hosts = [w.rsplit(":", 1)[0] for w in cluster]
-    ports = [int(w.rsplit(":", 1)[1]) for w in cluster]
     key_file = environ.get(KEY_FILE_ENV)
     if not key_file or not os.path.exists(key_file):
         raise CollectiveError(f"the native engine needs the run's key ({KEY_FILE_ENV}); is this a rank of "
                               "sparktrain.run?")
     with open(key_file, "rb") as f:
         key = f.read()
-    name = f"{environ.get('SPARKTRAIN_RUN_ID', 'run')}-a{environ.get('SPARKTRAIN_ATTEMPT', '1')}"
-    force_tcp = settings.resolve("cpu_transport", environ=environ) == "tcp"
     spin = settings.resolve("spin_wait", environ=environ)
-    return Communicator(rank, size, hosts, ports, key, name, timeout=timeout, force_tcp=force_tcp,
-                        spin=None if spin == "auto" else spin, progress=environ.get(worker_env.PROGRESS_FILE))
+    return dict(rank=rank, size=size, hosts=[w.rsplit(":", 1)[0] for w in cluster],
+                ports=[int(w.rsplit(":", 1)[1]) for w in cluster], secret=key,
+                name=f"{environ.get('SPARKTRAIN_RUN_ID', 'run')}-a{environ.get('SPARKTRAIN_ATTEMPT', '1')}",
+                timeout=timeout, force_tcp=settings.resolve("cpu_transport", environ=environ) == "tcp",
+                spin=None if spin == "auto" else spin, progress=environ.get(worker_env.PROGRESS_FILE))

@@ -16,7 +16,8 @@ a build without the engine (with one warning). ``init`` brings the chosen runtim
 
 The package, by role: ``runtime`` (init, shutdown, rank and size, what was built, and the
 backend the collectives run on, chosen once), ``ops`` (the reductions), ``compression``,
-``collectives`` (allreduce, allgather, broadcast and their gradients), ``scatter``
+``collectives`` (allreduce, allgather, broadcast and their gradients), ``process_sets``
+(collectives over some of the ranks), ``scatter``
 (reducescatter, alltoall) and ``variables`` (variables from the root rank), over ``backends``
 (one rank; the native engine through TensorFlow kernels or ``hostops``; TensorFlow's
 ``ringops``), ``objects`` (Python objects),
@@ -25,8 +26,7 @@ optimizer wrapper), ``sync_batch_norm`` and ``timeline``.
 """
 from __future__ import annotations
 
-from .collectives import (ProcessSet, add_process_set, allgather, allreduce, barrier, broadcast, global_process_set,
-                          grouped_allgather, grouped_allreduce, join, remove_process_set)
+from .collectives import allgather, allreduce, barrier, broadcast, grouped_allgather, grouped_allreduce, join
 from .compression import Compression
 from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
                         average_gradients, reduce_except_local)
@@ -34,11 +34,13 @@ from .keras_optimizer import tensorflow_distributed_optimizer as DistributedOpti
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
 from .ops import (Adasum, Average, Max, Min, Product, Sum, check_num_rank_power_of_2, check_op,
                   handle_average_backwards_compatibility)
+from .process_sets import (ProcessSet, add_process_set, global_process_set, process_set_included_op,
+                           remove_process_set, size_op)
 from .scatter import alltoall, grouped_reducescatter, reducescatter
 from .runtime import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_TIMEOUT, ccl_built, collective_engine, collective_kernels,
                       cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous,
                       is_initialized, local_rank, local_rank_op, local_size, local_size_op, mpi_built, mpi_enabled, mpi_threads_supported,
-                      nccl_built, process_set_included_op, rank, rank_op, rocm_built, shutdown, size, size_op,
+                      nccl_built, rank, rank_op, rocm_built, shutdown, size,
                       strategy)
 from .runtime import cpu_engine as _cpu_engine  # noqa: F401 - the settings tests ask it directly
 from .timeline import start_timeline, stop_timeline

@@ -24,6 +24,8 @@ from typing import Iterable
 from . import backends, ops, runtime
 from .compression import Compression
 from .ops import Average, Sum
+from .process_sets import Group, global_process_set
+from .process_sets import group as _group
 from .runtime import require_init, state
 from ..errors import InvalidArgumentError, UnsupportedError
 
@@ -34,50 +36,14 @@ def _tf():
     return tf
 
 
-class ProcessSet:
-    """Horovod's process set, of which sparktrain has one: every rank (id 0)."""
-
-    process_set_id = 0
-    ranks = None
-
-    def size(self) -> int:
-        return runtime.size()
-
-    def rank(self) -> int:
-        return runtime.rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self):
-        return "ProcessSet(global)"
-
-
-global_process_set = ProcessSet()
-
-
-def add_process_set(process_set):
-    raise InvalidArgumentError(f"add_process_set({process_set!r}): sparktrain runs every collective over all ranks "
-                               "and has no process sets besides global_process_set")
-
-
-def remove_process_set(process_set):
-    raise InvalidArgumentError(f"remove_process_set({process_set!r}): sparktrain has only global_process_set, "
-                               "which cannot be removed")
-
-
-def _check_process_set(process_set) -> None:
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
-        return
-    raise InvalidArgumentError(f"process_set={process_set!r}: sparktrain runs every collective over all ranks; "
-                               "leave process_set at global_process_set")
-
-
 # -- running one collective --------------------------------------------------------------------
 
-def _backend() -> backends.Backend:
-    """Where this rank's collectives run, as ``init()`` chose (see ``backends``); in a TensorFlow 1
-    graph the native engine's go through ``numpy_function``, where the ranks agree on their order."""
+def _backend(g: Group | None = None) -> backends.Backend:
+    """Where this rank's collectives of ``g`` run: a process set's own backend (``process_sets``),
+    or for every rank's, as ``init()`` chose (see ``backends``); in a TensorFlow 1 graph the
+    native engine's go through ``numpy_function``, where the ranks agree on their order."""
+    if g is not None and g.backend is not None:
+        return g.backend
     if state.backend in ("kernels", "ring") and backends.in_graph():
         if state.backend == "ring":
             raise InvalidArgumentError(
@@ -104,10 +70,9 @@ def _differentiable(t) -> bool:
     return t.dtype.is_floating
 
 
-def _check_root(root_rank) -> int:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < state.size:
-        raise InvalidArgumentError(f"root_rank must be a rank in 0..{state.size - 1}, got {root_rank!r}")
-    return root_rank
+def _check_root(root_rank, g: Group | None = None) -> int:
+    """The root's index in ``g`` (default: every rank) of the global ``root_rank``, checked."""
+    return (g or _group(None)).root(root_rank)
 
 
 def _tensor(t, what: str):
@@ -123,17 +88,17 @@ def _tensor(t, what: str):
 
 # -- allreduce ---------------------------------------------------------------------------------
 
-def _allreduce_raw(t, op: str, name=None):
+def _allreduce_raw(t, op: str, name=None, g=None):
     """The collective alone, no scaling, no gradient."""
-    return _backend().allreduce(t, op, name)
+    return _backend(g).allreduce(t, op, name)
 
 
-def _allreduce(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def _allreduce(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None, g=None):
     """Allreduce of a dense tensor with Horovod's scaling, and its gradient."""
     tf = _tf()
 
     def forward(x):
-        return _scale(_allreduce_raw(_scale(x, prescale_factor), op, name), postscale_factor)
+        return _scale(_allreduce_raw(_scale(x, prescale_factor), op, name, g), postscale_factor)
 
     if not _differentiable(t):
         return forward(t)
@@ -141,7 +106,7 @@ def _allreduce(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None)
     @tf.custom_gradient
     def reduce(x):
         def grad(dy):
-            return _allreduce(dy, op, prescale_factor, postscale_factor)
+            return _allreduce(dy, op, prescale_factor, postscale_factor, g=g)
 
         return forward(x), grad
 
@@ -151,7 +116,8 @@ def _allreduce(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None)
 def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
               op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
               process_set=global_process_set, ignore_name_scope: bool = False):
-    """Reduce ``tensor`` over all ranks with ``op`` (default ``Average``); Horovod's signature.
+    """Reduce ``tensor`` over the ranks of ``process_set`` (default: all) with ``op`` (default
+    ``Average``, over the set's size); Horovod's signature.
 
     The result is ``postscale_factor * op(prescale_factor * tensor)``. ``average=True/False`` is
     Horovod's deprecated spelling of ``op=Average/Sum`` (never both). A ``tf.IndexedSlices`` is
@@ -164,17 +130,17 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
     tf = _tf()
     op = ops.resolve(op, average)
     ops.check_scale(prescale_factor, postscale_factor)
-    _check_process_set(process_set)
+    g = _group(process_set)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor)
+        return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, g)
     tensor = _tensor(tensor, "allreduce")
     ops.check_dtype(tensor.dtype.name, op, "allreduce")
     compressed, ctx = compression.compress(tensor)
-    reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name)
+    reduced = _allreduce(compressed, op, prescale_factor, postscale_factor, name, g)
     return compression.decompress(reduced, ctx)
 
 
-def _allreduce_sparse(slices, op: str, prescale_factor, postscale_factor):
+def _allreduce_sparse(slices, op: str, prescale_factor, postscale_factor, g: Group):
     tf = _tf()
     if op not in (Sum, Average):
         raise UnsupportedError(f"allreduce of tf.IndexedSlices supports op=Sum or Average, got "
@@ -183,10 +149,10 @@ def _allreduce_sparse(slices, op: str, prescale_factor, postscale_factor):
     if prescale_factor != 1.0 or postscale_factor != 1.0:
         raise UnsupportedError("prescale_factor and postscale_factor do not apply to tf.IndexedSlices; reduce "
                                "it as dense (sparse_as_dense=True) or scale it yourself")
-    values = allgather(slices.values)
-    indices = allgather(slices.indices)
+    values, indices = backends.in_order([lambda: _allgather(_tensor(slices.values, "allreduce"), g=g),
+                                         lambda: _allgather(_tensor(slices.indices, "allreduce"), g=g)])
     if op == Average:
-        values = values / tf.cast(state.size, values.dtype)
+        values = values / tf.cast(g.size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -203,14 +169,14 @@ def grouped_allreduce(tensors: Iterable, average=None, device_dense: str = "", d
     tensors = list(tensors)
     op = ops.resolve(op, average)
     ops.check_scale(prescale_factor, postscale_factor)
-    _check_process_set(process_set)
+    g = _group(process_set)
     if not tensors:
         return []
     out: list = [None] * len(tensors)
     dense_idx = []
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            out[i] = _allreduce_sparse(t, op, prescale_factor, postscale_factor)
+            out[i] = _allreduce_sparse(t, op, prescale_factor, postscale_factor, g)
         else:
             dense_idx.append(i)
     if dense_idx:
@@ -218,18 +184,18 @@ def grouped_allreduce(tensors: Iterable, average=None, device_dense: str = "", d
         for t in dense:
             ops.check_dtype(t.dtype.name, op, "grouped_allreduce")
         packed = [compression.compress(t) for t in dense]
-        reduced = _grouped_allreduce([p[0] for p in packed], op, prescale_factor, postscale_factor)
+        reduced = _grouped_allreduce([p[0] for p in packed], op, prescale_factor, postscale_factor, g)
         for i, r, (_, ctx) in zip(dense_idx, reduced, packed):
             out[i] = compression.decompress(r, ctx)
     return out
 
 
-def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_factor=1.0) -> list:
+def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_factor=1.0, g=None) -> list:
     tf = _tf()
 
     def forward(*xs):
         xs = [_scale(x, prescale_factor) for x in xs]
-        return [_scale(y, postscale_factor) for y in _grouped_raw(list(xs), op)]
+        return [_scale(y, postscale_factor) for y in _backend(g).grouped_allreduce(list(xs), op)]
 
     if not any(_differentiable(t) for t in tensors):
         return forward(*tensors)
@@ -239,7 +205,7 @@ def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_fa
         def grad(*dys):
             # TensorFlow may hand float32 zeros for a float64 output: reduce each in its own dtype.
             dys = [tf.cast(dy, x.dtype) for dy, x in zip(dys, xs)]
-            back = _grouped_allreduce(dys, op, prescale_factor, postscale_factor)
+            back = _grouped_allreduce(dys, op, prescale_factor, postscale_factor, g)
             return [g if _differentiable(x) else None for g, x in zip(back, xs)]
 
         return forward(*xs), grad
@@ -247,101 +213,101 @@ def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_fa
     return list(reduce(*tensors))
 
 
-def _grouped_raw(tensors: list, op: str) -> list:
-    return _backend().grouped_allreduce(tensors, op)
-
-
 # -- allgather ---------------------------------------------------------------------------------
 
-def _allgather_raw(t, name=None):
+def _allgather_raw(t, name=None, g=None):
     if t.shape.rank == 0:
         t = _tf().reshape(t, [1])
-    return _backend().allgather(t, name)
+    return _backend(g).allgather(t, name)
 
 
-def _allgather(t, name=None):
+def _allgather(t, name=None, g=None):
     tf = _tf()
+    g = g or _group(None)
     if not _differentiable(t):
-        return _allgather_raw(t, name)
+        return _allgather_raw(t, name, g)
 
     @tf.custom_gradient
     def gather(x):
         def grad(dy):
             rows = tf.shape(x)[:1] if x.shape.rank else tf.constant([1])
-            reduced, every = backends.in_order([lambda: _allreduce(dy, Average), lambda: _allgather_raw(rows)])
-            every = tf.reshape(every, [state.size])
-            mine = tf.split(reduced, every, axis=0)[state.rank] if state.size > 1 else reduced
+            reduced, every = backends.in_order([lambda: _allreduce(dy, Average, g=g),
+                                                lambda: _allgather_raw(rows, g=g)])
+            every = tf.reshape(every, [g.size])
+            mine = tf.split(reduced, every, axis=0)[g.rank] if g.size > 1 else reduced
             return tf.reshape(mine, tf.shape(x))
 
-        return _allgather_raw(x, name), grad
+        return _allgather_raw(x, name, g), grad
 
     return gather(t)
 
 
 def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False, process_set=global_process_set):
-    """Concatenate ``tensor`` from every rank along the first dimension, in rank order.
+    """Concatenate ``tensor`` from every rank of ``process_set`` along the first dimension, in rank order.
 
     The first dimension may differ between ranks (even be 0); the others must match. A scalar
     gathers as a vector of one element per rank.
     """
     require_init()
-    _check_process_set(process_set)
+    g = _group(process_set)
     tensor = _tensor(tensor, "allgather")
     ops.check_dtype(tensor.dtype.name, None, "allgather")
-    return _allgather(tensor, name)
+    return _allgather(tensor, name, g)
 
 
 def grouped_allgather(tensors: Iterable, name: str | None = None, ignore_name_scope: bool = False,
                       process_set=global_process_set) -> list:
     """:func:`allgather` of each tensor, in order."""
     require_init()
-    _check_process_set(process_set)
+    g = _group(process_set)
     tensors = [_tensor(t, "grouped_allgather") for t in tensors]
     for t in tensors:
         ops.check_dtype(t.dtype.name, None, "grouped_allgather")
-    return backends.in_order([lambda t=t: _allgather(t) for t in tensors])
+    return backends.in_order([lambda t=t: _allgather(t, g=g) for t in tensors])
 
 
 # -- broadcast ---------------------------------------------------------------------------------
 
-def _broadcast_raw(t, root_rank: int, name=None):
-    return _backend().broadcast(t, root_rank, name)
+def _broadcast_raw(t, root: int, name=None, g=None):
+    """``root``: the root's index in ``g`` (see :func:`_check_root`)."""
+    return _backend(g).broadcast(t, root, name)
 
 
-def _broadcast(t, root_rank: int, name=None):
+def _broadcast(t, root: int, name=None, g=None):
     tf = _tf()
+    g = g or _group(None)
     if not _differentiable(t):
-        return _broadcast_raw(t, root_rank, name)
+        return _broadcast_raw(t, root, name, g)
 
     @tf.custom_gradient
     def bcast(x):
         def grad(dy):
-            reduced = _allreduce(dy, Average)
-            return reduced if state.rank == root_rank else reduced * 0
+            reduced = _allreduce(dy, Average, g=g)
+            return reduced if g.rank == root else reduced * 0
 
-        return _broadcast_raw(x, root_rank, name), grad
+        return _broadcast_raw(x, root, name, g), grad
 
     return bcast(t)
 
 
 def broadcast(tensor, root_rank: int = 0, name: str | None = None, ignore_name_scope: bool = False,
               process_set=global_process_set):
-    """``tensor`` as it is on ``root_rank``, on every rank (same shape and dtype everywhere)."""
+    """``tensor`` as it is on ``root_rank``, on every rank of ``process_set`` (same shape and dtype
+    everywhere). ``root_rank`` is a global rank, which must be in the set, as in Horovod."""
     require_init()
-    _check_process_set(process_set)
-    _check_root(root_rank)
+    g = _group(process_set)
+    root = _check_root(root_rank, g)
     tensor = _tensor(tensor, "broadcast")
     ops.check_dtype(tensor.dtype.name, None, "broadcast")
-    return _broadcast(tensor, root_rank, name)
+    return _broadcast(tensor, root, name, g)
 
 
 # -- synchronisation ---------------------------------------------------------------------------
 
 def barrier(process_set=global_process_set) -> None:
-    """Wait until every rank gets here."""
+    """Wait until every rank of ``process_set`` gets here."""
     require_init()
-    _check_process_set(process_set)
-    allreduce(_tf().constant(0, _tf().int32), op=Sum)
+    allreduce(_tf().constant(0, _tf().int32), op=Sum, process_set=process_set)
 
 
 def join(device: str = "") -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from . import collectives, ops
+from . import collectives, ops, process_sets
 from .compression import Compression
 from .ops import Average
 from ..errors import InvalidArgumentError
@@ -44,8 +44,10 @@ def _split_even(items: list, n: int) -> list:
 
 def allreduce_gradients(grads, *, variables=None, op=Average, compression=Compression.none,
                         sparse_as_dense: bool = False, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        num_groups: int = 0, groups=None):
-    """Reduce a (possibly nested) structure of gradients over all ranks; same structure back.
+                        num_groups: int = 0, groups=None, process_set=process_sets.global_process_set):
+    """Reduce a (possibly nested) structure of gradients over the ranks of ``process_set``
+    (default: all); same structure back. On a rank outside the set they come back unreduced, as
+    Horovod's do.
 
     None stays None. Dense gradients are reduced in fused collectives (one per dtype) unless
     ``groups`` asks otherwise: an int splits them into that many consecutive groups, a list of
@@ -57,6 +59,8 @@ def allreduce_gradients(grads, *, variables=None, op=Average, compression=Compre
     tf = _tf()
     op = ops.check_op(op)
     groups = _check_groups(num_groups, groups)
+    if not check_process_set(process_set).included():
+        return grads
     flat = tf.nest.flatten(grads, expand_composites=False)
     present = [i for i, g in enumerate(flat) if g is not None]
     if sparse_as_dense:
@@ -85,7 +89,8 @@ def allreduce_gradients(grads, *, variables=None, op=Average, compression=Compre
         if not idx:
             continue
         reduced = collectives.grouped_allreduce([flat[i] for i in idx], op=op, compression=compression,
-                                                prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                                process_set=process_set)
         for i, r in zip(idx, reduced):
             out[i] = r
     return tf.nest.pack_sequence_as(grads, out)
@@ -95,7 +100,8 @@ def reduce_except_local(grads: list, variables: list, is_local, scale_local: boo
     """Reduce ``grads`` (one per variable of ``variables``) with :func:`allreduce_gradients` and
     ``options``, except those whose variable ``is_local`` says is this rank's own: they are not
     reduced and, with ``scale_local`` (Horovod's ``scale_local_gradients``), are divided by the
-    size. None stays None. The gradient tape and the Keras optimizer both reduce this way."""
+    size (of the ``process_set`` in ``options``). None stays None. The gradient tape and the Keras
+    optimizer both reduce this way."""
     tf = _tf()
     shared = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and not is_local(v)]
     out = list(grads)
@@ -104,7 +110,7 @@ def reduce_except_local(grads: list, variables: list, is_local, scale_local: boo
         for i, r in zip(shared, reduced):
             out[i] = r
     if scale_local:
-        n = float(collectives.runtime.size())
+        n = float(options.get("process_set", process_sets.global_process_set).size())
         for i, (g, v) in enumerate(zip(out, variables)):
             if g is not None and is_local(v):
                 out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices) \
@@ -118,6 +124,17 @@ def average_gradients(grads, op=Average):
     ``tf.IndexedSlices`` are densified first (the Keras optimizer's historic behaviour).
     """
     return allreduce_gradients(grads, op=op, sparse_as_dense=True)
+
+
+def check_process_set(process_set):
+    """``process_set`` (a registered :class:`ProcessSet`; None: every rank's), or an error naming
+    the fix."""
+    if process_set is None:
+        return process_sets.global_process_set
+    if not isinstance(process_set, process_sets.ProcessSet) or process_set.process_set_id is None:
+        raise InvalidArgumentError(f"process_set={process_set!r}: pass global_process_set or a ProcessSet registered "
+                                   "with hvd.add_process_set (or hvd.init(process_sets=[...]))")
+    return process_set
 
 
 def _predivide(op, gradient_predivide_factor):
@@ -161,7 +178,8 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
                             compression=Compression.none, sparse_as_dense: bool = False, op=Average,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                             process_set=collectives.global_process_set, scale_local_gradients: bool = True):
-    """Wrap a ``tf.GradientTape`` so ``gradient()`` returns gradients reduced over all ranks.
+    """Wrap a ``tf.GradientTape`` so ``gradient()`` returns gradients reduced over all ranks (or the
+    ranks of ``process_set``; on a rank outside it, unreduced).
 
     The result is a tape of the same class, recording what the given tape recorded. Arguments
     as Horovod's: ``gradient_predivide_factor`` (Average only) divides before the sum and
@@ -179,7 +197,7 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
     if not isinstance(gradtape, tf.GradientTape):
         raise InvalidArgumentError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
     op = ops.check_op(op)
-    collectives._check_process_set(process_set)
+    process_set = check_process_set(process_set)
     pre, post = _predivide(op, gradient_predivide_factor)
     groups = _check_groups(num_groups, groups)
     base = type(gradtape)
@@ -187,7 +205,8 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # the same recording: its tape, persistence, watched variables
     tape._sparktrain_options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                                    prescale_factor=pre, postscale_factor=post, groups=groups)
+                                    prescale_factor=pre, postscale_factor=post, groups=groups,
+                                    process_set=process_set)
     tape._sparktrain_local = set()
     tape._sparktrain_scale_local = bool(scale_local_gradients)
     return tape

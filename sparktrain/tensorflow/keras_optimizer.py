@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import InvalidArgumentError, SparkTrainError
 from .collectives import allreduce, global_process_set
 from .compression import Compression
-from .gradients import reduce_except_local
+from .gradients import check_process_set, reduce_except_local
 from .ops import Average, Min, Sum
 from .runtime import size
 
@@ -37,6 +37,8 @@ class GradientReduction:
     average_aggregated_gradients: bool = False
     groups: Any = None
     scale_local_gradients: bool = True
+    #: The ranks the gradients are reduced over (None: every rank).
+    process_set: Any = None
     #: ``id()`` of each variable registered with ``register_local_var``, and the variables.
     local_vars: dict = dataclasses.field(default_factory=dict)
     local_layers: list = dataclasses.field(default_factory=list)
@@ -77,7 +79,8 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
       does.
     - ``name``: the optimizer's name (Keras's ``name``); ``device_dense`` and
       ``device_sparse`` are accepted and ignored (sparktrain places collectives itself).
-    - ``process_set``: only ``global_process_set`` exists in sparktrain.
+    - ``process_set``: the ranks the gradients are reduced over (a registered ``ProcessSet``);
+      on a rank outside it they are applied unreduced, as Horovod does.
 
     A ``keras.optimizers.LossScaleOptimizer`` (mixed precision) is rebuilt around the
     distributed inner optimizer, with an overflow check every rank agrees on, so the ranks skip
@@ -181,13 +184,11 @@ def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, pas
             and not (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0):
         raise InvalidArgumentError(f"groups must be a positive number of groups or a list of lists of variables, "
                               f"got {groups!r}")
-    if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
-        raise InvalidArgumentError(f"process_set={process_set!r}: sparktrain reduces over every rank (the global set); "
-                              "leave process_set out")
+    process_set = check_process_set(process_set)
     return GradientReduction(op=op, compression=compression, sparse_as_dense=bool(sparse_as_dense),
                              gradient_predivide_factor=float(predivide), backward_passes_per_step=passes,
                              average_aggregated_gradients=bool(average_aggregated), groups=groups,
-                             scale_local_gradients=bool(scale_local))
+                             scale_local_gradients=bool(scale_local), process_set=process_set)
 
 
 def _AgreeingLossScale() -> type:  # noqa: N802 - returns a class
@@ -314,7 +315,8 @@ def reduce_gradients(grads: list, variables: list, reduction: GradientReduction)
     out = reduce_except_local(grads, variables, lambda v: id(v) in local, reduction.scale_local_gradients,
                                    op=reduction.op, compression=reduction.compression,
                                    sparse_as_dense=reduction.sparse_as_dense, prescale_factor=1.0 / f,
-                                   postscale_factor=f, groups=reduction.groups)
+                                   postscale_factor=f, groups=reduction.groups,
+                                   process_set=reduction.process_set or global_process_set)
     if reduction.backward_passes_per_step > 1 and not reduction.average_aggregated_gradients:
         # Keras averages the accumulated passes; Horovod's default is their sum.
         passes = float(reduction.backward_passes_per_step)

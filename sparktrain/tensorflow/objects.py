@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 
 from . import collectives
-from .runtime import require_init, state
+from .runtime import require_init
 from ..errors import InvalidArgumentError
 
 
@@ -52,22 +52,23 @@ def _value(tensor, session):
 
 def broadcast_object(obj, root_rank: int = 0, session=None, name: str | None = None,
                      process_set=collectives.global_process_set):
-    """``obj`` as it is on ``root_rank``, on every rank (the others pass anything, say None)."""
+    """``obj`` as it is on ``root_rank``, on every rank of ``process_set`` (the others pass
+    anything, say None)."""
     require_init()
     _not_in_function("broadcast_object")
-    collectives._check_process_set(process_set)
-    collectives._check_root(root_rank)
+    g = collectives._group(process_set)
+    root = collectives._check_root(root_rank, g)
     tf = _tf()
-    if state.size == 1:
+    if g.size == 1:
         return obj
-    payload = _dumps(obj) if state.rank == root_rank else b""
-    length = collectives.broadcast(tf.constant([len(payload)], tf.int64), root_rank)
+    payload = _dumps(obj) if g.rank == root else b""
+    length = collectives.broadcast(tf.constant([len(payload)], tf.int64), root_rank, process_set=process_set)
     n = int(_value(length, session)[0])
     import numpy as np
 
-    data = np.frombuffer(payload, np.uint8) if state.rank == root_rank else np.zeros(n, np.uint8)
-    data = _value(collectives.broadcast(tf.constant(data, tf.uint8), root_rank), session)
-    return obj if state.rank == root_rank else _loads(bytes(data))
+    data = np.frombuffer(payload, np.uint8) if g.rank == root else np.zeros(n, np.uint8)
+    data = _value(collectives.broadcast(tf.constant(data, tf.uint8), root_rank, process_set=process_set), session)
+    return obj if g.rank == root else _loads(bytes(data))
 
 
 def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = None,
@@ -80,18 +81,18 @@ def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = Non
 
 
 def allgather_object(obj, session=None, name: str | None = None, process_set=collectives.global_process_set) -> list:
-    """Every rank's ``obj``, in rank order."""
+    """Every rank's ``obj`` (of ``process_set``'s ranks), in rank order."""
     require_init()
     _not_in_function("allgather_object")
-    collectives._check_process_set(process_set)
+    g = collectives._group(process_set)
     tf = _tf()
     import numpy as np
 
     payload = np.frombuffer(_dumps(obj), np.uint8)
-    if state.size == 1:
+    if g.size == 1:
         return [obj]
-    sizes = _value(collectives.allgather(tf.constant([payload.size], tf.int64)), session)
-    data = _value(collectives.allgather(tf.constant(payload, tf.uint8)), session)
+    sizes = _value(collectives.allgather(tf.constant([payload.size], tf.int64), process_set=process_set), session)
+    data = _value(collectives.allgather(tf.constant(payload, tf.uint8), process_set=process_set), session)
     out, offset = [], 0
     for n in sizes:
         out.append(_loads(data[offset:offset + int(n)].tobytes()))

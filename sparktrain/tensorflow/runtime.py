@@ -48,6 +48,10 @@ class _State:
 
 state = _State()
 
+#: What ``process_sets`` does at ``init`` (``check`` its ``process_sets`` first, ``start`` them
+#: once the engine is up) and at ``shutdown`` (``stop``: close every set); set when it is imported.
+hooks: dict = {}
+
 
 def _tf():
     import tensorflow as tf
@@ -63,8 +67,11 @@ def init(timeout: float | None = None, comm=None, process_sets=None) -> None:
     timeout : seconds a collective may wait for the other ranks before it fails, so that a rank
         that died or hangs never blocks the others for ever. Default: ``SPARKTRAIN_COLLECTIVE_TIMEOUT``
         or 600.
-    comm, process_sets : Horovod's arguments, accepted so scripts run unchanged; only their
-        defaults (None, every rank in one set) exist here: sparktrain's ranks are the run's.
+    comm : Horovod's MPI communicator, accepted at its default (None) only: sparktrain's ranks are
+        the run's.
+    process_sets : a list of ``ProcessSet`` to register once the engine is up (see
+        ``add_process_set``; every rank passes the same list), ``"dynamic"`` or None: none now
+        (``add_process_set`` may add them later either way).
 
     It may be called first eagerly, inside a ``tf.function`` or in a graph: the runtime is always
     brought up eagerly, so later eager collectives find it. On GPU, the rank sees exactly the one
@@ -73,19 +80,19 @@ def init(timeout: float | None = None, comm=None, process_sets=None) -> None:
     if comm is not None:
         raise InvalidArgumentError(f"init(comm={comm!r}): sparktrain has no MPI communicators; its ranks are the "
                                    "run's processes. Call init() without comm")
-    if process_sets not in (None, "dynamic") and not (isinstance(process_sets, (list, tuple)) and not process_sets):
-        raise InvalidArgumentError(f"init(process_sets={process_sets!r}): sparktrain runs every collective over all "
-                                   "ranks and has no process sets. Call init() without process_sets")
+    if "check" in hooks:
+        hooks["check"](process_sets)
     with state.lock:
-        if state.initialized:
-            return
-        timeout = settings.resolve("collective_timeout", timeout)
-        tf = _tf()
-        # Inside a tf.function (or a graph) the strategy below would be built in that graph, and
-        # later eager collectives would find no runtime: bring everything up eagerly instead.
-        with tf.init_scope():
-            _bring_up(tf, float(timeout))
-        state.initialized = True
+        if not state.initialized:
+            timeout = settings.resolve("collective_timeout", timeout)
+            tf = _tf()
+            # Inside a tf.function (or a graph) the strategy below would be built in that graph, and
+            # later eager collectives would find no runtime: bring everything up eagerly instead.
+            with tf.init_scope():
+                _bring_up(tf, float(timeout))
+            state.initialized = True
+    if process_sets and "start" in hooks:
+        hooks["start"](process_sets)
 
 
 def _bring_up(tf, timeout: float) -> None:
@@ -136,6 +143,8 @@ def shutdown() -> None:
     marks the rank uninitialized and ``init`` reuses the server.
     """
     with state.lock:
+        if "stop" in hooks:
+            hooks["stop"]()  # every process set's communicator, before the global one
         if state.comm is not None:
             state.comm.close()  # clears the current communicator first, waiting for a kernel in flight
             state.comm = None
@@ -279,11 +288,6 @@ def rank_op(name: str | None = None):
     return _tf().identity(_int_op(rank()), name=name)
 
 
-def size_op(name: str | None = None):
-    """:func:`size` as an int32 tensor."""
-    return _tf().identity(_int_op(size()), name=name)
-
-
 def local_rank_op(name: str | None = None):
     """:func:`local_rank` as an int32 tensor."""
     return _tf().identity(_int_op(local_rank()), name=name)
@@ -292,13 +296,6 @@ def local_rank_op(name: str | None = None):
 def local_size_op(name: str | None = None):
     """:func:`local_size` as an int32 tensor."""
     return _tf().identity(_int_op(local_size()), name=name)
-
-
-def process_set_included_op(process_set_id: int = 0, name: str | None = None):
-    """1: every rank belongs to the only process set there is (Horovod's global one, id 0)."""
-    if process_set_id != 0:
-        raise InvalidArgumentError(f"process_set_id={process_set_id!r}: sparktrain has only the global process set, 0")
-    return _tf().identity(_int_op(1), name=name)
 
 
 def is_initialized() -> bool:

@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Iterable
 
 from . import backends, ops
-from .collectives import (_allgather, _backend, _check_process_set, _differentiable, _scale, _tensor, _tf,
-                          global_process_set)
+from .collectives import _allgather, _backend, _differentiable, _group, _scale, _tensor, _tf, global_process_set
 from .compression import Compression
 from .ops import Average, Sum
-from .runtime import require_init, state
+from .runtime import require_init
 from ..errors import InvalidArgumentError
 
 _split_error_class = None
@@ -45,15 +44,12 @@ def _split_error() -> type:
 
 # -- reducescatter -----------------------------------------------------------------------------
 
-def _reducescatter_raw(t, op: str, name=None):
-    return _backend().reducescatter(t, op, name)
-
-
-def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=None, g=None):
     tf = _tf()
+    g = g or _group(None)
 
     def forward(x):
-        return _scale(_reducescatter_raw(_scale(x, prescale_factor), op, name), postscale_factor)
+        return _scale(_backend(g).reducescatter(_scale(x, prescale_factor), op, name), postscale_factor)
 
     if not _differentiable(t):
         return forward(t)
@@ -62,9 +58,9 @@ def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=N
     def scatter(x):
         def grad(dy):
             if op == Sum:
-                dy = dy * tf.cast(state.size, dy.dtype)
+                dy = dy * tf.cast(g.size, dy.dtype)
             dy = _scale(_scale(dy, prescale_factor), postscale_factor)
-            return _allgather(dy)
+            return _allgather(dy, g=g)
 
         return forward(x), grad
 
@@ -74,13 +70,14 @@ def _reducescatter(t, op: str, prescale_factor=1.0, postscale_factor=1.0, name=N
 def reducescatter(tensor, device_dense: str = "", compression=Compression.none, op=Average, name: str | None = None,
                   process_set=global_process_set, ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0):
-    """Reduce ``tensor`` over all ranks, then keep this rank's rows of the result.
+    """Reduce ``tensor`` over the ranks of ``process_set`` (default: all), then keep this rank's
+    rows of the result (split over the set's size).
 
     The first dimension is split as evenly as possible, the first ``n % size`` ranks getting
     one row more, as Horovod does; ops Sum, Average, Min, Max and Product.
     """
     require_init()
-    _check_process_set(process_set)
+    g = _group(process_set)
     ops.check_scale(prescale_factor, postscale_factor)
     op = ops.check_op(op)
     if op == ops.Adasum:
@@ -91,7 +88,7 @@ def reducescatter(tensor, device_dense: str = "", compression=Compression.none, 
                                    "to [1] or use allreduce")
     ops.check_dtype(tensor.dtype.name, op, "reducescatter")
     compressed, ctx = compression.compress(tensor)
-    return compression.decompress(_reducescatter(compressed, op, prescale_factor, postscale_factor, name), ctx)
+    return compression.decompress(_reducescatter(compressed, op, prescale_factor, postscale_factor, name, g), ctx)
 
 
 def grouped_reducescatter(tensors: Iterable, device_dense: str = "", compression=Compression.none, op=Average,
@@ -105,21 +102,17 @@ def grouped_reducescatter(tensors: Iterable, device_dense: str = "", compression
 
 # -- alltoall ----------------------------------------------------------------------------------
 
-def _alltoall_raw(t, splits):
-    return _backend().alltoall(t, splits)
-
-
-def _alltoall(t, splits):
+def _alltoall(t, splits, g):
     tf = _tf()
     if not _differentiable(t):
-        return _alltoall_raw(t, splits)
+        return _backend(g).alltoall(t, splits)
 
     @tf.custom_gradient
     def exchange(x):
-        out, received = _alltoall_raw(x, splits)
+        out, received = _backend(g).alltoall(x, splits)
 
         def grad(dy, _d_received=None):
-            back, _ = _alltoall(dy, received)
+            back, _ = _alltoall(dy, received, g)
             return back
 
         return (out, received), grad
@@ -130,16 +123,19 @@ def _alltoall(t, splits):
 
 def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
              process_set=global_process_set):
-    """Send rows of ``tensor`` to every rank and receive theirs, as Horovod does: returns
+    """Send rows of ``tensor`` to every rank of ``process_set`` (default: all) and receive theirs,
+    as Horovod does: returns
     ``(received, received_splits)`` when given ``splits``, else ``received`` alone.
 
     ``splits[k]`` rows (in order) go to rank ``k``; without ``splits`` the first dimension is
     split evenly (it must divide by the size). ``received`` holds the rows from rank 0, then
-    rank 1, ...; ``received_splits[k]`` says how many came from rank ``k``. Rows may be 0.
+    rank 1, ...; ``received_splits[k]`` says how many came from rank ``k``. Rows may be 0. In a
+    process set, ``k`` counts the set's ranks (its index in ``process_set.ranks``).
     """
     require_init()
     tf = _tf()
-    _check_process_set(process_set)
+    g = _group(process_set)
+    size = g.size
     tensor = _tensor(tensor, "alltoall")
     ops.check_dtype(tensor.dtype.name, None, "alltoall")
     if tensor.shape.rank == 0:
@@ -149,19 +145,19 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
     if splits is None:
         if n is None:
             raise InvalidArgumentError("alltoall without splits needs a known first dimension; pass splits")
-        if n % state.size:
+        if n % size:
             raise _split_error()(f"alltoall without splits splits the first dimension evenly, but {n} rows do "
-                                 f"not divide by {state.size} ranks; pass splits (one count per rank)")
-        return _alltoall(tensor, tf.constant([n // state.size] * state.size, tf.int32))[0]
+                                 f"not divide by {size} ranks; pass splits (one count per rank)")
+        return _alltoall(tensor, tf.constant([n // size] * size, tf.int32), g)[0]
     splits = tf.convert_to_tensor(splits)
     if splits.dtype not in (tf.int32, tf.int64):
         raise InvalidArgumentError(f"alltoall splits must be int32 or int64 counts, got {splits.dtype.name}")
     splits = tf.cast(splits, tf.int32)
     static = tf.get_static_value(splits)
     if static is not None:
-        bad = (static.ndim != 1 or static.shape[0] != state.size or (static < 0).any()
+        bad = (static.ndim != 1 or static.shape[0] != size or (static < 0).any()
                or (n is not None and int(static.sum()) != n))
         if bad:
-            raise _split_error()(f"alltoall splits must be {state.size} non-negative row counts (one per rank) "
+            raise _split_error()(f"alltoall splits must be {size} non-negative row counts (one per rank) "
                                  f"summing to the first dimension, {n}; got {static.tolist()}")
-    return _alltoall(tensor, splits)
+    return _alltoall(tensor, splits, g)

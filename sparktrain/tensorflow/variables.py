@@ -7,34 +7,36 @@ from __future__ import annotations
 from typing import Iterable
 
 from . import backends
-from .collectives import _broadcast_raw, _check_process_set, _check_root, _tf, global_process_set
-from .runtime import require_init, state
+from .collectives import _broadcast_raw, _check_root, _group, _tf, global_process_set
+from .runtime import require_init
 from ..errors import InvalidArgumentError, UnsupportedError
 
 
-def _assign_from_root(variables: list, root_rank: int) -> list:
-    """Each variable assigned its value on ``root_rank`` (one broadcast per dtype); returns what
-    each assignment returns, which in a TensorFlow 1 graph is what runs it."""
+def _assign_from_root(variables: list, root: int, g) -> list:
+    """Each variable assigned its value on the root (``root``: its index in the group ``g``), one
+    broadcast per dtype; returns what each assignment returns, which in a TensorFlow 1 graph is
+    what runs it."""
     values = [_tf().convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
-    if state.size == 1:
+    if g.size == 1:
         return values
     return [v.assign(value) for v, value in
-            zip(variables, backends.fused(values, lambda flat: _broadcast_raw(flat, root_rank)))]
+            zip(variables, backends.fused(values, lambda flat: _broadcast_raw(flat, root, g=g)))]
 
 
 def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set,
                         inplace: bool = False):
-    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype.
+    """Assign every variable the value it has on ``root_rank``, one broadcast per dtype, on the
+    ranks of ``process_set`` (default: all; ``root_rank`` is a global rank in it).
 
     The assignment is always in place; ``inplace`` (Horovod's memory-saving variant) is accepted.
     Eagerly and in a ``tf.function`` it happens at the call; in a TensorFlow 1 graph the call
     returns the op that does it, to run in the session, as Horovod's does.
     """
     require_init()
-    _check_process_set(process_set)
+    g = _group(process_set)
     variables = list(variables)
-    _check_root(root_rank)
-    assigned = _assign_from_root(variables, root_rank) if variables else []
+    root = _check_root(root_rank, g)
+    assigned = _assign_from_root(variables, root, g) if variables else []
     return _tf().group(*assigned) if backends.in_graph() else None
 
 
@@ -59,8 +61,8 @@ def broadcast_(variables, root_rank: int = 0, name: str | None = None, process_s
             raise InvalidArgumentError(f"broadcast_ assigns variables in place; got a {type(v).__name__}. Use "
                                        "broadcast() for tensors")
     require_init()
-    _check_process_set(process_set)
-    _check_root(root_rank)
+    g = _group(process_set)
+    root = _check_root(root_rank, g)
     # What each assignment returns is its new value, read after it (in a graph, running it).
-    values = [_tf().convert_to_tensor(a) for a in _assign_from_root(items, root_rank)]
+    values = [_tf().convert_to_tensor(a) for a in _assign_from_root(items, root, g)]
     return values[0] if single else values

@@ -26,8 +26,11 @@ def _comm():
     return comm
 
 
-def _call(kind: str, fn, inputs: list, tout):
+def _call(kind: str, fn, inputs: list, tout, on=None):
     """Run ``fn`` (numpy in, numpy out) on the native engine as one op, eager or in a graph.
+
+    ``on``: a process set's communicator (``backends.subset``: its ``comm()``, ``keys`` and
+    ``sequencer``) where ``fn`` runs on it; None: the global one.
 
     Its failures surface as TensorFlow's own errors: a wait past the collective timeout as
     ``DeadlineExceededError``, a dead peer as ``UnavailableError``, ranks that disagree (and a
@@ -37,14 +40,15 @@ def _call(kind: str, fn, inputs: list, tout):
     """
     tf_ = tf()
     # In a TensorFlow 1 graph the ranks first agree on which op runs next (``sequence``).
-    key = sequence.key_for(tf_.compat.v1.get_default_graph()) if in_graph() else None
+    keys, sequencer, comm = (sequence, sequence.sequencer, _comm) if on is None else (on.keys, on.sequencer, on.comm)
+    key = keys.key_for(tf_.compat.v1.get_default_graph()) if in_graph() else None
 
     def call(*arrays):
         from ... import engine
 
         start = timeline.now_us()
         try:
-            out = fn(*arrays) if key is None else sequence.sequencer.run(_comm(), key, fn, arrays, state.timeout)
+            out = fn(*arrays) if key is None else sequencer.run(comm(), key, fn, arrays, state.timeout)
         except sequence.StuckError as e:
             raise tf_.errors.DeadlineExceededError(None, None, str(e)) from None
         except engine.CollectiveError as e:

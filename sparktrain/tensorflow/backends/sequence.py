@@ -39,20 +39,33 @@ from ...errors import SparkTrainError
 #: op of the step may have come in here on this rank.
 IDLE_ROUND_SECONDS = 0.001
 
-_graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_graph_numbers = itertools.count(1)
-_keys_lock = threading.Lock()
+class Keys:
+    """Numbers the collectives built into graphs, for one communicator's :class:`Sequencer`: each
+    communicator (the global one, each process set's) counts only its own collectives, which are
+    the ones every rank of it builds."""
+
+    def __init__(self):
+        self._graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def key_for(self, graph) -> int:
+        """The next collective's key in ``graph``: the same on every rank that builds the same
+        graphs in the same order."""
+        with self._lock:
+            numbered = self._graphs.get(graph)
+            if numbered is None:
+                numbered = self._graphs[graph] = (next(self._numbers), itertools.count())
+            number, ops = numbered
+            return (number << 32) | next(ops)
+
+
+_keys = Keys()
 
 
 def key_for(graph) -> int:
-    """The next collective's key in ``graph``: the same on every rank that builds the same graphs
-    in the same order."""
-    with _keys_lock:
-        numbered = _graphs.get(graph)
-        if numbered is None:
-            numbered = _graphs[graph] = (next(_graph_numbers), itertools.count())
-        number, ops = numbered
-        return (number << 32) | next(ops)
+    """The next key of the global communicator's collectives in ``graph`` (see :class:`Keys`)."""
+    return _keys.key_for(graph)
 
 
 class _Waiting:
