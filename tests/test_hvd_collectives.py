@@ -362,7 +362,7 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
                             "bad/root": [f"0..{n - 1}", f"got {n}"],
                             "bad/bool_average": ["bool", "Average"], "bad/adasum_int": ["Adasum", "int32"],
                             "bad/init_comm": ["comm=[0, 1]", "without comm"],
-                            "bad/init_sets": ["process_sets=[[0, 1]]", "no process sets"]}.items():
+                            "bad/init_sets": ["process_sets=[[0, 1]]", "list of sparktrain.tensorflow.ProcessSet"]}.items():
             assert got[r][case].startswith("ERROR InvalidArgumentError") and all(w in got[r][case] for w in words), \
                 (case, got[r][case])
         for case, words in {"unsupported/sparse_min": ["Sum or Average, got Min", "sparse_as_dense=True"],
@@ -452,8 +452,13 @@ def test_compression_and_horovods_helpers_in_this_process():
     assert type(again) is type(e) and str(again) == str(e) == "alltoall splits must be ..."
     with pytest.raises(RuntimeError, match=r"broadcast_global_variables\(0\).*broadcast_variables\(model.variables"):
         hvd.broadcast_global_variables(0)
-    with pytest.raises(ValueError, match=r"add_process_set.*global_process_set"):
-        hvd.add_process_set([0, 1])
+    with pytest.raises(ValueError, match=r"ProcessSet takes a list of ranks \(ints >= 0\), got \[0, 'x'\]"):
+        hvd.ProcessSet([0, "x"])
+    with pytest.raises(ValueError, match=r"names a rank twice"):
+        hvd.ProcessSet([1, 1])
+    unregistered = hvd.ProcessSet([1, 0])
+    assert (unregistered.ranks, unregistered.process_set_id, unregistered.size(), unregistered.rank()) == \
+        ([0, 1], None, None, None)
     with pytest.raises(AttributeError, match="no_such_name"):
         hvd.no_such_name  # noqa: B018 - the module's lazy lookup still refuses unknown names
 

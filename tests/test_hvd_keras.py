@@ -418,7 +418,7 @@ def test_bad_arguments_are_refused_with_the_value():
         (dict(backward_passes_per_step=0), "backward_passes_per_step must be a whole number of at least 1, got 0"),
         (dict(compression="fp16"), "compression must be Compression.none or Compression.fp16"),
         (dict(groups=[1, 2]), "groups must be a positive number of groups or a list of lists of variables"),
-        (dict(process_set=object()), "sparktrain reduces over every rank"),
+        (dict(process_set=object()), "pass global_process_set or a ProcessSet registered with hvd.add_process_set"),
     ]
     for kwargs, message in cases:
         with pytest.raises(sparktrain.SparkTrainError, match=None) as e:
