@@ -102,11 +102,26 @@ def collectives_on(hvd, tf, ps, name: str, r: int, put) -> None:
         return hvd.DistributedGradientTape(plain_tape, process_set=ps).gradient(loss, [w])[0]
 
     put(f"{name}/tape", tape)
+    put(f"{name}/keras_optimizer", lambda: keras_step(ps, r))
     # Ranks that disagree: every member gets the engine's error, and the set goes on working.
     put(f"{name}/mismatch", lambda: hvd.allreduce(tf.ones([2 + ps.rank()]), process_set=ps))
     put(f"{name}/after_mismatch", lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum, process_set=ps))
     put(f"{name}/bad_root", lambda: hvd.broadcast(t(), root_rank=[k for k in range(3) if k not in ps.ranks][0],
                                                   process_set=ps) if m < 3 else "all ranks")
+
+
+def keras_step(ps, r: int):
+    """One step of sparktrain.keras's DistributedOptimizer over ``ps``: SGD(1) from 0 by the
+    gradient, averaged over the set's members (unreduced on other ranks)."""
+    import keras
+    import tensorflow as tf
+
+    import sparktrain.keras as hvd_keras
+
+    v = keras.Variable([0.0, 0.0])
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), process_set=ps)
+    opt.apply_gradients([(tf.constant([float(r + 1)] * 2), v)])
+    return v
 
 
 def tf1_on_sets(hvd, tf, a, b, r: int, got: dict) -> None:
@@ -175,6 +190,7 @@ def sets_rank(outdir):
                 return hvd.DistributedGradientTape(plain_tape, process_set=ps).gradient(loss, [w])[0]
 
             put(f"{name}/not_member_tape", unreduced)
+            put(f"{name}/not_member_keras", lambda: keras_step(ps, r))
     tf1_on_sets(hvd, tf, a, b, r, got)
     # Add and remove: duplicates refused, ids reused, removal of the global set refused.
     put("duplicate", lambda: hvd.add_process_set([0, 2]))
@@ -224,6 +240,7 @@ def check_sets(got: dict, tcp: bool) -> list:
             if r not in ranks:
                 error(f"{name}/not_member", r, "InvalidArgumentError", f"rank {r} is not a member")
                 expect(f"{name}/not_member_tape", r, [float(r + 1)] * 2)  # unreduced, as Horovod's
+                expect(f"{name}/not_member_keras", r, [-float(r + 1)] * 2)
                 continue
             check_set(got, r, name, ranks, expect, error)
         check_tf1(got, r, expect)
@@ -296,6 +313,7 @@ def check_set(got, r, name, ranks, expect, error) -> None:
                                     [3.0 if r == root else 0.0] * 2])
     mean = sum(k + 1 for k in ranks) / m
     expect(f"{name}/tape", r, [mean, mean])
+    expect(f"{name}/keras_optimizer", r, [-mean, -mean])
     if m > 1:
         error(f"{name}/mismatch", r, "FailedPreconditionError")
     expect(f"{name}/after_mismatch", r, [float(m)] * 2)
