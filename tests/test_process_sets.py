@@ -279,7 +279,8 @@ def check_set(got, r, name, ranks, expect, error) -> None:
         dense[k] += np.float32(k + 1) / np.float32(m)  # divided in float32, as the values are
     expect(f"{name}/sparse", r, plain(dense))
     expect(f"{name}/allgather", r, plain(np.concatenate([np.full((k + 1, 2), float(k)) for k in ranks])))
-    expect(f"{name}/grouped_allgather", r, [plain(np.concatenate([x_of(k, k) for k in ranks])), [float(k) for k in ranks]])
+    expect(f"{name}/grouped_allgather", r, [plain(np.concatenate([x_of(k, k) for k in ranks])),
+                                            [float(k) for k in ranks]])
     root = ranks[-1]
     expect(f"{name}/broadcast", r, plain(x_of(root)))
     expect(f"{name}/broadcast_variables", r, plain(x_of(root)))
@@ -375,3 +376,36 @@ def test_tensorflows_ring_refuses_process_sets_naming_the_fix(tmp_path):
             assert text.startswith("UnsupportedError") and "native" in text and \
                 "SPARKTRAIN_CPU_COLLECTIVES" in text, (case, text)
         assert info["got"]["global"] == 2.0
+
+
+def test_process_set_objects_in_this_process():
+    """What needs no ranks: the objects, their checks, and the global set (a run of one)."""
+    import sparktrain.tensorflow as hvd
+
+    ps = hvd.ProcessSet(np.array([3, 1]))
+    assert (ps.ranks, ps.process_set_id, ps.size(), ps.rank(), repr(ps)) == \
+        ([1, 3], None, None, None, "ProcessSet(process_set_id=None, ranks=[1, 3])")
+    for bad, words in ((5, "list of ranks"), ("01", "list of ranks"), ([0, -1], "ints >= 0"), ([True], "ints >= 0"),
+                       ([2, 2], "names a rank twice")):
+        with pytest.raises(sparktrain.InvalidArgumentError, match=words):
+            hvd.ProcessSet(bad)
+    g = hvd.global_process_set
+    assert (g.process_set_id, g.ranks, g.size(), g.rank(), g.included()) == (0, [0], 1, 0, True)
+    with pytest.raises(sparktrain.InvalidArgumentError, match=r"process_sets=\[\[0\]\]\): pass a list of"):
+        hvd.init(process_sets=[[0]])
+    was = hvd.is_initialized()
+    hvd.init(process_sets="dynamic")
+    try:
+        with pytest.raises(sparktrain.InvalidArgumentError, match="duplicate process set.*global_process_set"):
+            hvd.add_process_set([0])
+        assert hvd.remove_process_set(g) is False and hvd.remove_process_set(ps) is False
+        assert int(hvd.size_op()) == 1 and int(hvd.process_set_included_op(0)) == 1
+        with pytest.raises(sparktrain.InvalidArgumentError, match=r"size_op\(process_set_id=4\): no such"):
+            hvd.size_op(4)
+        with pytest.raises(sparktrain.InvalidArgumentError, match="is not registered; add it on every rank"):
+            hvd.allreduce([1.0], process_set=ps)
+        with pytest.raises(sparktrain.InvalidArgumentError, match="process_set must be a sparktrain"):
+            hvd.allgather([1.0], process_set=[0])
+    finally:
+        if not was:
+            hvd.shutdown()

@@ -11,6 +11,10 @@ on TensorFlow's runtime each call gets the next instance key from a per-process 
 when a ``tf.function`` is traced, so every rank must also trace the same functions in the same
 order.
 
+Every collective takes Horovod's ``process_set=`` and runs over that set's ranks
+(``process_sets``: ``_group`` says on which backend, over how many ranks, and this rank's index);
+its gradient runs over the same set.
+
 Gradients (``tf.custom_gradient``) follow Horovod's: allreduce's is an allreduce with the same
 op and scale factors; allgather's is this rank's rows of an Average allreduce of the gradient;
 broadcast's is an Average allreduce on the root and zeros elsewhere; reducescatter's is an
