@@ -255,7 +255,7 @@ def _connect(pid: int, ranks: tuple):
             communicator = engine.Communicator(me, len(ranks), hosts, [int(every[r, 0]) for r in ranks], c["secret"],
                                                name, timeout=state.timeout, force_tcp=c["force_tcp"], spin=c["spin"],
                                                listener=listener)
-        return Channel(pid, communicator, name)
+        return Channel(pid, communicator, name, ranks)
     finally:
         if listener is not None:
             listener.close()  # the communicator closed it already, if it used it

@@ -14,8 +14,8 @@ class Channel:
     ``communicator`` is None once the set is removed (or ``shutdown()`` closed it): a function
     traced before then fails with an error naming why, rather than calling a closed engine."""
 
-    def __init__(self, process_set_id: int, communicator, name: str = ""):
-        self.process_set_id = process_set_id
+    def __init__(self, process_set_id: int, communicator, name: str = "", ranks=()):
+        self.process_set_id, self.ranks = process_set_id, list(ranks)
         self.communicator = communicator
         self.name = name  # names the set's shared-memory segments (``engine.segment_name``)
         self.keys = sequence.Keys()
@@ -43,7 +43,18 @@ class Subset(Backend):
         self.on, self.size = channel, size
 
     def _run(self, kind, fn, inputs, tout):
-        return native._call(kind, fn, inputs, tout, on=self.on)
+        on = self.on
+
+        def within(*arrays):
+            from ... import engine
+
+            try:
+                return fn(*arrays)
+            except engine.CollectiveError as e:  # the engine numbers the set's ranks 0, 1, ...: say so
+                raise engine.CollectiveError(f"process set {on.process_set_id} (global ranks {on.ranks}, numbered "
+                                             f"0..{len(on.ranks) - 1} in it): {e}", e.code) from None
+
+        return native._call(kind, within, inputs, tout, on=on)
 
     def allreduce(self, t, op, name=None):
         out = self._run(name or f"allreduce.{op}", lambda a: hostops.allreduce(self.on.comm(), a, op), [t], t.dtype)
