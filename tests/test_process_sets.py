@@ -197,6 +197,7 @@ def sets_rank(outdir):
     put("duplicate_global", lambda: hvd.add_process_set([0, 1, 2]))
     put("out_of_range", lambda: hvd.add_process_set([1, 3]))
     put("disagree", lambda: hvd.add_process_set([0, 1] if r == 0 else [0]))
+    put("duplicate_on_one", lambda: hvd.add_process_set([0, 2] if r == 1 else [0, 1]))  # every rank raises
     got["remove"] = [hvd.remove_process_set(b), b.process_set_id, hvd.remove_process_set(b),
                      hvd.remove_process_set(g)]
     put("removed", lambda: hvd.allreduce(tf.ones([1]), process_set=b))
@@ -248,6 +249,8 @@ def check_sets(got: dict, tcp: bool) -> list:
         error("duplicate_global", r, "InvalidArgumentError", "duplicate", "global_process_set")
         error("out_of_range", r, "InvalidArgumentError", "0..2")
         error("disagree", r, "InvalidArgumentError", "ranks [", "same order")
+        error("duplicate_on_one", r, "InvalidArgumentError", *(["duplicate", "process set 1"] if r == 1 else
+                                                               ["ranks [1] refused", "a duplicate there"]))
         expect("remove", r, [True, None, False, False])
         error("removed", r, "InvalidArgumentError", "not registered")
         expect("again", r, [2, [1, 2]])

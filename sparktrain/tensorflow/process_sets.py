@@ -181,24 +181,17 @@ def remove_process_set(process_set) -> bool:
 
 def _register(ps: ProcessSet) -> None:
     ranks = tuple(ps.ranks)
-    if isinstance(ps, _GlobalProcessSet) or ranks == tuple(range(state.size)):
-        raise InvalidArgumentError(f"Attempted to add a duplicate process set: {ps} has every rank, as "
-                                   "global_process_set (id 0) does; use global_process_set")
-    if not ranks or ranks[-1] >= state.size:
-        raise InvalidArgumentError(f"{ps}: a process set holds one or more of the ranks 0..{state.size - 1}")
-    for pid, entry in _sets.items():
-        if entry.ranks == ranks:
-            raise InvalidArgumentError(f"Attempted to add a duplicate process set: {ps} has the ranks of process set "
-                                       f"{pid}; use that one")
-    if state.comm is None:
-        where = "NCCL (GPUs)" if state.gpu else "TensorFlow's ring (SPARKTRAIN_CPU_COLLECTIVES=tensorflow)"
-        raise UnsupportedError(
-            f"{ps}: process sets other than global_process_set run on sparktrain's native CPU engine, and this rank "
-            f"runs its collectives on {where}, over every rank. Leave SPARKTRAIN_CPU_COLLECTIVES "
-            "(spark.sparktrain.cpuCollectives) at native on CPU, or run the collectives over global_process_set")
+    if state.size == 1 or state.comm is None:
+        if state.size > 1:
+            where = "NCCL (GPUs)" if state.gpu else "TensorFlow's ring (SPARKTRAIN_CPU_COLLECTIVES=tensorflow)"
+            raise UnsupportedError(
+                f"{ps}: process sets other than global_process_set run on sparktrain's native CPU engine, and this "
+                f"rank runs its collectives on {where}, over every rank. Leave SPARKTRAIN_CPU_COLLECTIVES "
+                "(spark.sparktrain.cpuCollectives) at native on CPU, or run the collectives over global_process_set")
+        raise InvalidArgumentError(_refusal(ps, ranks) or f"{ps}: this run has one rank, global_process_set's")
     pid = _free_ids.pop(0) if _free_ids else _next["id"]
     try:
-        channel = _connect(pid, ranks)
+        channel = _connect(pid, ranks, _refusal(ps, ranks))
     except BaseException:
         if pid != _next["id"]:
             _free_ids.insert(0, pid)
@@ -210,24 +203,37 @@ def _register(ps: ProcessSet) -> None:
     ps.process_set_id = pid
 
 
+def _refusal(ps: ProcessSet, ranks: tuple) -> str:
+    """Why this rank refuses to add ``ps`` (a duplicate, ranks out of range), or ""."""
+    if isinstance(ps, _GlobalProcessSet) or ranks == tuple(range(state.size)):
+        return (f"Attempted to add a duplicate process set: {ps} has every rank, as global_process_set (id 0) does; "
+                "use global_process_set")
+    if not ranks or ranks[-1] >= state.size:
+        return f"{ps}: a process set holds one or more of the ranks 0..{state.size - 1}"
+    for pid, entry in _sets.items():
+        if entry.ranks == ranks:
+            return f"Attempted to add a duplicate process set: {ps} has the ranks of process set {pid}; use that one"
+    return ""
+
+
 def _single():
     from . import backends
 
     return backends.get("single")
 
 
-def _connect(pid: int, ranks: tuple):
+def _connect(pid: int, ranks: tuple, refusal: str):
     """The set's communicator on a member (a :class:`Channel`), None on other ranks. Every rank
-    takes part: the members' ports (and every rank's view of the set) go round the global
-    communicator first."""
+    takes part: the members' ports, every rank's view of the set and any rank's ``refusal`` go
+    round the global communicator first, so that every rank adds the set or every rank raises."""
     import numpy as np
 
     from .. import engine
     from ..engine.topology import layout
 
     c = engine.contract(state.timeout)
-    hosts = [c["hosts"][r] for r in ranks]
-    member = state.rank in ranks
+    member = state.rank in ranks and not refusal
+    hosts = [c["hosts"][r] for r in ranks] if member else []
     me = ranks.index(state.rank) if member else -1
     listener = None
     if member and len(ranks) > 1:
@@ -240,8 +246,12 @@ def _connect(pid: int, ranks: tuple):
     try:
         port = listener.getsockname()[1] if listener is not None else 0
         view = [zlib.crc32(repr(ranks).encode()), pid, _next["made"]]
-        every = state.comm.allgather(np.array([[port] + view], np.int64))
-        differ = [r for r in range(state.size) if every[r, 1:].tolist() != view]
+        every = state.comm.allgather(np.array([[port, int(bool(refusal))] + view], np.int64))
+        refused = [r for r in range(state.size) if every[r, 1]]
+        if refused:
+            raise InvalidArgumentError(refusal or f"add_process_set({list(ranks)}): ranks {refused} refused the "
+                                       "process set they were given (a duplicate there, or ranks out of range)")
+        differ = [r for r in range(state.size) if every[r, 2:].tolist() != view]
         if differ:
             raise InvalidArgumentError(
                 f"add_process_set({list(ranks)}): ranks {differ} added a different process set here (or their "
