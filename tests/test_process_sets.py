@@ -91,7 +91,14 @@ def collectives_on(hvd, tf, ps, name: str, r: int, put) -> None:
             reduced = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum, process_set=ps))
             gathered = tf.reduce_sum(hvd.allgather(x, process_set=ps) * tf.range(2.0 * m))
             broadcast = tf.reduce_sum(hvd.broadcast(x, root_rank=root, process_set=ps) * 3.0)
-        return [tape.gradient(y, x) for y in (reduced, gathered, broadcast)]
+        rows = tf.Variable(tf.ones([2 * m]))
+        per_rank = tf.Variable(tf.ones([m]))
+        with tf.GradientTape(persistent=True) as more:
+            scattered = tf.reduce_sum(hvd.reducescatter(rows, op=hvd.Sum, process_set=ps))
+            exchanged = tf.reduce_sum(hvd.alltoall(per_rank, splits=[1] * m, process_set=ps)[0] *
+                                      tf.range(1.0, m + 1.0))
+        return [tape.gradient(y, x) for y in (reduced, gathered, broadcast)] + \
+            [more.gradient(scattered, rows), more.gradient(exchanged, per_rank)]
 
     put(f"{name}/gradients", gradients)
 
@@ -312,9 +319,10 @@ def check_set(got, r, name, ranks, expect, error) -> None:
             plain(xs.max(0)[sum(rs[:me]):sum(rs[:me + 1])]),
             plain(np.concatenate([x_of(k)[starts[me]:starts[me] + split[me]] for k in ranks]))])
     # d/dx sum(allreduce_sum(x)) = m; allgather: my rows of the (same on every rank) weights;
-    # broadcast: 3 (averaged over the set) on the root, 0 elsewhere.
+    # broadcast: 3 (averaged over the set) on the root, 0 elsewhere; reducescatter (Sum): the set's
+    # size on every row; alltoall: each member sends back this rank's weight, me + 1.
     expect(f"{name}/gradients", r, [[float(m)] * 2, [2.0 * me, 2.0 * me + 1],
-                                    [3.0 if r == root else 0.0] * 2])
+                                    [3.0 if r == root else 0.0] * 2, [float(m)] * (2 * m), [me + 1.0] * m])
     mean = sum(k + 1 for k in ranks) / m
     expect(f"{name}/tape", r, [mean, mean])
     expect(f"{name}/keras_optimizer", r, [-mean, -mean])
