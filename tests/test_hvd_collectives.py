@@ -121,6 +121,10 @@ def everything(outdir):
     put("alltoall/even", lambda: hvd.alltoall(tf.range(2 * n) + 10 * r))  # without splits: received alone
     put("alltoall/even_empty", lambda: hvd.alltoall(tf.zeros([n, 0], tf.int8)))
     put("alltoall/zero", lambda: hvd.alltoall(tf.zeros([0, 2]), splits=[0] * n))
+    # Without splits in a function whose rows are known only when it runs: split evenly then.
+    unknown_rows = tf.function(hvd.alltoall, input_signature=[tf.TensorSpec([None], tf.int32)])
+    put("alltoall/even_unknown_rows", lambda: unknown_rows(tf.range(2 * n) + 10 * r))
+    put("alltoall/uneven_unknown_rows", lambda: unknown_rows(tf.range(2 * n + 1)))
     put("grouped_allreduce", lambda: hvd.grouped_allreduce([t("float32"), t("int32"), t("float64", 2)], op=hvd.Sum))
     put("grouped_allgather", lambda: hvd.grouped_allgather([t("float32", r), t("int8", 1)]))
     put("grouped_reducescatter", lambda: hvd.grouped_reducescatter([tf.ones([n, 2]) * r, tf.ones([n]) * r], op=hvd.Sum))
@@ -315,6 +319,9 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
         expect("allgather/empty", r, [[0.0] * 3] * (2 * (n - 1)))
         expect("allgather/scalar", r, [float(k) for k in range(n)])
         expect("alltoall/even", r, [float(10 * k + 2 * r + j) for k in range(n) for j in range(2)])
+        expect("alltoall/even_unknown_rows", r, [float(10 * k + 2 * r + j) for k in range(n) for j in range(2)])
+        uneven = got[r]["alltoall/uneven_unknown_rows"]
+        assert uneven.startswith("ERROR InvalidArgumentError") and f"do not divide by {n}" in uneven, uneven
         expect("alltoall/even_empty", r, [[]] * n)
         expect("alltoall/zero", r, [[], [0.0] * n])
         expect("grouped_allreduce", r, [expected_reduce("Sum", "float32", n), expected_reduce("Sum", "int32", n),

@@ -143,8 +143,13 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
                                    "to [1]")
     n = tensor.shape[0]
     if splits is None:
-        if n is None:
-            raise InvalidArgumentError("alltoall without splits needs a known first dimension; pass splits")
+        if n is None:  # known when the step runs: checked then, each rank getting an equal share
+            rows = tf.shape(tensor, out_type=tf.int32)[0]
+            check = tf.debugging.assert_equal(
+                rows % size, 0, message=f"alltoall without splits splits the first dimension evenly over {size} "
+                f"ranks; these rows do not divide by {size}: pass splits (one count per rank)")
+            with tf.control_dependencies([check]):
+                return _alltoall(tensor, tf.fill([size], rows // size), g)[0]
         if n % size:
             raise _split_error()(f"alltoall without splits splits the first dimension evenly, but {n} rows do "
                                  f"not divide by {size} ranks; pass splits (one count per rank)")
