@@ -29,6 +29,18 @@ ENV = {"SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
 TOKEN = "tok-" + uuid.uuid4().hex
 
 
+@pytest.fixture(autouse=True)
+def _no_mlflow_experiment_left_in_the_environment():
+    """mlflow.set_experiment writes MLFLOW_EXPERIMENT_ID into os.environ, where a later module's
+    run would take it for the driver's MLflow and hand it to rank 0: each test leaves it as found."""
+    before = os.environ.get("MLFLOW_EXPERIMENT_ID")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+    else:
+        os.environ["MLFLOW_EXPERIMENT_ID"] = before
+
+
 def _digest(value: str | None) -> str | None:
     return None if value is None else hashlib.sha256(value.encode()).hexdigest()
 
