@@ -121,6 +121,18 @@ def nics_probe(outdir):
     return comm.rank
 
 
+@pytest.mark.timeout(300)
+def test_process_sets_join_rings_across_hosts(cluster, tmp_path):
+    """Horovod's process sets on 3 ranks, 2 on one host and 1 on the other: the sets {0, 2} and
+    {1, 2} join a TCP ring between hosts, {1} is alone, every rank's set mixes shared memory and
+    TCP; every collective on each, against numpy (test_process_sets.py's ranks and checks), and
+    every set's listener closed after."""
+    from test_process_sets import check_sets, run_sets
+
+    got = run_sets(tmp_path, {}, num_proc=3)
+    assert check_sets(got, tcp=True) == []
+
+
 @pytest.mark.timeout(180)
 def test_nics_puts_the_channel_and_the_ring_on_the_network_it_names(cluster, tmp_path):
     """Each host has a second network (eth1, its own bridge and subnet). With nics naming that

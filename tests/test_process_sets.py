@@ -1,8 +1,7 @@
 """Horovod's process sets on the native engine: every collective over sets {0, 2}, {1, 2}, {1} and
 every rank side by side, eagerly, in tf.function and in a TensorFlow 1 graph, against numpy; ids,
 add/remove, init(process_sets=), errors for non-members and bad sets; shared memory (one host)
-and the TCP ring (SPARKTRAIN_CPU_TRANSPORT=tcp: every rank a host of its own); nothing left
-after shutdown. TensorFlow's ring refuses process sets with an error naming the fix. Each run
+and, in the multi-host tier, the TCP ring between hosts; nothing left after shutdown. Each run
 records every rank's results; the tests assert per case."""
 from __future__ import annotations
 
@@ -348,8 +347,9 @@ def check_tf1(got, r, expect) -> None:
         expect("tf1/after_mismatch", r, [2.0, 2.0])
 
 
-def run_sets(tmp_path, env: dict) -> dict:
-    sparktrain.run(sets_rank, args=(str(tmp_path),), num_proc=-3, env={**ENV, **env}, verbose=0)
+def run_sets(tmp_path, env: dict, num_proc: int = -3) -> dict:
+    """``sets_rank`` on 3 ranks (``num_proc``: negative, in local mode; 3, through Spark)."""
+    sparktrain.run(sets_rank, args=(str(tmp_path),), num_proc=num_proc, env={**ENV, **env}, verbose=0)
     ranks = read_ranks(str(tmp_path))
     assert sorted(ranks) == [0, 1, 2]
     assert all(info["names"] >= 1 for info in ranks.values())  # every rank had set communicators
@@ -357,39 +357,12 @@ def run_sets(tmp_path, env: dict) -> dict:
 
 
 @pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_every_collective_on_process_sets_side_by_side(tmp_path, transport):
-    env = {"SPARKTRAIN_CPU_TRANSPORT": "tcp"} if transport == "tcp" else {}
-    got = run_sets(tmp_path, env)
-    assert check_sets(got, transport == "tcp") == []
-
-
-def ring_rank(outdir):
-    import sparktrain.tensorflow as hvd
-
-    got = {}
-    for case, fn in {"init": lambda: hvd.init(process_sets=[hvd.ProcessSet([0])]),
-                     "add": lambda: hvd.add_process_set([1])}.items():
-        try:
-            fn()
-            got[case] = "no error"
-        except Exception as e:  # noqa: BLE001 - recorded, asserted by the test
-            got[case] = f"{type(e).__name__}: {e}"
-    got["global"] = float(hvd.allreduce([1.0], op=hvd.Sum, process_set=hvd.global_process_set)[0])
-    record_rank(outdir, got=got)
-
-
-def test_tensorflows_ring_refuses_process_sets_naming_the_fix(tmp_path):
-    sparktrain.run(ring_rank, args=(str(tmp_path),), num_proc=-2,
-                   env={**ENV, "SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"}, verbose=0)
-    ranks = read_ranks(str(tmp_path))
-    assert sorted(ranks) == [0, 1]
-    for info in ranks.values():
-        for case in ("init", "add"):
-            text = info["got"][case]
-            assert text.startswith("UnsupportedError") and "native" in text and \
-                "SPARKTRAIN_CPU_COLLECTIVES" in text, (case, text)
-        assert info["got"]["global"] == 2.0
+def test_every_collective_on_process_sets_side_by_side(tmp_path):
+    """On one host: every set's communicator shares memory. The multi-host tier runs the same
+    ranks across hosts, where the sets join TCP rings (test_multihost.py); TensorFlow's ring
+    refusing process sets is checked with its other collectives (test_hvd_collectives.py)."""
+    got = run_sets(tmp_path, {})
+    assert check_sets(got, tcp=False) == []
 
 
 def test_process_set_objects_in_this_process():
