@@ -189,6 +189,14 @@ def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model(
                                          filter_string=f"source_run_id='{run.info.run_id}'")
     assert [m.name for m in models] == ["model"]
     loaded = mlflow.keras.load_model(f"runs:/{run.info.run_id}/model")
+    # Its requirements: the rank's keras, tensorflow and numpy, pinned (not inferred in a process of MLflow's).
+    import keras
+    import numpy
+    import tensorflow
+
+    requirements = open(mlflow.pyfunc.get_model_dependencies(f"runs:/{run.info.run_id}/model")).read().split()
+    assert {f"keras=={keras.__version__}", f"tensorflow=={tensorflow.__version__}",
+            f"numpy=={numpy.__version__}"} <= set(requirements), requirements
     assert loaded.predict(__import__("numpy").zeros((2, 4), "float32"), verbose=0).shape == (2, 1)
 
     ranks = read_ranks(str(tmp_path))

@@ -56,6 +56,9 @@ class MLflowLogger(keras.callbacks.Callback):
         under ``model_name``; load it back with ``mlflow.keras.load_model("runs:/<run_id>/model")``.
     average : average the metrics over the ranks before logging (needs the callback on every rank).
     log_model_kwargs : passed on to ``mlflow.keras.log_model`` (``signature``, ``pip_requirements``...).
+        Without ``pip_requirements``, ``extra_pip_requirements`` or ``conda_env``, the model's
+        requirements are this rank's keras, tensorflow and numpy, pinned to their versions (what
+        MLflow would infer for a Keras 3 model, without the process it starts to infer them).
 
     Logged at the start of training: ``num_proc``, ``epochs``, ``steps_per_epoch``, ``optimizer``
     (its class) and ``learning_rate``, the batch sizes, and ``params``. A parameter already logged
@@ -162,7 +165,18 @@ class MLflowLogger(keras.callbacks.Callback):
 
         if mlflow.active_run() is None:  # train_fn ended it meanwhile: resume, and leave it to whoever owns it
             mlflow.start_run(run_id=self.run_id)
-        mlflow.keras.log_model(self.model, **{"name": self.model_name, **self.log_model_kwargs})
+        kwargs = {"name": self.model_name, **self.log_model_kwargs}
+        if not {"pip_requirements", "extra_pip_requirements", "conda_env"} & set(kwargs):
+            kwargs["pip_requirements"] = _requirements()
+        mlflow.keras.log_model(self.model, **kwargs)
+
+
+def _requirements() -> list[str]:
+    """A Keras 3 model's requirements on the TensorFlow backend, pinned to this process's versions."""
+    import numpy
+    import tensorflow
+
+    return [f"keras=={keras.__version__}", f"tensorflow=={tensorflow.__version__}", f"numpy=={numpy.__version__}"]
 
 
 class RemoteTensorBoard(keras.callbacks.Callback):
