@@ -108,6 +108,7 @@ def _bring_up(tf, timeout: float) -> None:
         from . import kernels
 
         state.kernels = kernels.load() is not None
+        kernels.set_timeout(state.timeout)  # how long TensorFlow 1 graph collectives may agree on nothing
     elif state.size > 1 and state.strategy is None:  # after shutdown the server is still up
         if "TF_CONFIG" not in os.environ:
             raise SparkTrainError("TF_CONFIG is not set: sparktrain.tensorflow.init() must run inside sparktrain.run")
@@ -137,6 +138,10 @@ def shutdown() -> None:
     """
     with state.lock:
         if state.comm is not None:
+            if state.kernels:
+                from . import kernels
+
+                kernels.stop_sequencer()  # fails the TensorFlow 1 graph collectives still waiting
             state.comm.close()  # clears the current communicator first, waiting for a kernel in flight
             state.comm = None
         state.kernels = False
