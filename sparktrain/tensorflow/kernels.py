@@ -20,7 +20,8 @@ place, under a file lock, so the ranks of one host compile once and later runs c
 Where the kernels cannot be built or loaded (no compiler, no TensorFlow headers), each rank logs
 one warning saying why and runs its collectives through ``tf.numpy_function`` as before;
 ``SPARKTRAIN_TF_KERNELS=0`` (or ``spark.sparktrain.tfKernels``) asks for that path without a
-warning. Adasum always takes it.
+warning. Adasum always takes it (in a TensorFlow 1 graph, where the kernels run in the order
+the ranks agree on through their own sequencer, ``native/tf_sequencer.cc``, it is refused).
 """
 from __future__ import annotations
 
