@@ -17,6 +17,8 @@
 
 #include "tf_sequencer.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -36,6 +38,9 @@ constexpr int kErrLen = 1024;
 // The longest wait between two rounds that agreed on nothing: by then, another op of the step
 // may have come in on this rank.
 constexpr auto kIdleRound = std::chrono::milliseconds(1);
+
+// The thread's name, as /proc/<pid>/task/<tid>/comm shows it.
+const char kThreadName[] = "sparktrain-seq";
 
 const char kNoCommunicator[] =
     "sparktrain's native collective engine is not running in this process; call "
@@ -180,6 +185,7 @@ void Round(const std::vector<int64_t> &mine, double timeout) {
 }
 
 void Loop() {
+  pthread_setname_np(pthread_self(), kThreadName);
   Sequencer &s = S();
   for (;;) {
     std::vector<int64_t> mine;

@@ -6,7 +6,8 @@
 // in it), the same on every rank that builds the same graphs in the same order. Such a kernel
 // hands its collective to this process's sequencer and returns at once, leaving the session's
 // thread free; one background thread makes the ranks agree, in rounds, which keys run next (the
-// keys waiting on every rank, lowest first) and runs them. No TensorFlow here: only the engine.
+// keys waiting on every rank, lowest first) and runs them; it is named "sparktrain-seq". No
+// TensorFlow here: only the engine.
 #ifndef SPARKTRAIN_TF_SEQUENCER_H
 #define SPARKTRAIN_TF_SEQUENCER_H
 

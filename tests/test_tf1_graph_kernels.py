@@ -106,8 +106,31 @@ def graph_ranks(outdir):
     got["eager/mismatch/root"] = _error(lambda: hvd.broadcast(tf.ones([2]), root_rank=r))
     got["eager/bad/root"] = _error(lambda: hvd.broadcast(tf.ones([2]), root_rank=n))
     got["eager/after"] = hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy().tolist()
+    # shutdown() ends the sequencer's thread; a graph after init() again starts it again.
+    got["thread/running"] = _sequencer_running()
     hvd.shutdown()
+    got["thread/after_shutdown"] = _sequencer_running()
+    hvd.init()
+    with tf.Graph().as_default(), tf.compat.v1.Session(config=config) as sess:
+        got["after/reinit"] = sess.run(hvd.allreduce(tf.fill([2], float(r)), op=hvd.Sum)).tolist()
+    got["thread/after_reinit"] = _sequencer_running()
+    hvd.shutdown()
+    got["thread/at_end"] = _sequencer_running()
     record_rank(outdir, got=got)
+
+
+def _sequencer_running() -> bool:
+    """Whether this process has the kernels' sequencer thread (named in native/tf_sequencer.cc)."""
+    import os
+
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return "sparktrain-seq" in names
 
 
 def expected_many(r: int, n: int) -> list:
@@ -149,3 +172,6 @@ def test_tf1_graph_collectives_run_as_kernels_in_the_order_the_ranks_agree_on(tm
         ops = [int(w[1]) for w in waits]  # rank 0 built one more before it
         assert ops[0] == ops[1] + 1 and len(set(ops[1:])) == 1, (r, stuck)
         assert got["after/stuck"] == [float(num_proc)] * 2
+        assert [got[f"thread/{when}"] for when in ("running", "after_shutdown", "after_reinit", "at_end")] == \
+            [True, False, True, False], (r, got)
+        assert got["after/reinit"] == [float(sum(range(num_proc)))] * 2
