@@ -133,7 +133,9 @@ int Gather(stc_comm *comm, const std::vector<int64_t> &mine, bool idle, std::vec
       at += heads[2 * r];
     }
   }
-  if (rc != STC_OK) *msg = "rank " + std::to_string(stc_comm_rank(comm)) + ": " + err;
+  if (rc != STC_OK)
+    *msg = "rank " + std::to_string(stc_comm_rank(comm)) + ": " + err +
+           " (while the ranks agreed on which collectives of a TensorFlow 1 graph run next)";
   return rc;
 }
 
