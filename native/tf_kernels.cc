@@ -6,7 +6,9 @@
 // ctypes, by its path, so the process holds one engine and the kernels find the communicator
 // that sparktrain.tensorflow.init() brought up through stc_current_acquire(). Each kernel runs
 // one collective while holding the engine's current-communicator lock: kernels run one at a
-// time, and shutdown() waits for the one in flight before the communicator goes away.
+// time, and shutdown() waits for the one in flight before the communicator goes away. Kernels
+// built into a TensorFlow 1 graph carry a sequence_key and run on the sequencer's thread, in the
+// order the ranks agree on (tf_sequencer.h); shutdown() stops it first.
 //
 // The kernels copy their input into the output and reduce there (an output never aliases a
 // tensor TensorFlow owns), and map the engine's failures to TensorFlow's error codes: ranks
@@ -28,6 +30,7 @@
 #include <vector>
 
 #include "collective.h"
+#include "tf_sequencer.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -35,8 +38,8 @@
 
 namespace {
 
+using ::tensorflow::AsyncOpKernel;
 using ::tensorflow::DataType;
-using ::tensorflow::OpKernel;
 using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
 using ::tensorflow::Status;
@@ -109,8 +112,8 @@ Status NoCommunicator(const char *what) {
       "sparktrain.tensorflow.init() first (after shutdown(), init() again)");
 }
 
-Status Mapped(int rc, stc_comm *comm, const char *err) {
-  std::string msg = "rank " + std::to_string(stc_comm_rank(comm)) + ": " + err;
+// An engine's STC_E_* code as TensorFlow's status, with the whole message.
+Status Coded(int rc, const std::string &msg) {
   switch (rc) {
     case STC_OK: return Status();
     case STC_E_TIMEOUT: return errors::DeadlineExceeded(msg);
@@ -120,6 +123,10 @@ Status Mapped(int rc, stc_comm *comm, const char *err) {
     case STC_E_ARG: return errors::InvalidArgument(msg);
     default: return errors::Internal(msg);
   }
+}
+
+Status Mapped(int rc, stc_comm *comm, const char *err) {
+  return Coded(rc, "rank " + std::to_string(stc_comm_rank(comm)) + ": " + err);
 }
 
 void DimsOf(const TensorShape &shape, std::vector<int64_t> *dims) {
@@ -136,25 +143,66 @@ char *DataOf(Tensor *t) {
 
 // -- kernels ------------------------------------------------------------------------------------
 
-class CollectiveKernel : public OpKernel {
+// OP_REQUIRES and OP_REQUIRES_OK for AsyncOpKernels, whose done the caller runs: on failure, set
+// the op's status and return.
+#define REQUIRE(ctx, cond, status) \
+  do {                             \
+    if (!(cond)) {                 \
+      (ctx)->SetStatus(status);    \
+      return;                      \
+    }                              \
+  } while (0)
+#define REQUIRE_OK(ctx, expr)  \
+  do {                         \
+    Status _s = (expr);        \
+    if (!_s.ok()) {            \
+      (ctx)->SetStatus(_s);    \
+      return;                  \
+    }                          \
+  } while (0)
+
+// Eagerly and in a tf.function (sequence_key < 0) a kernel runs its collective at once, holding
+// the current communicator. Built into a TensorFlow 1 graph (sequence_key >= 0) it hands the
+// collective to the sequencer (tf_sequencer.h) and returns, leaving the session's thread free;
+// the sequencer's thread runs it, with the communicator held, once every rank has it waiting.
+class CollectiveKernel : public AsyncOpKernel {
  public:
-  explicit CollectiveKernel(OpKernelConstruction *ctx) : OpKernel(ctx) {
+  CollectiveKernel(OpKernelConstruction *ctx, const char *what) : AsyncOpKernel(ctx), what_(what) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sequence_key", &key_));
     for (char &ch : label_)
       if (ch == '\t' || ch == '\n') ch = ' ';
   }
 
-  void Compute(OpKernelContext *ctx) override {
+  void ComputeAsync(OpKernelContext *ctx, DoneCallback done) override {
+    if (key_ < 0) {
+      {
+        Held held;
+        Timed(ctx, held.get());
+      }
+      done();
+      return;
+    }
+    sparktrain::SequencedOp op;
+    op.run = [this, ctx](stc_comm *comm) { Timed(ctx, comm); };
+    op.fail = [ctx](int rc, const std::string &msg) { ctx->SetStatus(Coded(rc, msg)); };
+    op.done = std::move(done);
+    sparktrain::SequencerEnqueue(key_, std::move(op));
+  }
+
+ protected:
+  // The collective on comm (current, held, not NULL).
+  virtual void Run(OpKernelContext *ctx, stc_comm *comm) = 0;
+
+  void Timed(OpKernelContext *ctx, stc_comm *comm) {
+    REQUIRE(ctx, comm, NoCommunicator(what_));
     const bool timed = timeline_on.load(std::memory_order_relaxed);
     const double start = timed ? NowUs() : 0;
     uint64_t bytes = 0;
     for (int i = 0; i < ctx->num_inputs(); ++i) bytes += ctx->input(i).TotalBytes();
-    Run(ctx);
+    Run(ctx, comm);
     if (timed && ctx->status().ok()) Record(label_, bytes, start, NowUs());
   }
-
- protected:
-  virtual void Run(OpKernelContext *ctx) = 0;
 
   // Allocates output i as a copy of input i.
   bool CopyToOutput(OpKernelContext *ctx, int i, Tensor **out) {
@@ -169,33 +217,33 @@ class CollectiveKernel : public OpKernel {
     return true;
   }
 
-  // Output 0 as a copy of input 0, then `call(comm, out, dims, err)` (the engine, in place on
-  // it) with the current communicator held: allreduce and broadcast.
+  // Output 0 as a copy of input 0, then `call(out, dims, err)` (the engine, in place on it):
+  // allreduce and broadcast.
   template <typename Call>
-  void InPlace(OpKernelContext *ctx, const char *what, Call call) {
+  void InPlace(OpKernelContext *ctx, stc_comm *comm, Call call) {
     Tensor *out = nullptr;
     if (!CopyToOutput(ctx, 0, &out)) return;
     std::vector<int64_t> dims;
     DimsOf(out->shape(), &dims);
     char err[kErrLen] = {0};
-    Held held;
-    OP_REQUIRES(ctx, held.get(), NoCommunicator(what));
-    int rc = call(held.get(), out, dims.data(), err);
-    OP_REQUIRES_OK(ctx, Mapped(rc, held.get(), err));
+    int rc = call(out, dims.data(), err);
+    REQUIRE_OK(ctx, Mapped(rc, comm, err));
   }
 
+  const char *what_;
   std::string label_;
+  int64_t key_ = -1;
 };
 
 class AllreduceOp : public CollectiveKernel {
  public:
-  explicit AllreduceOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx) {
+  explicit AllreduceOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx, "allreduce") {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("reduce_op", &op_));
   }
 
  protected:
-  void Run(OpKernelContext *ctx) override {
-    InPlace(ctx, "allreduce", [this](stc_comm *comm, Tensor *out, const int64_t *dims, char *err) {
+  void Run(OpKernelContext *ctx, stc_comm *comm) override {
+    InPlace(ctx, comm, [this, comm](Tensor *out, const int64_t *dims, char *err) {
       return stc_allreduce(comm, DataOf(out), DtypeCode(out->dtype()), op_, out->dims(), dims, err, kErrLen);
     });
   }
@@ -208,18 +256,18 @@ class AllreduceOp : public CollectiveKernel {
 // in one engine call, as sparktrain.tensorflow.hostops.grouped_allreduce does.
 class GroupedAllreduceOp : public CollectiveKernel {
  public:
-  explicit GroupedAllreduceOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx) {
+  explicit GroupedAllreduceOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx, "grouped_allreduce") {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("reduce_op", &op_));
   }
 
  protected:
-  void Run(OpKernelContext *ctx) override {
+  void Run(OpKernelContext *ctx, stc_comm *comm) override {
     const int n = ctx->num_inputs();
     const DataType dt = ctx->input(0).dtype();
     int64_t total = 0;
     for (int i = 0; i < n; ++i) total += ctx->input(i).NumElements();
     Tensor flat;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, TensorShape({total}), &flat));
+    REQUIRE_OK(ctx, ctx->allocate_temp(dt, TensorShape({total}), &flat));
     char *base = DataOf(&flat);
     size_t offset = 0;
     for (int i = 0; i < n; ++i) {
@@ -228,16 +276,12 @@ class GroupedAllreduceOp : public CollectiveKernel {
       offset += src.size();
     }
     char err[kErrLen] = {0};
-    {
-      Held held;
-      OP_REQUIRES(ctx, held.get(), NoCommunicator("grouped_allreduce"));
-      int rc = stc_allreduce(held.get(), base, DtypeCode(dt), op_, 1, &total, err, sizeof err);
-      OP_REQUIRES_OK(ctx, Mapped(rc, held.get(), err));
-    }
+    int rc = stc_allreduce(comm, base, DtypeCode(dt), op_, 1, &total, err, sizeof err);
+    REQUIRE_OK(ctx, Mapped(rc, comm, err));
     offset = 0;
     for (int i = 0; i < n; ++i) {
       Tensor *out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, ctx->input(i).shape(), &out));
+      REQUIRE_OK(ctx, ctx->allocate_output(i, ctx->input(i).shape(), &out));
       size_t nbytes = out->TotalBytes();
       if (nbytes) std::memcpy(DataOf(out), base + offset, nbytes);
       offset += nbytes;
@@ -250,13 +294,13 @@ class GroupedAllreduceOp : public CollectiveKernel {
 
 class BroadcastOp : public CollectiveKernel {
  public:
-  explicit BroadcastOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx) {
+  explicit BroadcastOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx, "broadcast") {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("root", &root_));
   }
 
  protected:
-  void Run(OpKernelContext *ctx) override {
-    InPlace(ctx, "broadcast", [this](stc_comm *comm, Tensor *out, const int64_t *dims, char *err) {
+  void Run(OpKernelContext *ctx, stc_comm *comm) override {
+    InPlace(ctx, comm, [this, comm](Tensor *out, const int64_t *dims, char *err) {
       return stc_broadcast(comm, DataOf(out), DtypeCode(out->dtype()), out->dims(), dims, root_, err, kErrLen);
     });
   }
@@ -269,33 +313,30 @@ class BroadcastOp : public CollectiveKernel {
 // each, one more for the first rows % size ranks (as sparktrain.native.split_rows).
 class ReducescatterOp : public CollectiveKernel {
  public:
-  explicit ReducescatterOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx) {
+  explicit ReducescatterOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx, "reducescatter") {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("reduce_op", &op_));
   }
 
  protected:
-  void Run(OpKernelContext *ctx) override {
+  void Run(OpKernelContext *ctx, stc_comm *comm) override {
     const Tensor &in = ctx->input(0);
-    OP_REQUIRES(ctx, in.dims() >= 1,
+    REQUIRE(ctx, in.dims() >= 1,
                 errors::InvalidArgument("reducescatter splits the first dimension and cannot take a scalar"));
     Tensor scratch;  // the engine's: its contents are unspecified afterwards
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(in.dtype(), in.shape(), &scratch));
+    REQUIRE_OK(ctx, ctx->allocate_temp(in.dtype(), in.shape(), &scratch));
     auto src = in.tensor_data();
     if (!src.empty()) std::memcpy(DataOf(&scratch), src.data(), src.size());
     std::vector<int64_t> dims;
     DimsOf(in.shape(), &dims);
     char err[kErrLen] = {0};
-    Held held;
-    stc_comm *comm = held.get();
-    OP_REQUIRES(ctx, comm, NoCommunicator("reducescatter"));
     const int64_t size = stc_comm_size(comm), rank = stc_comm_rank(comm), rows = in.dim_size(0);
     TensorShape out_shape = in.shape();
     out_shape.set_dim(0, rows / size + (rank < rows % size ? 1 : 0));
     Tensor *out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+    REQUIRE_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     int rc = stc_reducescatter(comm, DataOf(&scratch), DataOf(out), DtypeCode(in.dtype()), op_, in.dims(),
                                dims.data(), err, sizeof err);
-    OP_REQUIRES_OK(ctx, Mapped(rc, comm, err));
+    REQUIRE_OK(ctx, Mapped(rc, comm, err));
   }
 
  private:
@@ -334,20 +375,17 @@ Status CheckRagged(const char *what, int rank, int size, const int64_t *metas, s
 // disagreement is the same error on every rank and never garbage), then the data.
 class AllgatherOp : public CollectiveKernel {
  public:
-  explicit AllgatherOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx) {}
+  explicit AllgatherOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx, "allgather") {}
 
  protected:
-  void Run(OpKernelContext *ctx) override {
+  void Run(OpKernelContext *ctx, stc_comm *comm) override {
     const Tensor &in = ctx->input(0);
-    OP_REQUIRES(ctx, in.dims() >= 1 && in.dims() <= kMaxDims,
+    REQUIRE(ctx, in.dims() >= 1 && in.dims() <= kMaxDims,
                 errors::InvalidArgument("allgather takes a tensor of 1 to 64 dimensions, got ", in.dims()));
     const int code = DtypeCode(in.dtype());
     std::vector<int64_t> dims;
     DimsOf(in.shape(), &dims);
     char err[kErrLen] = {0};
-    Held held;
-    stc_comm *comm = held.get();
-    OP_REQUIRES(ctx, comm, NoCommunicator("allgather"));
     const int size = stc_comm_size(comm), rank = stc_comm_rank(comm);
     int64_t meta[kMeta] = {0};
     meta[0] = in.dims();
@@ -357,14 +395,14 @@ class AllgatherOp : public CollectiveKernel {
     std::vector<uint64_t> counts(size, sizeof meta);
     int64_t meta_dims[1] = {kMeta};
     int rc = stc_allgatherv(comm, meta, metas.data(), counts.data(), STC_INT64, 1, meta_dims, err, sizeof err);
-    OP_REQUIRES_OK(ctx, Mapped(rc, comm, err));
-    OP_REQUIRES_OK(ctx, CheckRagged("allgather", rank, size, metas.data(), kMeta));
+    REQUIRE_OK(ctx, Mapped(rc, comm, err));
+    REQUIRE_OK(ctx, CheckRagged("allgather", rank, size, metas.data(), kMeta));
     int64_t rows = 0;
     for (int r = 0; r < size; ++r) rows += metas[static_cast<size_t>(r) * kMeta + 2];
     TensorShape out_shape = in.shape();
     out_shape.set_dim(0, rows);
     Tensor *out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+    REQUIRE_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     uint64_t row_bytes = ::tensorflow::DataTypeSize(in.dtype());
     for (int d = 1; d < in.dims(); ++d) row_bytes *= static_cast<uint64_t>(in.dim_size(d));
     for (int r = 0; r < size; ++r)
@@ -372,7 +410,7 @@ class AllgatherOp : public CollectiveKernel {
     Tensor *in_ptr = const_cast<Tensor *>(&in);
     rc = stc_allgatherv(comm, DataOf(in_ptr), DataOf(out), counts.data(), code, in.dims(), dims.data(), err,
                         sizeof err);
-    OP_REQUIRES_OK(ctx, Mapped(rc, comm, err));
+    REQUIRE_OK(ctx, Mapped(rc, comm, err));
   }
 };
 
@@ -388,21 +426,18 @@ std::string ListText(const int64_t *v, int n) {
 // on any rank is the same error on every rank), then the data.
 class AlltoallOp : public CollectiveKernel {
  public:
-  explicit AlltoallOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx) {}
+  explicit AlltoallOp(OpKernelConstruction *ctx) : CollectiveKernel(ctx, "alltoall") {}
 
  protected:
-  void Run(OpKernelContext *ctx) override {
+  void Run(OpKernelContext *ctx, stc_comm *comm) override {
     const Tensor &in = ctx->input(0);
     const Tensor &splits = ctx->input(1);
-    OP_REQUIRES(ctx, in.dims() <= kMaxDims,
+    REQUIRE(ctx, in.dims() <= kMaxDims,
                 errors::InvalidArgument("alltoall takes a tensor of at most 64 dimensions, got ", in.dims()));
     const int code = DtypeCode(in.dtype());
     std::vector<int64_t> dims;
     DimsOf(in.shape(), &dims);
     char err[kErrLen] = {0};
-    Held held;
-    stc_comm *comm = held.get();
-    OP_REQUIRES(ctx, comm, NoCommunicator("alltoall"));
     const int n = stc_comm_size(comm), rank = stc_comm_rank(comm);
     const size_t stride = kMeta + 2 + n;
     std::vector<int64_t> meta(stride, 0);
@@ -432,7 +467,7 @@ class AlltoallOp : public CollectiveKernel {
     std::vector<uint64_t> counts(n, stride * sizeof(int64_t));
     int64_t meta_dims[1] = {static_cast<int64_t>(stride)};
     int rc = stc_allgatherv(comm, meta.data(), metas.data(), counts.data(), STC_INT64, 1, meta_dims, err, sizeof err);
-    OP_REQUIRES_OK(ctx, Mapped(rc, comm, err));
+    REQUIRE_OK(ctx, Mapped(rc, comm, err));
     for (int r = 0; r < n; ++r) {
       const int64_t *m = metas.data() + static_cast<size_t>(r) * stride;
       const int64_t p = m[kMeta];
@@ -449,15 +484,15 @@ class AlltoallOp : public CollectiveKernel {
       else if (p == 4) why = "splits " + ListText(got, n) + " are negative";
       else why = "splits " + ListText(got, n) + " sum to " + std::to_string(total) + ", not to its " +
                  std::to_string(m[2]) + " rows";
-      OP_REQUIRES(ctx, false, errors::FailedPrecondition("rank ", rank, ": alltoall: rank ", r, " passed ",
+      REQUIRE(ctx, false, errors::FailedPrecondition("rank ", rank, ": alltoall: rank ", r, " passed ",
                                                          ShapeText(m), ": ", why));
     }
-    OP_REQUIRES_OK(ctx, CheckRagged("alltoall", rank, n, metas.data(), stride));
+    REQUIRE_OK(ctx, CheckRagged("alltoall", rank, n, metas.data(), stride));
     uint64_t row_bytes = ::tensorflow::DataTypeSize(in.dtype());
     for (int d = 1; d < in.dims(); ++d) row_bytes *= static_cast<uint64_t>(in.dim_size(d));
     std::vector<uint64_t> sends(static_cast<size_t>(n) * n);
     Tensor *received = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &received));
+    REQUIRE_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &received));
     auto rec = received->flat<int32_t>();
     int64_t out_rows = 0;
     for (int i = 0; i < n; ++i) {
@@ -469,11 +504,11 @@ class AlltoallOp : public CollectiveKernel {
     TensorShape out_shape = in.shape();
     out_shape.set_dim(0, out_rows);
     Tensor *out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+    REQUIRE_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     Tensor *in_ptr = const_cast<Tensor *>(&in);
     rc = stc_alltoallv(comm, DataOf(in_ptr), DataOf(out), sends.data(), code, in.dims(), dims.data(), err,
                        sizeof err);
-    OP_REQUIRES_OK(ctx, Mapped(rc, comm, err));
+    REQUIRE_OK(ctx, Mapped(rc, comm, err));
   }
 };
 
@@ -489,6 +524,7 @@ REGISTER_OP("SparktrainAllreduce")
     .Attr("T: " SPARKTRAIN_REDUCIBLE)
     .Attr("reduce_op: int")
     .Attr("label: string = ''")
+    .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
@@ -500,6 +536,7 @@ REGISTER_OP("SparktrainGroupedAllreduce")
     .Attr("N: int >= 1")
     .Attr("reduce_op: int")
     .Attr("label: string = ''")
+    .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn([](shape_inference::InferenceContext *c) {
@@ -513,6 +550,7 @@ REGISTER_OP("SparktrainBroadcast")
     .Attr("T: " SPARKTRAIN_REDUCIBLE)
     .Attr("root: int")
     .Attr("label: string = ''")
+    .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
@@ -522,6 +560,7 @@ REGISTER_OP("SparktrainAllgather")
     .Output("gathered: T")
     .Attr("T: " SPARKTRAIN_REDUCIBLE)
     .Attr("label: string = ''")
+    .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn([](shape_inference::InferenceContext *c) {
@@ -539,6 +578,7 @@ REGISTER_OP("SparktrainReducescatter")
     .Attr("T: " SPARKTRAIN_REDUCIBLE)
     .Attr("reduce_op: int")
     .Attr("label: string = ''")
+    .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn([](shape_inference::InferenceContext *c) {
@@ -557,6 +597,7 @@ REGISTER_OP("SparktrainAlltoall")
     .Output("received_splits: int32")
     .Attr("T: " SPARKTRAIN_REDUCIBLE)
     .Attr("label: string = ''")
+    .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn([](shape_inference::InferenceContext *c) {
@@ -598,5 +639,11 @@ char *sparktrain_tk_timeline_drain(void) {
 }
 
 void sparktrain_tk_free(char *p) { std::free(p); }
+
+// The collective timeout: how long the ranks may agree on nothing in a TensorFlow 1 graph.
+void sparktrain_tk_sequencer_timeout(double seconds) { sparktrain::SequencerSetTimeout(seconds); }
+
+// Fails the collectives waiting in the sequencer and joins its thread (shutdown()).
+void sparktrain_tk_sequencer_stop(void) { sparktrain::SequencerStop(); }
 
 }  // extern "C"

@@ -113,9 +113,10 @@ def test_turned_off_by_the_setting_without_a_warning(tmp_path):
     assert not os.path.exists(tmp_path / "cache")
 
 
-def fault_inside_a_function(outdir, fault):
-    """Rank 0 runs an allreduce inside a tf.function while rank 1 never calls (``timeout``) or
-    exits (``dead``); rank 0 records the error TensorFlow raised."""
+def fault_inside_a_function(outdir, fault, where="function"):
+    """Rank 0 runs an allreduce inside a tf.function (or a TensorFlow 1 graph's session, where
+    the kernels' sequencer runs it) while rank 1 never calls (``timeout``) or exits (``dead``);
+    rank 0 records the error TensorFlow raised."""
     import time
 
     import tensorflow as tf
@@ -124,7 +125,16 @@ def fault_inside_a_function(outdir, fault):
     from helpers import record_rank
 
     hvd.init()
-    step = tf.function(lambda: hvd.allreduce(tf.ones([4]), op=hvd.Sum))
+    if where == "function":
+        step = tf.function(lambda: hvd.allreduce(tf.ones([4]), op=hvd.Sum))
+    else:
+        graph = tf.Graph()
+        with graph.as_default():
+            op = hvd.allreduce(tf.ones([4]), op=hvd.Sum)
+        sess = tf.compat.v1.Session(graph=graph)
+
+        def step():
+            return tf.constant(sess.run(op))
     got = {"kernels": hvd.collective_kernels(), "warmup": step().numpy().tolist()}
     done = os.path.join(outdir, "rank-0-has-its-error")
     if hvd.rank() == 1:
@@ -145,16 +155,18 @@ def fault_inside_a_function(outdir, fault):
     record_rank(outdir, got=got)
 
 
+@pytest.mark.parametrize("where", ["function", "graph"])
 @pytest.mark.parametrize("fault,error,timeout", [("timeout", "DeadlineExceededError", "3"),
                                                  ("dead", "UnavailableError", "60")])
-def test_inside_a_function_a_timeout_and_a_dead_peer_are_tensorflows_errors(tmp_path, fault, error, timeout):
+def test_inside_a_function_a_timeout_and_a_dead_peer_are_tensorflows_errors(tmp_path, fault, error, timeout, where):
     """A peer that never calls ends the collective at the timeout; a dead one ends it well before
-    (the 60 s timeout also leaves a loaded machine time to attach)."""
+    (the 60 s timeout also leaves a loaded machine time to attach). In a TensorFlow 1 graph the
+    same classes, from the sequencer's round."""
     import sparktrain
     from helpers import read_ranks
 
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": timeout}
-    sparktrain.run(fault_inside_a_function, args=(str(tmp_path), fault), num_proc=-2, env=env, verbose=0)
+    sparktrain.run(fault_inside_a_function, args=(str(tmp_path), fault, where), num_proc=-2, env=env, verbose=0)
     got = read_ranks(str(tmp_path))[0]["got"]
     assert got["kernels"] is True and got["warmup"] == [2.0] * 4
     assert got["error"].startswith(error + ": ") and "rank 1" in got["error"], got

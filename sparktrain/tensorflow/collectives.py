@@ -5,7 +5,8 @@ On the native engine, allreduce (grouped: one engine call per dtype), broadcast,
 reduce-scatter and alltoall are ops of sparktrain's own TensorFlow kernels (``kernels``:
 compiled at first use, calling the engine without Python); Adasum, and every collective where
 the kernels could not be built or ``SPARKTRAIN_TF_KERNELS=0``, are one ``tf.numpy_function``
-calling ``hostops``. On TensorFlow's runtime, its collective ops (``ringops``). Either way they work eagerly and inside
+calling ``hostops``; in a TensorFlow 1 graph both run in the order the ranks agree on. On
+TensorFlow's runtime, its collective ops (``ringops``). Either way they work eagerly and inside
 ``tf.function``. Every rank must issue the same collectives in the same order, as with Horovod;
 on TensorFlow's runtime each call gets the next instance key from a per-process counter, fixed
 when a ``tf.function`` is traced, so every rank must also trace the same functions in the same
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from . import backends, ops, runtime
+from . import backends, ops
 from .compression import Compression
 from .ops import Average, Sum
 from .process_sets import Group, global_process_set
@@ -44,18 +45,16 @@ def _tf():
 
 def _backend(g: Group | None = None) -> backends.Backend:
     """Where this rank's collectives of ``g`` run: a process set's own backend (``process_sets``),
-    or for every rank's, as ``init()`` chose (see ``backends``); in a TensorFlow 1 graph the
-    native engine's go through ``numpy_function``, where the ranks agree on their order."""
+    or for every rank's, as ``init()`` chose (see ``backends``); TensorFlow's ring has no
+    TensorFlow 1 graph path (the native engine's backends order such a graph's collectives)."""
     if g is not None and g.backend is not None:
         return g.backend
-    if state.backend in ("kernels", "ring") and backends.in_graph():
-        if state.backend == "ring":
-            raise InvalidArgumentError(
-                "this rank runs its collectives on TensorFlow's collective ring (NCCL on GPUs, or "
-                "SPARKTRAIN_CPU_COLLECTIVES=tensorflow), whose ops do not run in a TensorFlow 1 graph session; build "
-                "the step eagerly or with tf.function, or use the native engine on CPU "
-                "(SPARKTRAIN_CPU_COLLECTIVES=native)")
-        return backends.get("numpy")
+    if state.backend == "ring" and backends.in_graph():
+        raise InvalidArgumentError(
+            "this rank runs its collectives on TensorFlow's collective ring (NCCL on GPUs, or "
+            "SPARKTRAIN_CPU_COLLECTIVES=tensorflow), whose ops do not run in a TensorFlow 1 graph session; build "
+            "the step eagerly or with tf.function, or use the native engine on CPU "
+            "(SPARKTRAIN_CPU_COLLECTIVES=native)")
     return backends.get(state.backend)
 
 

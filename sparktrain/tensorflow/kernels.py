@@ -20,7 +20,8 @@ place, under a file lock, so the ranks of one host compile once and later runs c
 Where the kernels cannot be built or loaded (no compiler, no TensorFlow headers), each rank logs
 one warning saying why and runs its collectives through ``tf.numpy_function`` as before;
 ``SPARKTRAIN_TF_KERNELS=0`` (or ``spark.sparktrain.tfKernels``) asks for that path without a
-warning. Adasum always takes it.
+warning. Adasum always takes it (in a TensorFlow 1 graph, where the kernels run in the order
+the ranks agree on through their own sequencer, ``native/tf_sequencer.cc``, it is refused).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ CACHE_ENV = "SPARKTRAIN_CACHE_DIR"
 CXX_ENV = "CXX"
 SOURCE = "tf_kernels.cc"
 HEADER = "collective.h"
+#: Every file the library is built from (compiled: the ``.cc`` ones); all are in its hash.
+SOURCES = (SOURCE, "tf_sequencer.cc", "tf_sequencer.h", HEADER)
 #: Seconds one compile may take, and one rank may wait for another's.
 COMPILE_TIMEOUT = 300.0
 
@@ -54,11 +57,11 @@ _warned = False
 
 
 def _source_dir() -> str | None:
-    """Where ``tf_kernels.cc`` and ``collective.h`` are: the package's copy (an installed wheel),
-    else the source tree's ``native/`` (an editable install)."""
+    """Where the kernels' :data:`SOURCES` are: the package's copy (an installed wheel), else the
+    source tree's ``native/`` (an editable install)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for d in (os.path.join(here, "_native"), os.path.join(os.path.dirname(here), "native")):
-        if os.path.exists(os.path.join(d, SOURCE)) and os.path.exists(os.path.join(d, HEADER)):
+        if all(os.path.exists(os.path.join(d, name)) for name in SOURCES):
             return d
     return None
 
@@ -92,7 +95,7 @@ def library_path(tf, engine: str, src: str, cxx: str, directory: str) -> str:
     from .. import engine as _engine
 
     h = hashlib.sha256()
-    for name in (SOURCE, HEADER):
+    for name in SOURCES:
         with open(os.path.join(src, name), "rb") as f:
             h.update(f.read())
     compile_flags, link_flags = _flags(tf)
@@ -108,7 +111,8 @@ def _compile(tf, cxx: str, src: str, engine: str, out: str) -> None:
     os.close(fd)
     try:
         cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wno-deprecated-declarations", *compile_flags,
-               "-I", src, os.path.join(src, SOURCE), "-o", tmp, engine,
+               "-I", src,
+               *[os.path.join(src, name) for name in SOURCES if name.endswith(".cc")], "-o", tmp, engine,
                "-Wl,-rpath," + os.path.dirname(engine), *link_flags]
         try:
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=COMPILE_TIMEOUT,
@@ -198,6 +202,10 @@ def load():
             lib.sparktrain_tk_timeline_drain.restype = ctypes.c_void_p
             lib.sparktrain_tk_free.argtypes = [ctypes.c_void_p]
             lib.sparktrain_tk_free.restype = None
+            lib.sparktrain_tk_sequencer_timeout.argtypes = [ctypes.c_double]
+            lib.sparktrain_tk_sequencer_timeout.restype = None
+            lib.sparktrain_tk_sequencer_stop.argtypes = []
+            lib.sparktrain_tk_sequencer_stop.restype = None
             _loaded = (ops, lib)
         except Exception as e:  # noqa: BLE001 - any failure means the fallback, said once
             _failure = f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
@@ -221,6 +229,21 @@ def failure() -> str | None:
 def ops():
     """The kernels' op module when loaded, else None (never builds)."""
     return _loaded[0] if _loaded is not None else None
+
+
+def set_timeout(seconds: float) -> None:
+    """The collective timeout, after which ranks whose TensorFlow 1 graph collectives agree on
+    nothing fail them (the sequencer of ``native/tf_sequencer.cc``)."""
+    if _loaded is not None:
+        _loaded[1].sparktrain_tk_sequencer_timeout(float(seconds))
+
+
+def stop_sequencer() -> None:
+    """Fail the TensorFlow 1 graph collectives still waiting for their turn and join the
+    sequencer's thread (``shutdown()``, before the communicator closes); it starts again with
+    the next one."""
+    if _loaded is not None:
+        _loaded[1].sparktrain_tk_sequencer_stop()
 
 
 #: Whether the kernels record a timeline: set by ``timeline`` (which imports this module, never

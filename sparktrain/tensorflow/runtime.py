@@ -115,6 +115,7 @@ def _bring_up(tf, timeout: float) -> None:
         from . import kernels
 
         state.kernels = kernels.load() is not None
+        kernels.set_timeout(state.timeout)  # how long TensorFlow 1 graph collectives may agree on nothing
     elif state.size > 1 and state.strategy is None:  # after shutdown the server is still up
         if "TF_CONFIG" not in os.environ:
             raise SparkTrainError("TF_CONFIG is not set: sparktrain.tensorflow.init() must run inside sparktrain.run")
@@ -146,6 +147,10 @@ def shutdown() -> None:
         if "stop" in hooks:
             hooks["stop"]()  # every process set's communicator, before the global one
         if state.comm is not None:
+            if state.kernels:
+                from . import kernels
+
+                kernels.stop_sequencer()  # fails the TensorFlow 1 graph collectives still waiting
             state.comm.close()  # clears the current communicator first, waiting for a kernel in flight
             state.comm = None
         state.kernels = False

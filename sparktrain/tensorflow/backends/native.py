@@ -1,10 +1,13 @@
 """The native engine's backends: ``Numpy`` (one ``tf.numpy_function`` calling ``hostops`` per
-collective) and ``Kernels`` (sparktrain's TensorFlow kernels, which call the engine without
-Python; Adasum and any op the engine does not know go through ``Numpy``)."""
+collective; in a TensorFlow 1 graph sequenced by ``sequence``) and ``Kernels`` (sparktrain's
+TensorFlow kernels, which call the engine without Python and, in a TensorFlow 1 graph, are
+sequenced by their own C++ sequencer; Adasum and any op the engine does not know go through
+``Numpy``, except in a TensorFlow 1 graph, where they are refused)."""
 from __future__ import annotations
 
-from .. import hostops, timeline
+from .. import hostops, ops, timeline
 from ...engine import OPS as _ENGINE_OPS
+from ...errors import InvalidArgumentError
 from ..runtime import state
 from . import sequence
 from .base import Backend, in_graph, tf
@@ -106,8 +109,11 @@ class Numpy(Backend):
 
 
 class Kernels(Numpy):
-    """Each collective as one of sparktrain's TensorFlow kernels (``tensorflow.kernels``). In a
-    TensorFlow 1 graph, where the ranks must first agree on the order, the collectives of ``Numpy``."""
+    """Each collective as one of sparktrain's TensorFlow kernels (``tensorflow.kernels``); Adasum
+    (which the kernels do not do) through ``Numpy``. In a TensorFlow 1 graph each kernel carries
+    its ``sequence.key_for`` key and the kernels' own sequencer (``native/tf_sequencer.cc``) runs
+    it in the order the ranks agree on; there ``Numpy``'s collectives, which have a sequencer of
+    their own, are refused: the two would call the engine from two threads."""
 
     @staticmethod
     def _ops():
@@ -115,37 +121,59 @@ class Kernels(Numpy):
 
         return kernels.ops()
 
+    @staticmethod
+    def _key() -> dict:
+        """The ``sequence_key`` attribute: the op's key in a TensorFlow 1 graph, else -1."""
+        if not in_graph():
+            return {}
+        return {"sequence_key": sequence.key_for(tf().compat.v1.get_default_graph())}
+
+    @staticmethod
+    def _not_in_graph(what: str) -> None:
+        if in_graph():
+            raise InvalidArgumentError(
+                f"{what} in a TensorFlow 1 graph: sparktrain's TensorFlow kernels do not do it, and in a graph "
+                "this rank runs only kernels. Build the step eagerly or with tf.function, or set "
+                "SPARKTRAIN_TF_KERNELS=0 (every collective through tf.numpy_function) before init()")
+
     def allreduce(self, t, op, name=None):
         if op not in OP_CODES:
+            self._not_in_graph(f"allreduce(op={ops.name_of(op)})")
             return super().allreduce(t, op, name)
-        return self._ops().sparktrain_allreduce(t, reduce_op=OP_CODES[op], label=name or f"allreduce.{op}")
+        return self._ops().sparktrain_allreduce(t, reduce_op=OP_CODES[op], label=name or f"allreduce.{op}",
+                                                **self._key())
 
     def grouped_allreduce(self, tensors, op):
         """One kernel (one engine call over one buffer) per dtype, the dtypes in name order, as
         ``hostops.grouped_allreduce`` does: the same calls, so ranks on either path agree."""
         if op not in OP_CODES:
+            self._not_in_graph(f"grouped_allreduce(op={ops.name_of(op)})")
             return super().grouped_allreduce(tensors, op)
         k = self._ops()
         out: list = [None] * len(tensors)
-        for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):  # never in a TF1 graph: see _backend
+        for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
             reduced = k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=OP_CODES[op],
-                                                     label=f"grouped_allreduce.{op}")
+                                                     label=f"grouped_allreduce.{op}",
+                                                     **self._key())
             for i, r in zip(idx, reduced):
                 out[i] = r
         return out
 
     def allgather(self, t, name=None):
-        return self._ops().sparktrain_allgather(t, label=name or "allgather")
+        return self._ops().sparktrain_allgather(t, label=name or "allgather", **self._key())
 
     def broadcast(self, t, root_rank, name=None):
-        return self._ops().sparktrain_broadcast(t, root=root_rank, label=name or "broadcast")
+        return self._ops().sparktrain_broadcast(t, root=root_rank, label=name or "broadcast",
+                                                **self._key())
 
     def reducescatter(self, t, op, name=None):
         if op not in OP_CODES:
+            self._not_in_graph(f"reducescatter(op={ops.name_of(op)})")
             return super().reducescatter(t, op, name)
-        return self._ops().sparktrain_reducescatter(t, reduce_op=OP_CODES[op], label=name or f"reducescatter.{op}")
+        return self._ops().sparktrain_reducescatter(t, reduce_op=OP_CODES[op], label=name or f"reducescatter.{op}",
+                                                    **self._key())
 
     def alltoall(self, t, splits):
-        out, received = self._ops().sparktrain_alltoall(t, splits, label="alltoall")
+        out, received = self._ops().sparktrain_alltoall(t, splits, label="alltoall", **self._key())
         received.set_shape([state.size])
         return out, received

@@ -1,4 +1,7 @@
-"""Collectives of a TensorFlow 1 graph in the same order on every rank.
+"""Collectives of a TensorFlow 1 graph in the same order on every rank: the keys of both native
+backends (:func:`key_for`), and the sequencer of ``numpy_function`` collectives (the kernels
+have their own, in C++: ``native/tf_sequencer.cc``, which does the same without holding a
+session thread per waiting op).
 
 The native engine pairs each rank's next collective with every other rank's next one. Eagerly,
 ops run in program order, and ``tf.function`` runs its stateful ops (every collective is one) in
