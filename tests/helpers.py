@@ -137,3 +137,31 @@ def assert_collectives(ranks: dict[int, dict]) -> None:
         assert got["graph"] == [[9.0], [2.0, 3.0, 4.0], [4.0]], r
         assert got["variable"] == [2.0, 2.0, 2.0], r
         assert got["thread_growth"] < 50, (r, got["thread_growth"])  # 900 collectives ran
+
+
+def plain(a) -> list:
+    """An array (or tensor's numpy value) as a JSON-able list: bools as they are, numbers as floats."""
+    import numpy as np
+
+    a = np.asarray(a)
+    return a.tolist() if a.dtype == bool else a.astype(np.float64).tolist()
+
+
+def recorder(got: dict, rank: int):
+    """``put(case, fn)``: records ``fn()`` in ``got[case]`` as plain lists (tensors, or a list of
+    them), or ``"ERROR <class>: <message>"`` if it raised, which also goes to the rank's stderr."""
+    import sys
+
+    def put(case, fn):
+        try:
+            value = fn()
+            if isinstance(value, (list, tuple)):
+                got[case] = [plain(v.numpy()) if hasattr(v, "numpy") else v for v in value]
+            else:
+                got[case] = plain(value.numpy()) if hasattr(value, "numpy") else value
+        except Exception as e:  # noqa: BLE001 - recorded, asserted by the test
+            got[case] = f"ERROR {type(e).__name__}: {e}"
+            print(f"rank {rank} {case}: {got[case][:300]}", file=sys.stderr)  # in the rank's output if it fails
+
+    return put
+

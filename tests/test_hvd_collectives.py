@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import pickle
-import sys
 import os
 
 import numpy as np
 import pytest
 
 import sparktrain
-from helpers import read_ranks, record_rank
+from helpers import plain, read_ranks, record_rank, recorder
 from sparktrain import engine
 from sparktrain.errors import InvalidArgumentError
 
@@ -34,13 +33,6 @@ def inputs(r: int, dtype: str, n: int = 6) -> np.ndarray:
     if dtype.startswith("uint"):
         return base.astype(np.int64)
     return (base - 2).astype(np.int64) if "int" in dtype else (base - 1.5)
-
-
-def plain(a) -> list:
-    a = np.asarray(a)
-    if a.dtype == bool:
-        return a.tolist()
-    return a.astype(np.float64).tolist()
 
 
 def expected_reduce(op: str, dtype: str, size: int, n: int = 6):
@@ -84,17 +76,7 @@ def everything(outdir):
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     got: dict = {}
-
-    def put(case, fn):
-        try:
-            value = fn()
-            if isinstance(value, (list, tuple)):
-                got[case] = [plain(v.numpy()) if hasattr(v, "numpy") else v for v in value]
-            else:
-                got[case] = plain(value.numpy()) if hasattr(value, "numpy") else value
-        except Exception as e:  # noqa: BLE001 - recorded, asserted by the test
-            got[case] = f"ERROR {type(e).__name__}: {e}"
-            print(f"rank {r} {case}: {got[case][:300]}", file=sys.stderr)  # in the rank's output if the run fails
+    put = recorder(got, r)
 
     def t(dtype, rows=6, rank=None):
         return tf.cast(tf.constant(inputs(r if rank is None else rank, dtype, rows)), dtype)

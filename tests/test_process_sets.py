@@ -6,13 +6,12 @@ records every rank's results; the tests assert per case."""
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pytest
 
 import sparktrain
-from helpers import read_ranks, record_rank
+from helpers import plain, read_ranks, record_rank, recorder
 from sparktrain import engine
 
 pytest.importorskip("tensorflow")
@@ -27,17 +26,21 @@ def x_of(r: int, n: int = 6) -> np.ndarray:
     return (np.arange(n) % 4 + r - 1.5).astype(np.float32)
 
 
-def plain(a):
-    a = np.asarray(a)
-    return a.tolist() if a.dtype == bool else a.astype(np.float64).tolist()
-
-
 def listens() -> int:
     import psutil
 
     proc = psutil.Process()
     conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
     return sum(1 for c in conns if c.status == psutil.CONN_LISTEN)
+
+
+def tape_gradient(hvd, tf, ps, r: int):
+    """The gradient of sum(w * (r + 1)) through DistributedGradientTape on ``ps``: averaged over
+    the set's members, and this rank's own (r + 1) on a rank outside it."""
+    w = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as plain_tape:
+        loss = tf.reduce_sum(w * float(r + 1))
+    return hvd.DistributedGradientTape(plain_tape, process_set=ps).gradient(loss, [w])[0]
 
 
 def collectives_on(hvd, tf, ps, name: str, r: int, put) -> None:
@@ -101,13 +104,7 @@ def collectives_on(hvd, tf, ps, name: str, r: int, put) -> None:
 
     put(f"{name}/gradients", gradients)
 
-    def tape():
-        w = tf.Variable([1.0, 2.0])
-        with tf.GradientTape() as plain_tape:
-            loss = tf.reduce_sum(w * float(r + 1))
-        return hvd.DistributedGradientTape(plain_tape, process_set=ps).gradient(loss, [w])[0]
-
-    put(f"{name}/tape", tape)
+    put(f"{name}/tape", lambda: tape_gradient(hvd, tf, ps, r))
     put(f"{name}/keras_optimizer", lambda: keras_step(ps, r))
     # Ranks that disagree: every member gets the engine's error, and the set goes on working.
     put(f"{name}/mismatch", lambda: hvd.allreduce(tf.ones([2 + ps.rank()]), process_set=ps))
@@ -161,17 +158,7 @@ def sets_rank(outdir):
     hvd.init(process_sets=[a])
     r = hvd.rank()
     got: dict = {}
-
-    def put(case, fn):
-        try:
-            value = fn()
-            if isinstance(value, (list, tuple)):
-                got[case] = [plain(v.numpy()) if hasattr(v, "numpy") else v for v in value]
-            else:
-                got[case] = plain(value.numpy()) if hasattr(value, "numpy") else value
-        except Exception as e:  # noqa: BLE001 - recorded, asserted by the test
-            got[case] = f"ERROR {type(e).__name__}: {e}"
-            print(f"rank {r} {case}: {got[case][:300]}", file=sys.stderr)
+    put = recorder(got, r)
 
     b = hvd.add_process_set([1, 2])
     c = hvd.add_process_set(hvd.ProcessSet([1]))
@@ -188,14 +175,7 @@ def sets_rank(outdir):
             collectives_on(hvd, tf, ps, name, r, put)
         else:
             put(f"{name}/not_member", lambda: hvd.allreduce(tf.ones([2]), process_set=ps))
-
-            def unreduced(ps=ps):
-                w = tf.Variable([1.0, 2.0])
-                with tf.GradientTape() as plain_tape:
-                    loss = tf.reduce_sum(w * float(r + 1))
-                return hvd.DistributedGradientTape(plain_tape, process_set=ps).gradient(loss, [w])[0]
-
-            put(f"{name}/not_member_tape", unreduced)
+            put(f"{name}/not_member_tape", lambda: tape_gradient(hvd, tf, ps, r))
             put(f"{name}/not_member_keras", lambda: keras_step(ps, r))
     tf1_on_sets(hvd, tf, a, b, r, got)
     # Add and remove: duplicates refused, ids reused, removal of the global set refused.

@@ -71,14 +71,28 @@ def _rows_shape(t):
 
 
 class Numpy(Backend):
+    """Each collective as one ``tf.numpy_function`` calling ``hostops`` on every rank's
+    communicator. ``backends.subset`` runs a process set's through the same methods, on the
+    set's communicator (``_comm``, ``_run``, ``size``)."""
+
+    #: The ranks a collective spans: None for every rank (``state.size`` when it is built).
+    size = None
+
+    def _comm(self):
+        return _comm()
+
+    def _run(self, kind: str, fn, inputs: list, tout):
+        return _call(kind, fn, inputs, tout)
+
     def allreduce(self, t, op, name=None):
-        out = _call(name or f"allreduce.{op}", lambda a: hostops.allreduce(_comm(), a, op), [t], t.dtype)
+        out = self._run(name or f"allreduce.{op}", lambda a: hostops.allreduce(self._comm(), a, op), [t], t.dtype)
         out.set_shape(t.shape)
         return out
 
     def grouped_allreduce(self, tensors, op):
-        outs = _call(f"grouped_allreduce.{op}", lambda *arrays: hostops.grouped_allreduce(_comm(), list(arrays), op),
-                     tensors, [t.dtype for t in tensors])
+        outs = self._run(f"grouped_allreduce.{op}",
+                         lambda *arrays: hostops.grouped_allreduce(self._comm(), list(arrays), op),
+                         tensors, [t.dtype for t in tensors])
         if not isinstance(outs, (list, tuple)):  # TensorFlow unwraps a list of one
             outs = [outs]
         for o, t in zip(outs, tensors):
@@ -86,25 +100,26 @@ class Numpy(Backend):
         return list(outs)
 
     def allgather(self, t, name=None):
-        out = _call(name or "allgather", lambda a: hostops.allgather(_comm(), a), [t], t.dtype)
+        out = self._run(name or "allgather", lambda a: hostops.allgather(self._comm(), a), [t], t.dtype)
         out.set_shape(_rows_shape(t))
         return out
 
     def broadcast(self, t, root_rank, name=None):
-        out = _call(name or "broadcast", lambda a: hostops.broadcast(_comm(), a, root_rank), [t], t.dtype)
+        out = self._run(name or "broadcast", lambda a: hostops.broadcast(self._comm(), a, root_rank), [t], t.dtype)
         out.set_shape(t.shape)
         return out
 
     def reducescatter(self, t, op, name=None):
-        out = _call(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(_comm(), a, op), [t], t.dtype)
+        out = self._run(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(self._comm(), a, op), [t],
+                        t.dtype)
         out.set_shape(_rows_shape(t))
         return out
 
     def alltoall(self, t, splits):
-        out, received = _call("alltoall", lambda a, s: hostops.alltoall(_comm(), a, s), [t, splits],
-                              [t.dtype, tf().int32])
+        out, received = self._run("alltoall", lambda a, s: hostops.alltoall(self._comm(), a, s), [t, splits],
+                                  [t.dtype, tf().int32])
         out.set_shape(_rows_shape(t))
-        received.set_shape([state.size])
+        received.set_shape([self.size or state.size])
         return out, received
 
 

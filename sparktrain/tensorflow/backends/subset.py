@@ -3,9 +3,7 @@
 graphs, where the set's members agree on the order with a ``Sequencer`` of the set's own."""
 from __future__ import annotations
 
-from .. import hostops
 from . import native, sequence
-from .base import Backend, tf
 
 
 class Channel:
@@ -36,11 +34,15 @@ class Channel:
             communicator.close()
 
 
-class Subset(Backend):
-    """The collectives of one process set, over its :class:`Channel`; ``size`` is the set's."""
+class Subset(native.Numpy):
+    """The collectives of one process set, as ``Numpy``'s on the set's :class:`Channel`; ``size``
+    is the set's, and ``broadcast``'s ``root_rank`` the root's index in the set."""
 
     def __init__(self, channel: Channel, size: int):
         self.on, self.size = channel, size
+
+    def _comm(self):
+        return self.on.comm()
 
     def _run(self, kind, fn, inputs, tout):
         on = self.on
@@ -55,42 +57,3 @@ class Subset(Backend):
                                              f"0..{len(on.ranks) - 1} in it): {e}", e.code) from None
 
         return native._call(kind, within, inputs, tout, on=on)
-
-    def allreduce(self, t, op, name=None):
-        out = self._run(name or f"allreduce.{op}", lambda a: hostops.allreduce(self.on.comm(), a, op), [t], t.dtype)
-        out.set_shape(t.shape)
-        return out
-
-    def grouped_allreduce(self, tensors, op):
-        outs = self._run(f"grouped_allreduce.{op}",
-                         lambda *arrays: hostops.grouped_allreduce(self.on.comm(), list(arrays), op),
-                         tensors, [t.dtype for t in tensors])
-        if not isinstance(outs, (list, tuple)):  # TensorFlow unwraps a list of one
-            outs = [outs]
-        for o, t in zip(outs, tensors):
-            o.set_shape(t.shape)
-        return list(outs)
-
-    def allgather(self, t, name=None):
-        out = self._run(name or "allgather", lambda a: hostops.allgather(self.on.comm(), a), [t], t.dtype)
-        out.set_shape(native._rows_shape(t))
-        return out
-
-    def broadcast(self, t, root_rank, name=None):
-        """``root_rank`` is the root's index in the set."""
-        out = self._run(name or "broadcast", lambda a: hostops.broadcast(self.on.comm(), a, root_rank), [t], t.dtype)
-        out.set_shape(t.shape)
-        return out
-
-    def reducescatter(self, t, op, name=None):
-        out = self._run(name or f"reducescatter.{op}", lambda a: hostops.reducescatter(self.on.comm(), a, op), [t],
-                        t.dtype)
-        out.set_shape(native._rows_shape(t))
-        return out
-
-    def alltoall(self, t, splits):
-        out, received = self._run("alltoall", lambda a, s: hostops.alltoall(self.on.comm(), a, s), [t, splits],
-                                  [t.dtype, tf().int32])
-        out.set_shape(native._rows_shape(t))
-        received.set_shape([self.size])
-        return out, received
