@@ -13,6 +13,7 @@ import pytest
 
 import sparktrain
 from helpers import plain, read_ranks, record_rank, recorder
+from tf1_graph_kernels import TAG, check_graph_ranks
 from sparktrain import engine
 from sparktrain.errors import InvalidArgumentError
 
@@ -196,6 +197,10 @@ def everything(outdir):
     if os.environ.get("SPARKTRAIN_CPU_COLLECTIVES") != "tensorflow":
         put("traced_after_reinit", traced)
     record_rank(outdir, got=got, engine=hvd.collective_engine(), kernels=hvd.collective_kernels())
+    if hvd.collective_kernels():  # TensorFlow 1 graphs through the kernels and their sequencer
+        from tf1_graph_kernels import graph_ranks
+
+        graph_ranks(outdir)
 
 
 def tf1_graph(hvd, got: dict, r: int, n: int) -> None:
@@ -396,6 +401,7 @@ def test_every_collective_op_and_dtype_on_the_native_engine(tmp_path, num_proc):
     got, engines = run_all(tmp_path, num_proc, {})
     assert engines == {("native", True)}  # sparktrain's TensorFlow kernels
     assert check_everything(got, num_proc, tmp_path, "native") == []
+    check_graph_ranks(read_ranks(str(tmp_path), TAG), num_proc)
 
 
 @pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))

@@ -4,23 +4,18 @@ the session's thread, so a step with more independent collectives than the sessi
 threads runs; the engine's failures are TensorFlow's own classes, as eagerly; ranks that wait
 for collectives no other rank runs fail together, naming what each waits for. Real Spark, real
 ranks, numpy as the reference. (tests/test_hvd_collectives.py's tf1_graph checks the rest of the
-graph path, on the kernels and through numpy_function.)"""
+graph path, on the kernels and through numpy_function, and runs these ranks after its own on
+the kernels: ``graph_ranks`` there, ``check_graph_ranks`` here.)"""
 from __future__ import annotations
 
 import re
 
 import numpy as np
-import pytest
 
-import sparktrain
-from helpers import read_ranks, record_rank
-from sparktrain import engine
+from helpers import record_rank
 
-pytest.importorskip("tensorflow")
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))]
-
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
+#: Whose records these are, beside the rank's others in the same directory.
+TAG = "-tf1-kernels"
 #: The sequencer's timeout while ranks wait for collectives no other rank runs.
 STUCK_SECONDS = 3.0
 
@@ -35,6 +30,7 @@ def _error(run) -> str:
 
 
 def graph_ranks(outdir):
+    """Run on every rank (after ``init()`` or not); records ``got`` under :data:`TAG`."""
     import tensorflow as tf
 
     import sparktrain.tensorflow as hvd
@@ -116,7 +112,7 @@ def graph_ranks(outdir):
     got["thread/after_reinit"] = _sequencer_running()
     hvd.shutdown()
     got["thread/at_end"] = _sequencer_running()
-    record_rank(outdir, got=got)
+    record_rank(outdir, TAG, got=got)
 
 
 def _sequencer_running() -> bool:
@@ -144,10 +140,8 @@ def expected_many(r: int, n: int) -> list:
             [float(sum(ranks))], [2.0 * sum(ranks) / n] * 5]
 
 
-@pytest.mark.parametrize("num_proc", [2, 3])
-def test_tf1_graph_collectives_run_as_kernels_in_the_order_the_ranks_agree_on(tmp_path, num_proc):
-    sparktrain.run(graph_ranks, args=(str(tmp_path),), num_proc=-num_proc, env=ENV, verbose=0)
-    ranks = read_ranks(str(tmp_path))
+def check_graph_ranks(ranks: dict, num_proc: int) -> None:
+    """``graph_ranks``' records (``read_ranks(outdir, TAG)``) against numpy and the eager classes."""
     assert sorted(ranks) == list(range(num_proc))
     for r, info in ranks.items():
         got = info["got"]
