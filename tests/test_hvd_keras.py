@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 import sparktrain
@@ -62,6 +63,18 @@ def accumulation_and_compression(got, hvd, keras, x, y, x_test, y_test):
     got["groups_max_diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(runs["groups"], runs["double_batch"]))
     got["double_batch_moved"] = float(np.max(np.abs(runs["double_batch"][0] - _dense_model(keras, 0, 8).get_weights()[0])))
     got["passes2_digest"] = weights_digest(runs["passes2_avg"])
+    # An infinite gradient in one accumulation cycle stays out of the next: its accumulator starts again from 0.
+    import tensorflow as tf
+
+    w = keras.Variable(1.0, name="w")
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    seen = []
+    for g in (float("inf"), float("inf"), 1.0, 1.0):
+        if len(seen) == 2:
+            w.assign(1.0)
+        opt.apply_gradients([(tf.constant(g), w)])
+        seen.append(float(w.numpy()))
+    got["inf_cycle_then_finite"] = seen
 
     for label, compression in [("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16)]:
         model = _dense_model(keras, 0, hidden=16)
@@ -299,6 +312,10 @@ def test_backward_passes_per_step_equals_one_pass_over_twice_the_batch(ranks):
         # (2 layers x kernel and bias) when it accumulates; never the model's.
         assert (got["variables_double_batch"], got["variables_passes2_avg"]) == (2, 6)
     same_on_every_rank(ranks, "passes2_digest")
+    for got in ranks.values():  # the first cycle applied inf; the second its own passes, 2 x 1.0, only
+        seen = got["inf_cycle_then_finite"]
+        assert seen[0] == 1.0 and not np.isfinite(seen[1]) and seen[2] == 1.0, seen
+        assert abs(seen[3] - 0.8) < 1e-6, seen
 
 
 @pytest.mark.timeout(400)
