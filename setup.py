@@ -16,7 +16,8 @@ import shutil
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-KERNEL_SOURCES = ["native/tf_kernels.cc", "native/tf_sequencer.cc", "native/tf_sequencer.h", "native/collective.h"]
+KERNEL_SOURCES = ["native/tf_kernels.cc", "native/tf_ragged_kernels.cc", "native/tf_kernel.h", "native/tf_sequencer.cc",
+                  "native/tf_sequencer.h", "native/collective.h"]
 
 
 class BuildPy(build_py):

@@ -55,15 +55,17 @@ def collectives(outdir):
 
 
 def collectives_then_custom_loop(outdir):
-    """Two tests' worth of work in one run of 3 ranks: the collectives, then a custom loop."""
+    """Three tests' worth of work in one run of 3 ranks: the collectives, a custom loop, then a fit
+    with the learning-rate warm-up."""
     collectives(os.path.join(outdir, "collectives"))
     custom_loop(os.path.join(outdir, "loop"), 25)
+    warmup_fit(os.path.join(outdir, "warmup"))
 
 
 @pytest.fixture(scope="module")
 def eager_and_loop(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("eager_and_loop")
-    for sub in ("collectives", "loop"):
+    for sub in ("collectives", "loop", "warmup"):
         os.makedirs(outdir / sub)
     sparktrain.run(collectives_then_custom_loop, args=(str(outdir),), num_proc=-3, env=ENV, verbose=0)
     return outdir
@@ -305,7 +307,7 @@ def warmup_fit(outdir):
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    (x, y), _ = digits(r, n, n_train=400)  # 200 per rank: 10 batches of 20
+    (x, y), _ = digits(r, n, n_train=200 * n)  # 200 per rank: 10 batches of 20
     seen = []
 
     class Record(keras.callbacks.Callback):
@@ -320,13 +322,14 @@ def warmup_fit(outdir):
     record_rank(outdir, lrs=seen)
 
 
-def test_learning_rate_warmup_ramps_from_lr_over_size(tmp_path):
-    sparktrain.run(warmup_fit, args=(str(tmp_path),), num_proc=-2, env=ENV, verbose=0)
-    lrs = read_ranks(str(tmp_path))[0]["lrs"]
+def test_learning_rate_warmup_ramps_from_lr_over_size(eager_and_loop):
+    n = 3
+    lrs = read_ranks(str(eager_and_loop / "warmup"))[0]["lrs"]
     assert len(lrs) == 30
-    assert lrs[0] == pytest.approx(0.2)  # initial_lr / size at the first batch
+    assert lrs[0] == pytest.approx(0.4 / n)  # initial_lr / size at the first batch
     assert all(a < b for a, b in zip(lrs[:20], lrs[1:20]))  # rising through the 2 warm-up epochs
-    assert lrs[19] == pytest.approx(0.2 * (1 + 19 / 20), rel=1e-5)
+    # At batch 19 of 20, 1.9 of the 2 epochs: initial_lr / size * (1 + 1.9 * (size - 1) / 2).
+    assert lrs[19] == pytest.approx(0.4 / n * (1 + 19 / 20 * (n - 1)), rel=1e-5)
     assert lrs[20:] == pytest.approx([0.4] * 10)  # then the full rate
 
 

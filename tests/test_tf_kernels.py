@@ -121,9 +121,20 @@ def fault_inside_a_function(outdir, fault, where="function"):
 
     import tensorflow as tf
 
+    import sparktrain
     import sparktrain.tensorflow as hvd
     from helpers import record_rank
 
+    def all_here(name: str) -> None:
+        """The ranks meet here (a file each), so that a short timeout times the fault alone, not
+        how far apart a loaded machine started them."""
+        open(os.path.join(outdir, f"{name}-{sparktrain.rank()}"), "w").close()
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(os.path.join(outdir, f"{name}-{r}")) for r in range(2)):
+            assert time.monotonic() < deadline, f"the other rank never reached {name}"
+            time.sleep(0.01)
+
+    all_here("init")
     hvd.init()
     if where == "function":
         step = tf.function(lambda: hvd.allreduce(tf.ones([4]), op=hvd.Sum))
@@ -135,6 +146,7 @@ def fault_inside_a_function(outdir, fault, where="function"):
 
         def step():
             return tf.constant(sess.run(op))
+    all_here("warmup")
     got = {"kernels": hvd.collective_kernels(), "warmup": step().numpy().tolist()}
     done = os.path.join(outdir, "rank-0-has-its-error")
     if hvd.rank() == 1:

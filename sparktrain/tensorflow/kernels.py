@@ -45,7 +45,7 @@ CXX_ENV = "CXX"
 SOURCE = "tf_kernels.cc"
 HEADER = "collective.h"
 #: Every file the library is built from (compiled: the ``.cc`` ones); all are in its hash.
-SOURCES = (SOURCE, "tf_sequencer.cc", "tf_sequencer.h", HEADER)
+SOURCES = (SOURCE, "tf_ragged_kernels.cc", "tf_kernel.h", "tf_sequencer.cc", "tf_sequencer.h", HEADER)
 #: Seconds one compile may take, and one rank may wait for another's.
 COMPILE_TIMEOUT = 300.0
 
