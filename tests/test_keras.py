@@ -186,11 +186,11 @@ def legacy_strategy_fit(outdir):
 
 
 def test_tf_keras_strategy_path_trains(tmp_path):
-    accuracy = sparktrain.run(legacy_strategy_fit, args=(str(tmp_path),), num_proc=-3,
+    accuracy = sparktrain.run(legacy_strategy_fit, args=(str(tmp_path),), num_proc=-2,
                               env={**ENV, "TF_USE_LEGACY_KERAS": "1"}, verbose=0)
     ranks = read_ranks(str(tmp_path))
-    assert sorted(ranks) == [0, 1, 2]
-    assert {(info["mwms"], info["workers"]) for info in ranks.values()} == {(True, 3)}
+    assert sorted(ranks) == [0, 1]
+    assert {(info["mwms"], info["workers"]) for info in ranks.values()} == {(True, 2)}
     assert accuracy > 0.8
 
 
