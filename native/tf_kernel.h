@@ -223,6 +223,17 @@ class CollectiveKernel : public AsyncOpKernel {
   int64_t key_ = -1;
 };
 
+// The shape function of the ops whose output has the input's trailing dimensions and rows that
+// only the collective decides (allgather, reducescatter, alltoall): output 0 is [?, dims[1:]].
+inline Status RowsUnknown(shape_inference::InferenceContext *c) {
+  shape_inference::ShapeHandle in, rest, out;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
+  TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+  TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
+  c->set_output(0, out);
+  return Status();
+}
+
 }  // namespace sparktrain_tk
 
 #endif  // SPARKTRAIN_TF_KERNEL_H

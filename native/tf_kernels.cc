@@ -188,14 +188,7 @@ REGISTER_OP("SparktrainReducescatter")
     .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()
-    .SetShapeFn([](shape_inference::InferenceContext *c) {
-      shape_inference::ShapeHandle in, rest, out;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
-      c->set_output(0, out);
-      return Status();
-    });
+    .SetShapeFn(RowsUnknown);
 
 REGISTER_KERNEL_BUILDER(Name("SparktrainAllreduce").Device(::tensorflow::DEVICE_CPU), AllreduceOp);
 REGISTER_KERNEL_BUILDER(Name("SparktrainGroupedAllreduce").Device(::tensorflow::DEVICE_CPU), GroupedAllreduceOp);

@@ -186,14 +186,7 @@ REGISTER_OP("SparktrainAllgather")
     .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
-    .SetShapeFn([](shape_inference::InferenceContext *c) {
-      shape_inference::ShapeHandle in, rest, out;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
-      c->set_output(0, out);
-      return Status();
-    });
+    .SetShapeFn(RowsUnknown);
 
 REGISTER_OP("SparktrainAlltoall")
     .Input("tensor: T")
@@ -206,12 +199,8 @@ REGISTER_OP("SparktrainAlltoall")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn([](shape_inference::InferenceContext *c) {
-      shape_inference::ShapeHandle in, rest, out;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
-      c->set_output(0, out);
-      c->set_output(1, c->Vector(c->UnknownDim()));
+      TF_RETURN_IF_ERROR(RowsUnknown(c));
+      c->set_output(1, c->Vector(c->UnknownDim()));  // received_splits: one per rank
       return Status();
     });
 
