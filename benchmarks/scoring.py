@@ -157,12 +157,16 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    with tempfile.TemporaryDirectory(prefix="sparktrain-scoring-") as store:
+        return _bench(args, store)
+
+
+def _bench(args, store):
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     cores = nproc()
     master = f"local[{cores}]"
-    store = tempfile.mkdtemp(prefix="sparktrain-scoring-")
     spark = (SparkSession.builder.master(master).appName("sparktrain-scoring")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     table = os.path.join(store, "rows.parquet")

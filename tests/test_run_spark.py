@@ -271,9 +271,8 @@ def test_each_run_has_its_own_job_group(spark, caplog):
         assert len(tracker.getJobIdsForGroup(f"sparktrain-{run_id}")) == 1
 
 
-def checkpoint_producer(n_bytes, as_file):
+def checkpoint_producer(n_bytes, as_file, scratch):
     import os
-    import tempfile
 
     import sparktrain
 
@@ -282,7 +281,7 @@ def checkpoint_producer(n_bytes, as_file):
         return None
     if not as_file:
         return data
-    path = os.path.join(tempfile.mkdtemp(), "model.bin")
+    path = os.path.join(scratch, "model.bin")
     with open(path, "wb") as f:
         f.write(data)
     return path
@@ -307,7 +306,7 @@ def test_checkpoint_url_sends_rank0_value_straight_to_storage(spark, tmp_path, b
         url = f"{backend}://{bucket}/run/model.bin"
     n = 30 * 2**20
     for as_file in (False, True):
-        got = sparktrain.run(checkpoint_producer, args=(n, as_file), num_proc=3, verbose=0, checkpoint_url=url,
+        got = sparktrain.run(checkpoint_producer, args=(n, as_file, str(tmp_path)), num_proc=3, verbose=0, checkpoint_url=url,
                              storage_options=options)
         assert got == url
         assert storage.get_bytes(url, options) == bytes(range(256)) * (n // 256)
