@@ -122,6 +122,10 @@ def main(argv: list[str]) -> int:
     if "--stacks" in argv[2:]:
         import faulthandler
 
+        # Ignored first: faulthandler restores the handler it found when the interpreter shuts
+        # down, and a request that arrives then (a stall seen just as the rank finished) must not
+        # kill a rank that succeeded.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         faulthandler.register(signal.SIGUSR1, file=int(argv[argv.index("--stacks") + 1]), all_threads=True)
     import cloudpickle
 
