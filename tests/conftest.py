@@ -108,9 +108,9 @@ def pytest_configure(config):
 
 #: The modules that take longest, longest first: they start first, so that the test processes
 #: finish together instead of one running a long module alone at the end.
-LONGEST = ("test_multihost", "test_connect", "test_keras", "test_notebooks", "test_check", "test_data",
-           "test_hvd_collectives", "test_executor_python", "test_faults", "test_hvd_gradients", "test_native_keras",
-           "test_tracking")
+LONGEST = ("test_multihost", "test_connect", "test_keras", "test_hvd_collectives", "test_data", "test_tracking",
+           "test_notebooks", "test_tf_kernels", "test_check", "test_native_keras", "test_faults", "test_native_engine",
+           "test_run_spark", "test_estimator", "test_executor_python")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,7 +1,8 @@
 """Horovod's ``horovod.tensorflow`` collectives in ``sparktrain.tensorflow``, against numpy: every
 op and dtype, ragged and empty inputs, eagerly and inside tf.function, on 2 and 3 ranks, on the
-native engine and on TensorFlow's ring. One run per configuration checks everything and records
-it; the tests assert per case."""
+native engine and on TensorFlow's ring; in the 3-rank runs, gradients, tapes and mismatches too
+(hvd_gradient_ranks.py). One run per configuration checks everything and records it; the tests
+assert per case."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import pytest
 
 import sparktrain
 from helpers import plain, read_ranks, record_rank, recorder
+from hvd_gradient_ranks import GRAD, check_gradients, check_mismatches
 from tf1_graph_kernels import TAG, check_graph_ranks
 from sparktrain import engine
 from sparktrain.errors import InvalidArgumentError
@@ -68,12 +70,18 @@ def adasum(parts):
     return level[0]
 
 
-def everything(outdir):
-    """Every collective this rank can run, recorded as {case: value or error}."""
+def everything(outdir, gradients=None):
+    """Every collective this rank can run, recorded as {case: value or error}; first, with
+    ``gradients`` ("plain", or "mismatches" too), hvd_gradient_ranks' cases, which call ``init``
+    themselves, inside a function."""
     import tensorflow as tf
 
     import sparktrain.tensorflow as hvd
 
+    if gradients:
+        from hvd_gradient_ranks import gradient_ranks
+
+        gradient_ranks(outdir, gradients == "mismatches")
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     got: dict = {}
@@ -250,8 +258,8 @@ def tf1_graph(hvd, got: dict, r: int, n: int) -> None:
         got["tf1/objects_in_function"] = str(e)
 
 
-def run_all(tmp_path, num_proc, env):
-    sparktrain.run(everything, args=(str(tmp_path),), num_proc=-num_proc, env={**ENV, **env}, verbose=0)
+def run_all(tmp_path, num_proc, env, gradients=None):
+    sparktrain.run(everything, args=(str(tmp_path), gradients), num_proc=-num_proc, env={**ENV, **env}, verbose=0)
     ranks = read_ranks(str(tmp_path))
     assert sorted(ranks) == list(range(num_proc))
     return {r: info["got"] for r, info in ranks.items()}, {(info["engine"], info["kernels"]) for info in ranks.values()}
@@ -395,28 +403,48 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
     return bad
 
 
+def gradient_records(tmp_path) -> dict:
+    ranks = read_ranks(str(tmp_path), GRAD)
+    assert sorted(ranks) == list(range(3))
+    return {r: info["got"] for r, info in ranks.items()}
+
+
 @pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))
 @pytest.mark.parametrize("num_proc", [3, 2])
 def test_every_collective_op_and_dtype_on_the_native_engine(tmp_path, num_proc):
-    got, engines = run_all(tmp_path, num_proc, {})
+    """On sparktrain's TensorFlow kernels; at 3 ranks, the gradients, tapes and mismatches too."""
+    got, engines = run_all(tmp_path, num_proc, {}, gradients="mismatches" if num_proc == 3 else None)
     assert engines == {("native", True)}  # sparktrain's TensorFlow kernels
     assert check_everything(got, num_proc, tmp_path, "native") == []
     check_graph_ranks(read_ranks(str(tmp_path), TAG), num_proc)
+    if num_proc == 3:
+        grads = gradient_records(tmp_path)
+        check_gradients(grads)
+        check_mismatches(grads, kernels=True)
 
 
 @pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))
 def test_every_collective_op_and_dtype_on_the_native_engine_through_numpy_function(tmp_path):
-    got, engines = run_all(tmp_path, 2, {"SPARKTRAIN_TF_KERNELS": "0"})
+    """Without a compiler the ranks fall back to numpy_function (test_tf_kernels.py: with one
+    warning; SPARKTRAIN_TF_KERNELS=0 chooses it too); at 3 ranks, whose splits are uneven, with the
+    gradients, tapes and mismatches."""
+    missing_compiler = {"CXX": "/nonexistent/g++", "SPARKTRAIN_CACHE_DIR": str(tmp_path / "cache")}
+    got, engines = run_all(tmp_path, 3, missing_compiler, gradients="mismatches")
     assert engines == {("native", False)}
-    assert check_everything(got, 2, tmp_path, "native") == []
+    assert check_everything(got, 3, tmp_path, "native") == []
+    grads = gradient_records(tmp_path)
+    check_gradients(grads)
+    check_mismatches(grads, kernels=False)
 
 
 def test_every_collective_op_and_dtype_on_tensorflows_ring(tmp_path):
-    """The fallback engine at 3 ranks, whose splits are uneven; sparktrain's own code on this path is
-    the same at every size (the native engine, the default, runs at 2 and 3 above)."""
-    got, engines = run_all(tmp_path, 3, RING)
+    """The fallback engine at 3 ranks, whose splits are uneven, with the gradients, tapes and init
+    first called inside a function; sparktrain's own code on this path is the same at every size
+    (the native engine, the default, runs at 2 and 3 above)."""
+    got, engines = run_all(tmp_path, 3, RING, gradients="plain")
     assert engines == {("tensorflow", False)}
     assert check_everything(got, 3, tmp_path, "tensorflow") == []
+    check_gradients(gradient_records(tmp_path))
 
 
 def test_is_homogeneous_reads_every_ranks_host_from_the_rendezvous(monkeypatch):

@@ -2,7 +2,7 @@
 compile per cache directory however many processes ask at once, the fallback with one warning
 where there is no compiler, no temporary files left behind, and a clean error from a kernel run
 with no engine. Real processes and the real compiler; the collectives themselves are tested
-through the kernels in test_hvd_collectives.py and test_hvd_gradients.py."""
+through the kernels in test_hvd_collectives.py (with hvd_gradient_ranks.py)."""
 from __future__ import annotations
 
 import os

@@ -1,26 +1,28 @@
-"""Gradients through ``sparktrain.tensorflow``'s collectives against their analytic values,
-the gradient tapes' options, ``init`` first called inside a ``tf.function``, and ranks that
-disagree on a collective (native engine: an error on every rank, then the next collective
-works). One 3-rank run per engine records everything; the tests assert per case."""
+"""Gradients through ``sparktrain.tensorflow``'s collectives against their analytic values, the
+gradient tapes' options, ``init`` first called inside a ``tf.function``, and ranks that disagree
+on a collective (native engine: an error on every rank, then the next collective works).
+
+:func:`gradient_ranks` runs first in the ranks of test_hvd_collectives' 3-rank runs (it calls
+``init`` itself, inside a function) and records what it saw under the tag ``-grad``;
+:func:`check_gradients` and :func:`check_mismatches` check the records.
+"""
 from __future__ import annotations
 
 import re
 
 import numpy as np
-import pytest
 
-import sparktrain
-from helpers import read_ranks, record_rank
-from sparktrain import engine
+from helpers import record_rank
 
-pytest.importorskip("tensorflow")
-pytestmark = pytest.mark.timeout(300)
-
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
+#: The tag of the records, and the number of ranks the checks expect.
+GRAD = "-grad"
 N = 3
+MISMATCHES = ("shape", "dtype", "op", "gather_dims", "root", "in_function", "in_function_dtype", "in_function_op",
+              "in_function_gather", "in_function_grouped", "in_function_scatter", "in_function_alltoall")
 
 
-def gradients(outdir, mismatches):
+def gradient_ranks(outdir, mismatches):
+    """Recorded under the tag ``-grad``; must run before anything else calls ``init``."""
     import tensorflow as tf
 
     import sparktrain.tensorflow as hvd
@@ -134,17 +136,10 @@ def gradients(outdir, mismatches):
                 got[f"mismatch/{case}"] = f"{type(err).__name__}: {err}"
             got[f"after/{case}"] = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()
         got["kernels"] = hvd.collective_kernels()
-    record_rank(outdir, got=got)
+    record_rank(outdir, GRAD, got=got)
 
 
-def run(tmp_path, env, mismatches=False):
-    sparktrain.run(gradients, args=(str(tmp_path), mismatches), num_proc=-N, env={**ENV, **env}, verbose=0)
-    ranks = read_ranks(str(tmp_path))
-    assert sorted(ranks) == list(range(N))
-    return {r: info["got"] for r, info in ranks.items()}
-
-
-def check(got):
+def check_gradients(got):
     n, total = N, sum(range(1, N + 1))  # total: the sum of every rank's weight (r+1)
     offsets = np.cumsum([0] + [k + 1 for k in range(n)])
     for r in range(n):
@@ -185,18 +180,12 @@ def check(got):
         assert "GradientDescentOptimizer" in g["bad_optimizer"] and "Keras optimizer" in g["bad_optimizer"]
 
 
-@pytest.mark.skipif(not engine.available(), reason=str(engine.unavailable_reason()))
-@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy_function"])
-def test_gradients_tapes_and_mismatches_on_the_native_engine(tmp_path, kernels):
-    # Without a compiler the ranks fall back to numpy_function (test_tf_kernels.py: with one warning).
-    missing_compiler = {"CXX": "/nonexistent/g++", "SPARKTRAIN_CACHE_DIR": str(tmp_path / "cache")}
-    got = run(tmp_path, {} if kernels else missing_compiler, mismatches=True)
-    check(got)
+def check_mismatches(got, kernels: bool) -> None:
+    """Ranks that disagree on a collective (native engine): an error on every rank naming who
+    passed what, then the next collective works."""
     for r in range(N):
         assert got[r]["kernels"] is kernels
-        for case in ("shape", "dtype", "op", "gather_dims", "root", "in_function", "in_function_dtype",
-                     "in_function_op", "in_function_gather", "in_function_grouped", "in_function_scatter",
-                     "in_function_alltoall"):
+        for case in MISMATCHES:
             message = got[r][f"mismatch/{case}"]
             # Inside a function TensorFlow reports what a numpy_function raised as an UnknownError;
             # the kernels raise TensorFlow's own error there too.
@@ -206,7 +195,3 @@ def test_gradients_tapes_and_mismatches_on_the_native_engine(tmp_path, kernels):
             assert re.search(r"rank \d passed .* but rank \d passed", message), (case, message)  # who, and what
             assert got[r][f"after/{case}"] == [float(N)], case  # the next collective works
     assert "float64" in got[0]["mismatch/dtype"] and "float32" in got[0]["mismatch/dtype"]
-
-
-def test_gradients_and_init_inside_a_function_on_tensorflows_ring(tmp_path):
-    check(run(tmp_path, {"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"}))
