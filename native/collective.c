@@ -97,10 +97,11 @@ static int reduce_all(stc_comm *c, char *buf, size_t count, int dtype, int op, c
     if (multi) {
         rc = negotiate(c, err, errlen);
         if (rc) return rc;
-        if (pipe_wanted(c, count * stc_dtype_size(dtype))) return pipe_allreduce(c, buf, count, dtype, op, err, errlen);
+        if (pipe_wanted(c, count * stc_dtype_size(dtype)))
+            return pipe_allreduce(c, buf, count, dtype, op, err, errlen); /* the three phases at once */
     }
-    if (c->cfg.local_size > 1) {
-        rc = local_allreduce(c, buf, count, dtype, op, multi ? 0 : -1, !multi, err, errlen); /* across hosts: for the leader */
+    if (c->cfg.local_size > 1) { /* across hosts, into the leader's buf alone: the ring's input */
+        rc = local_allreduce(c, buf, count, dtype, op, multi ? 0 : -1, !multi, err, errlen);
         if (rc) return rc;
     }
     if (multi) {
