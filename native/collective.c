@@ -4,7 +4,8 @@
  *
  * A collective on one host runs over shared memory alone. Across hosts, each host's ranks first
  * combine what they hold (reduce, gather), the leaders (local rank 0) run the ring, and each
- * leader hands the outcome to its local ranks.
+ * leader hands the outcome to its local ranks; a large allreduce does the three in segments, the
+ * local phases of some while the ring carries another (pipeline.c).
  *
  * Before any data moves, the ranks compare what each passed (a descriptor: kind, dtype, shape,
  * op or root). Within a host every rank publishes its descriptor with the collective's first
@@ -96,9 +97,11 @@ static int reduce_all(stc_comm *c, char *buf, size_t count, int dtype, int op, c
     if (multi) {
         rc = negotiate(c, err, errlen);
         if (rc) return rc;
+        if (pipe_wanted(c, count * stc_dtype_size(dtype)))
+            return pipe_allreduce(c, buf, count, dtype, op, err, errlen); /* the three phases at once */
     }
-    if (c->cfg.local_size > 1) {
-        rc = local_allreduce(c, buf, count, dtype, op, !multi, err, errlen);
+    if (c->cfg.local_size > 1) { /* across hosts, into the leader's buf alone: the ring's input */
+        rc = local_allreduce(c, buf, count, dtype, op, multi ? 0 : -1, !multi, err, errlen);
         if (rc) return rc;
     }
     if (multi) {

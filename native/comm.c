@@ -72,6 +72,7 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
         c->rank_node[r] = cfg->rank_node[r];
         c->rank_local[r] = cfg->rank_local[r];
         if (cfg->rank_local[r] == 0) c->leader_of[cfg->rank_node[r]] = r;
+        if (cfg->rank_local[r] >= c->most_local) c->most_local = cfg->rank_local[r] + 1;
         if (cfg->rank_node[r] == cfg->node && cfg->rank_local[r] >= 0 && cfg->rank_local[r] < cfg->local_size)
             c->local_global[cfg->rank_local[r]] = r;
     }

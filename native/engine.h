@@ -6,6 +6,7 @@
  *   local.c        algorithms within one host, written against the shared-memory transport
  *   ring.c         algorithms between hosts, written against the ring link
  *   alltoall.c     the alltoall across hosts: local, ring and local again
+ *   pipeline.c     the large allreduce across hosts: local phases and the ring, overlapped in segments
  *   shm.c          transport: a host's segment, its steps, waits and liveness checks
  *   link.c         transport: the TCP ring connections of a host's leader, streams and abort records
  *   describe.c     what a call is (descriptors, verdicts) and the messages that name it
@@ -89,6 +90,7 @@ struct stc_comm {
     stc_config cfg;
     int *rank_node, *rank_local, *leader_of;
     int *local_global; /* local_size entries: each local rank's global rank */
+    int most_local;    /* the most ranks any host has */
     /* the shared-memory transport */
     char shm_name[256];
     int unlinked;
@@ -116,6 +118,7 @@ struct stc_comm {
     int record_sent;
     int down; /* downstream's word: 0 none yet, 1 a whole record in rec_in, -1 closed without one */
     uint64_t sent_bytes, received_bytes; /* over the ring connections, ever */
+    const _Atomic int *cancel; /* NULL, or a flag that calls the ring's stream off (set: it returns) */
     /* the failure: who is to blame and why (for the abort record and the local ranks) */
     int culprit;
     int blame_code;
@@ -176,9 +179,11 @@ int link_prev(stc_comm *c);
 int link_stream(stc_comm *c, const piece *sends, int ns, const piece *recvs, int nr, int dtype, int op, char *err,
                 size_t errlen);
 int link_xfer(stc_comm *c, const char *sp, size_t sl, char *rp, size_t rl, int forward, char *err, size_t errlen);
+void link_take_state(stc_comm *c, const stc_comm *view);
 
 /* local.c */
-int local_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, int checked, char *err, size_t errlen);
+int local_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, int to, int checked, char *err,
+                    size_t errlen);
 int local_reducescatter(stc_comm *c, const char *buf, size_t count, int dtype, int op, char *out, size_t lo,
                         size_t hi, char *err, size_t errlen);
 int local_exchange(stc_comm *c, const char *mine, const size_t *lens, int checked, stc_sink sink, void *ctx,
@@ -193,8 +198,13 @@ int local_allgatherv(stc_comm *c, const char *in, char *out, const uint64_t *off
 /* ring.c */
 int ring_verdict(stc_comm *c, verdict *mine, char *err, size_t errlen);
 int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen);
+int ring_allreduce_pieces(stc_comm *c, const piece *by_host, int dtype, int op, char *err, size_t errlen);
 int ring_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_node, char *err, size_t errlen);
 int ring_allgatherv(stc_comm *c, char *out, const uint64_t *offs, const uint64_t *counts, char *err, size_t errlen);
+
+/* pipeline.c */
+int pipe_wanted(const stc_comm *c, size_t nbytes);
+int pipe_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen);
 
 /* alltoall.c */
 int alltoall_local(stc_comm *c, const char *in, char *out, const uint64_t *sends, char *err, size_t errlen);

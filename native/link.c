@@ -31,6 +31,8 @@
 #define RECORD_WAIT_S 5.0
 /* Received bytes that are to be reduced land here first, a ring small enough to stay in cache. */
 #define STAGE_BYTES (512u << 10)
+/* How often a stream that may be called off (stc_comm.cancel) looks whether it is, while idle. */
+#define CANCEL_POLL_MS 10
 
 int link_next(stc_comm *c) { return c->leader_of[(c->cfg.node + 1) % c->cfg.num_nodes]; }
 int link_prev(stc_comm *c) { return c->leader_of[(c->cfg.node + c->cfg.num_nodes - 1) % c->cfg.num_nodes]; }
@@ -236,6 +238,7 @@ int link_stream(stc_comm *c, const piece *sends, int ns, const piece *recvs, int
         /* Nothing moved: sleep until something can, watching downstream for a record. */
         int rc = downstream_fatal(c, si < ns, err, errlen);
         if (rc) return rc;
+        if (c->cancel && atomic_load(c->cancel)) return fail(err, errlen, STC_E_BROKEN, "%s: called off", c->what);
         double left = c->deadline - now_s();
         if (left <= 0) {
             blame(c, c->cfg.rank, STC_E_TIMEOUT, "timed out on the ring");
@@ -255,10 +258,23 @@ int link_stream(stc_comm *c, const piece *sends, int ns, const piece *recvs, int
             fds[nf].events = POLLIN;
             nf++;
         }
-        int pr = poll(fds, (nfds_t)nf, (int)(left * 1000) + 1);
+        int ms = (int)(left * 1000) + 1;
+        if (c->cancel && ms > CANCEL_POLL_MS) ms = CANCEL_POLL_MS; /* a call that may be called off looks often */
+        int pr = poll(fds, (nfds_t)nf, ms);
         if (pr < 0 && errno != EINTR) return fail(err, errlen, STC_E_SYS, "%s: poll: %s", c->what, strerror(errno));
     }
     return STC_OK;
+}
+
+/* The link's state as another thread's view of the communicator (a copy of c that ran the ring
+ * meanwhile) left it: the stage it may have made, downstream's word, the byte counts. */
+void link_take_state(stc_comm *c, const stc_comm *view) {
+    c->stage = view->stage;
+    c->rec_in = view->rec_in;
+    c->rec_got = view->rec_got;
+    c->down = view->down;
+    c->sent_bytes = view->sent_bytes;
+    c->received_bytes = view->received_bytes;
 }
 
 /* Send sl bytes to the next leader while receiving rl bytes from the previous one. With forward

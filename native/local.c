@@ -40,9 +40,11 @@ static int reduce_shares(stc_comm *c, uint64_t s, size_t m, int dtype, int op, c
     return shm_await(c, &c->hdr->done[p], &c->hdr->done_waiters[p], target, -1, err, errlen);
 }
 
-/* checked: the first step is the collective's first (shm_step_checked); otherwise the ranks have
+/* The reduction of every local rank's buf, into buf on local rank `to`, or on every local rank
+ * (to < 0); a rank that does not receive it only lends its slot and its share of the work.
+ * checked: the first step is the collective's first (shm_step_checked); otherwise the ranks have
  * already agreed (negotiate). */
-int local_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, int checked, char *err,
+int local_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, int to, int checked, char *err,
                     size_t errlen) {
     size_t esz = stc_dtype_size(dtype), chunk_elems = c->cfg.chunk_bytes / esz;
     int L = c->cfg.local_size, lr = c->cfg.local_rank, first = checked;
@@ -55,13 +57,14 @@ int local_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, int
         if (rc) return rc;
         first = 0;
         const void *srcs[64];
+        int mine = to < 0 || to == lr;
         if (m * esz <= SMALL_BYTES) {
-            for (int r = 0; r < L; r++) srcs[r] = shm_slot(c, s, r);
-            stc_reduce(buf + off * esz, srcs, L, m, dtype, op);
+            for (int r = 0; r < L && mine; r++) srcs[r] = shm_slot(c, s, r);
+            if (mine) stc_reduce(buf + off * esz, srcs, L, m, dtype, op);
         } else {
             rc = reduce_shares(c, s, m, dtype, op, err, errlen);
             if (rc) return rc;
-            memcpy(buf + off * esz, shm_result_area(c, s), m * esz);
+            if (mine) memcpy(buf + off * esz, shm_result_area(c, s), m * esz);
         }
         off += m;
     } while (off < count);

@@ -46,19 +46,19 @@ int ring_verdict(stc_comm *c, verdict *mine, char *err, size_t errlen) {
 
 /* Reduce-scatter then allgather as one stream: what is received in one step (reduced, in the
  * first m-1; as it is, after) is what is sent in the next, so the send stream is this host's own
- * segment followed by the receive stream, less its last segment. */
-int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
+ * segment followed by the receive stream, less its last segment. by_host[i] is host i's segment
+ * (whole elements): host i sends it first, so each of its elements is reduced starting from host
+ * i's, then host i+1's added, and so on round the ring: the order depends only on which host's
+ * segment an element is in. */
+int ring_allreduce_pieces(stc_comm *c, const piece *by_host, int dtype, int op, char *err, size_t errlen) {
     int m = c->cfg.num_nodes, pos = c->cfg.node;
-    size_t esz = stc_dtype_size(dtype);
     piece *ps = malloc(sizeof(piece) * 4 * (size_t)m), *pr = ps ? ps + 2 * m : NULL;
     if (!ps) return fail(err, errlen, STC_E_SYS, "%s: out of memory", c->what);
-#define SEG_LO(i) (count * (size_t)(i) / (size_t)m)
-#define SEG(i, red) ((piece){buf + SEG_LO(i) * esz, (SEG_LO((i) + 1) - SEG_LO(i)) * esz, red, -1})
+#define SEG(i, red) ((piece){by_host[i].p, by_host[i].len, red, -1})
     for (int k = 0; k < m - 1; k++) pr[k] = SEG(((pos - k - 1) % m + m) % m, 1);
     for (int k = 0; k < m - 1; k++) pr[m - 1 + k] = SEG(((pos - k) % m + m) % m, 0);
     ps[0] = SEG(pos, 0);
 #undef SEG
-#undef SEG_LO
     for (int k = 0; k < 2 * m - 3; k++) {
         ps[k + 1] = pr[k];
         ps[k + 1].reduce = 0;
@@ -66,6 +66,21 @@ int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char
     }
     int rc = link_stream(c, ps, 2 * m - 2, pr, 2 * m - 2, dtype, op, err, errlen);
     free(ps);
+    return rc;
+}
+
+/* The whole buffer, host i's segment its i-th m-th. */
+int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
+    int m = c->cfg.num_nodes;
+    size_t esz = stc_dtype_size(dtype);
+    piece *by_host = malloc(sizeof(piece) * (size_t)m);
+    if (!by_host) return fail(err, errlen, STC_E_SYS, "%s: out of memory", c->what);
+    for (int i = 0; i < m; i++) {
+        size_t lo = count * (size_t)i / (size_t)m, hi = count * (size_t)(i + 1) / (size_t)m;
+        by_host[i] = (piece){buf + lo * esz, (hi - lo) * esz, 0, -1};
+    }
+    int rc = ring_allreduce_pieces(c, by_host, dtype, op, err, errlen);
+    free(by_host);
     return rc;
 }
 

@@ -194,13 +194,13 @@ def allreduce_forever(comm, victim, started):
         i += 1
 
 
-def allreduce_until_it_fails(comm, victim, started):
+def allreduce_until_it_fails(comm, victim, started, size=1 << 18):
     """As allreduce_forever, but the failure is the result: its code and message (without this
     rank's prefix), how long the failing call took, and what sockets the rank holds once it has
     closed the communicator."""
     import psutil
 
-    x = np.ones(1 << 18, np.float32)
+    x = np.ones(size, np.float32)
     i = 0
     while True:
         if comm.rank == victim and i == 3:
@@ -462,3 +462,65 @@ def disagreements(comm, deviants):
                      out)
     _expect_mismatch(comm, "barrier", lambda: comm.barrier() if odd else comm.allreduce(np.ones(1, f32), "sum"), out)
     return out
+
+
+# -- the pipelined allreduce across hosts -------------------------------------------------------
+
+PIPELINED_BYTES = 6_000_017  # over native/pipeline.c's PIPE_MIN_BYTES (4 MiB); in elements, no host count divides
+
+
+def engine_order_sum(arrays: list, nodes: list[int], dtype: str):
+    """The sum the engine computes across hosts, in its order: each host's ranks in rank order (half
+    types in float, rounded once), then round the ring, host j's part of the buffer (its j-th m-th)
+    starting from host j's sum, each next host adding its own. Floats are exact to that order."""
+    dt = np_dtype(dtype)
+    work = np.float32 if dt.itemsize == 2 else dt
+    m = max(nodes) + 1
+    sums = []
+    for h in range(m):
+        acc = None
+        for r, a in enumerate(arrays):
+            if nodes[r] == h:
+                acc = a.astype(work) if acc is None else acc + a.astype(work)
+        sums.append(acc.astype(dt))
+    size, out = arrays[0].size, np.empty(arrays[0].size, dt)
+    for j in range(m):
+        lo, hi = size * j // m, size * (j + 1) // m
+        acc = sums[j][lo:hi]
+        for t in range(1, m):
+            acc = (sums[(j + t) % m][lo:hi].astype(work) + acc.astype(work)).astype(dt)
+        out[lo:hi] = acc
+    return out
+
+
+PIPELINED_CASES = (("float32", "sum"), ("float64", "min"), ("int32", "average"), ("float16", "max"),
+                   ("bfloat16", "product"), ("int64", "sum"))
+
+
+def pipelined(comm, cases=PIPELINED_CASES, randoms=("float32", "float16"), nbytes=PIPELINED_BYTES):
+    """Allreduces over the pipelining threshold, uneven sizes, against numpy: ops of several dtypes
+    on values exact in any order, random floats summed in the engine's order (bit for bit, so the
+    pipelined path reduces every element as the whole-buffer ring does), a reducescatter."""
+    n, r = comm.size, comm.rank
+    nodes = comm.allgather(np.array([comm.node], np.int64)).tolist()
+    bad, digests = [], {}
+    for dtype, op in cases:
+        size = nbytes // np_dtype(dtype).itemsize
+        got = comm.allreduce(op_inputs(size, r, dtype, op), op)
+        _compare(bad, f"{op} {dtype}[{size}]", got, op_expected([op_inputs(size, k, dtype, op) for k in range(n)],
+                                                                dtype, op))
+        digests[f"{op}-{dtype}"] = digest(got)
+    for dtype in randoms:
+        size = nbytes // np_dtype(dtype).itemsize
+        rngs = [np.random.default_rng(1000 + k) for k in range(n)]
+        arrays = [g.standard_normal(size, np.float32).astype(np_dtype(dtype)) for g in rngs]
+        got = comm.allreduce(arrays[r], "sum")
+        _compare(bad, f"random sum {dtype}[{size}]", got, engine_order_sum(arrays, nodes, dtype))
+        digests[f"random-{dtype}"] = digest(got)
+    rows = nbytes // 12
+    full = [op_inputs(rows * 3, k, "float32", "average").reshape(rows, 3) for k in range(n)]
+    got = comm.reducescatter(full[r], "average")
+    lo = sum(engine.split_rows(rows, n)[:r])
+    _compare(bad, f"reducescatter average float32[{rows},3]", got,
+             op_expected(full, "float32", "average")[lo:lo + engine.split_rows(rows, n)[r]])
+    return {"bad": bad, "digests": digests}

@@ -1,6 +1,7 @@
 """Run by tests/test_native_sanitizer.py under an ASan+UBSan build of the engine: the correctness
 cases over shared memory, the forced TCP ring and two hosts (every op of every dtype included),
-the other collectives (reducescatter and alltoall too, also over three hosts), disagreements with the collectives
+the other collectives (reducescatter and alltoall too, also over three hosts), the pipelined
+allreduce across hosts (its ring thread), disagreements with the collectives
 that follow them, and a leader killed on a ring of four. Exits 0 when every rank got the right
 answer."""
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> int:
         (4, {"hosts": TWO_HOSTS}, _scatter_and_alltoall, ()),
         (5, {"hosts": THREE_HOSTS}, nr.other_ops, ()),
         (5, {"hosts": THREE_HOSTS}, _scatter_and_alltoall, ()),
+        (4, {"hosts": TWO_HOSTS}, nr.pipelined, ((("float32", "sum"), ("float16", "max")), ("float32",))),
     ]
     for n, kw, fn, args in cases:
         results = nr.run_ranks(n, fn, *args, **kw)

@@ -44,12 +44,17 @@ def probe(outdir):
         return comm.traffic()[1] - before
 
     gather_bytes = ring_bytes(100_000 + 1000 * r) - ring_bytes(0)  # less the shapes and the agreement
+    # From 4 MiB the host's phases and the ring run in segments at once (native/pipeline.c).
+    from native_ranks import pipelined
+
+    large = pipelined(comm, (("float32", "sum"), ("float16", "max"), ("int32", "average")), ("float32",))
     facts = {"hostname": socket.gethostname(), "shm": shm, "node": comm.node, "engine_local_rank": comm.local_rank,
              "transport": comm.transport, "spin": comm.spin, "budget": os.environ.get("SPARKTRAIN_CPU_BUDGET"),
              "sum_digest": hashlib.sha256(total.tobytes()).hexdigest(),
              "sum_right": bool((total == sum(((np.arange(1_000_003) * 7 + k * 3) % 11 - 5) for k in range(n))).all()),
              "gathered": gathered.tolist(), "received": received.tolist(),
-             "received_splits": [int(s) for s in received_splits], "gather_bytes": gather_bytes}
+             "received_splits": [int(s) for s in received_splits], "gather_bytes": gather_bytes,
+             "large_bad": large["bad"], "large_digests": large["digests"]}
     comm.close()
     record_rank(outdir, **facts)
     return r
@@ -79,6 +84,8 @@ def test_ranks_are_numbered_by_host_and_collectives_cross_hosts_exactly(cluster,
         # One core per host (a cpuset of one) for two ranks: the budget says so, and they sleep, not spin.
         assert (info["budget"], info["spin"]) == ("1", 0.0), info
         assert info["sum_right"] and info["sum_digest"] == ranks[0]["sum_digest"]
+        # The pipelined allreduce: numpy's results, and the ring's order bit for bit, the same on every rank.
+        assert info["large_bad"] == [] and info["large_digests"] == ranks[0]["large_digests"], info["large_bad"]
         assert info["gathered"] == [[k, k] for k in range(n) for _ in range(k + 1)]
         want_splits = [(k + r) % 3 + 1 for k in range(n)]
         assert info["received_splits"] == want_splits

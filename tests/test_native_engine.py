@@ -119,6 +119,15 @@ def test_every_op_of_every_dtype_matches_numpy(n, tcp, hosts):
     check_correct(nr.run_ranks(n, nr.every_op, OP_SIZES, tcp=tcp, hosts=hosts), n)
 
 
+@pytest.mark.parametrize("n, hosts", [(4, TWO_HOSTS_OF_TWO), (5, THREE_HOSTS)], ids=["hosts2x2", "hosts3"])
+def test_a_large_allreduce_across_hosts_is_pipelined_and_reduces_in_the_rings_order(n, hosts):
+    """From 4 MiB, where a host has more than one rank, the local phases and the ring run in
+    segments at once (native/pipeline.c); THREE_HOSTS has a host of one rank, whose leader runs
+    each segment's ring itself. Every op of several dtypes against numpy, random floats bit for
+    bit against the ring's order, the same bits on every rank."""
+    check_correct(nr.run_ranks(n, nr.pipelined, hosts=hosts), n)
+
+
 @pytest.mark.parametrize("n, tcp, hosts", [
     (1, False, None), (2, False, None), (3, False, None), (4, False, None), (3, True, None),
     (4, False, TWO_HOSTS_OF_TWO), (5, False, THREE_HOSTS),

@@ -24,15 +24,23 @@ pytestmark = [pytest.mark.timeout(120),
 TWO_HOSTS_OF_TWO = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
 
 
-@pytest.mark.parametrize("n, tcp, hosts, victim, spin", [
-    (3, False, None, 2, None),
-    (2, False, None, 1, 1.0),           # the survivor spins a whole second per wait before it looks
-    (3, True, None, 2, None),
-    (4, True, None, 2, None),           # rank 0 is no neighbour of rank 2: word must come round the ring
-    (4, False, TWO_HOSTS_OF_TWO, 3, None),  # a non-leader: its leader sees it over shared memory, host 0 over the ring
-    (4, False, TWO_HOSTS_OF_TWO, 2, None),  # a leader: host 0's leader sees its connection close, rank 3 its death
-], ids=["shm3", "shm2-spinning", "tcp3", "tcp4", "hosts-nonleader", "hosts-leader"])
-def test_a_rank_killed_inside_an_allreduce_fails_every_other_naming_it(n, tcp, hosts, victim, spin):
+PIPELINED = 3 << 19  # float32: 6 MiB, pipelined across hosts (native/pipeline.c)
+
+
+@pytest.mark.parametrize("n, tcp, hosts, victim, spin, size", [
+    (3, False, None, 2, None, 1 << 18),
+    (2, False, None, 1, 1.0, 1 << 18),           # the survivor spins a whole second per wait before it looks
+    (3, True, None, 2, None, 1 << 18),
+    (4, True, None, 2, None, 1 << 18),           # rank 0 is no neighbour of rank 2: word must come round the ring
+    (4, False, TWO_HOSTS_OF_TWO, 3, None, 1 << 18),  # a non-leader: its leader sees it over shared memory, host 0
+                                                     # over the ring
+    (4, False, TWO_HOSTS_OF_TWO, 2, None, 1 << 18),  # a leader: host 0's leader sees its connection close, rank 3
+                                                     # its death
+    (4, False, TWO_HOSTS_OF_TWO, 3, None, PIPELINED),  # its leader's main thread sees it and calls its ring off
+    (4, False, TWO_HOSTS_OF_TWO, 2, None, PIPELINED),  # host 0's ring thread sees it, its main thread takes that
+], ids=["shm3", "shm2-spinning", "tcp3", "tcp4", "hosts-nonleader", "hosts-leader", "pipelined-nonleader",
+        "pipelined-leader"])
+def test_a_rank_killed_inside_an_allreduce_fails_every_other_naming_it(n, tcp, hosts, victim, spin, size):
     started = multiprocessing.get_context("fork").Event()
     name = f"test-kill-{uuid.uuid4().hex[:8]}"
     timeout = 30
@@ -41,7 +49,7 @@ def test_a_rank_killed_inside_an_allreduce_fails_every_other_naming_it(n, tcp, h
         assert started.wait(60), "the victim never got into its allreduces"
         os.kill(procs[victim].pid, signal.SIGKILL)
 
-    results = nr.run_ranks(n, nr.allreduce_until_it_fails, victim, started, tcp=tcp, hosts=hosts, timeout=timeout,
+    results = nr.run_ranks(n, nr.allreduce_until_it_fails, victim, started, size, tcp=tcp, hosts=hosts, timeout=timeout,
                            name=name, on_start=kill_victim, spin=spin)
     survivors = [r for r in range(n) if r != victim]
     assert sorted(results) == survivors, results  # the victim never reports
