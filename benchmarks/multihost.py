@@ -34,6 +34,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -237,6 +238,8 @@ def main() -> int:
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
+    # Stopped (timeout, kill): the finally blocks below take the simulated hosts down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.keras:
         return keras_scaling(args)
     kinds = args.kinds.split(",")

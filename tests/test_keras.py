@@ -77,7 +77,7 @@ def test_collectives_eager_and_in_tf_function(eager_and_loop):
     assert_collectives(ranks)
 
 
-def fit_digits(outdir, epochs, per_rank_batch, lr, seed_by_rank):
+def fit_digits(outdir, epochs, per_rank_batch, lr, seed_by_rank, reference=False):
     import keras
 
     import sparktrain.keras as hvd
@@ -95,9 +95,24 @@ def fit_digits(outdir, epochs, per_rank_batch, lr, seed_by_rank):
                         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                    hvd.callbacks.MetricAverageCallback()])
     accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
+    one = one_process_fit(epochs, per_rank_batch * n, lr * n) if r == 0 and reference else None
     record_rank(outdir, initial=initial, final=weights_digest(model.get_weights()), accuracy=accuracy,
-                history=history.history, optimizer=type(model.optimizer).__name__)
+                history=history.history, optimizer=type(model.optimizer).__name__, one=one)
     return accuracy
+
+
+def one_process_fit(epochs, batch, lr):
+    """The reference: the same model trained by this process alone on all the rows, with the
+    global batch and learning rate (no collectives); its test accuracy."""
+    import keras
+
+    (x, y), (x_test, y_test) = digits(0, 1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.Adam(lr), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
+    return float(model.evaluate(x_test, y_test, verbose=0)[1])
 
 
 spark = module_spark("local[3]")
@@ -105,15 +120,13 @@ spark = module_spark("local[3]")
 
 def test_keras_fit_on_3_ranks_matches_one_process(spark, tmp_path):
     epochs, batch, lr = 10, 32, 0.001
-    (tmp_path / "one").mkdir()
-    # One process with the same global batch (3 x 32) and the same learning rate (0.001 x 3).
-    one = sparktrain.run(fit_digits, args=(str(tmp_path / "one"), epochs, batch * 3, lr * 3, False),
-                         num_proc=-1, env=ENV, verbose=0)
-    (tmp_path / "three").mkdir()
-    three = sparktrain.run(fit_digits, args=(str(tmp_path / "three"), epochs, batch, lr, True), num_proc=3,
+    three = sparktrain.run(fit_digits, args=(str(tmp_path), epochs, batch, lr, True, True), num_proc=3,
                            env=ENV, verbose=0)
-    ranks = read_ranks(str(tmp_path / "three"))
+    ranks = read_ranks(str(tmp_path))
     assert sorted(ranks) == [0, 1, 2]
+    # One process with the same global batch (3 x 32) and the same learning rate (0.001 x 3):
+    # rank 0 trains it alone after the distributed fit.
+    one = ranks[0]["one"]
     # Different initial weights (seeded by rank), made equal by the broadcast callback...
     assert len({info["initial"] for info in ranks.values()}) == 3
     # ...and kept equal, bit for bit, by averaging every step's gradients.
