@@ -199,6 +199,7 @@ int local_allgatherv(stc_comm *c, const char *in, char *out, const uint64_t *off
 int ring_verdict(stc_comm *c, verdict *mine, char *err, size_t errlen);
 int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen);
 int ring_allreduce_pieces(stc_comm *c, const piece *by_host, int dtype, int op, char *err, size_t errlen);
+void ring_parts(char *buf, size_t count, size_t esz, int m, piece *by_host);
 int ring_broadcast(stc_comm *c, char *buf, size_t nbytes, int root_node, char *err, size_t errlen);
 int ring_allgatherv(stc_comm *c, char *out, const uint64_t *offs, const uint64_t *counts, char *err, size_t errlen);
 

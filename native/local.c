@@ -59,8 +59,10 @@ int local_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, int
         const void *srcs[64];
         int mine = to < 0 || to == lr;
         if (m * esz <= SMALL_BYTES) {
-            for (int r = 0; r < L && mine; r++) srcs[r] = shm_slot(c, s, r);
-            if (mine) stc_reduce(buf + off * esz, srcs, L, m, dtype, op);
+            if (mine) {
+                for (int r = 0; r < L; r++) srcs[r] = shm_slot(c, s, r);
+                stc_reduce(buf + off * esz, srcs, L, m, dtype, op);
+            }
         } else {
             rc = reduce_shares(c, s, m, dtype, op, err, errlen);
             if (rc) return rc;

@@ -166,19 +166,22 @@ int pipe_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char
     int m = c->cfg.num_nodes;
     size_t esz = stc_dtype_size(dtype), nseg = (count * esz + PIPE_SEG_BYTES - 1) / PIPE_SEG_BYTES;
     pipeline *p = calloc(1, sizeof *p);
-    piece *segs = malloc(sizeof(piece) * nseg * (size_t)m);
-    if (!p || !segs) {
+    piece *segs = malloc(sizeof(piece) * nseg * (size_t)m), *parts = malloc(sizeof(piece) * (size_t)m);
+    if (!p || !segs || !parts) {
         free(p);
         free(segs);
+        free(parts);
         return fail(err, errlen, STC_E_SYS, "%s: out of memory", c->what);
     }
+    ring_parts(buf, count, esz, m, parts); /* each host's part, cut into nseg slices */
     for (int i = 0; i < m; i++) {
-        size_t lo = count * (size_t)i / (size_t)m, n = count * (size_t)(i + 1) / (size_t)m - lo;
+        size_t n = parts[i].len / esz;
         for (size_t k = 0; k < nseg; k++) {
-            size_t a = lo + n * k / nseg, b = lo + n * (k + 1) / nseg;
-            segs[k * (size_t)m + i] = (piece){buf + a * esz, (b - a) * esz, 0, -1};
+            size_t a = n * k / nseg, b = n * (k + 1) / nseg;
+            segs[k * (size_t)m + i] = (piece){parts[i].p + a * esz, (b - a) * esz, 0, -1};
         }
     }
+    free(parts);
     p->segs = segs;
     p->nseg = (int)nseg;
     p->m = m;

@@ -69,16 +69,21 @@ int ring_allreduce_pieces(stc_comm *c, const piece *by_host, int dtype, int op, 
     return rc;
 }
 
-/* The whole buffer, host i's segment its i-th m-th. */
-int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
-    int m = c->cfg.num_nodes;
-    size_t esz = stc_dtype_size(dtype);
-    piece *by_host = malloc(sizeof(piece) * (size_t)m);
-    if (!by_host) return fail(err, errlen, STC_E_SYS, "%s: out of memory", c->what);
+/* Each of m hosts' part of count elements of esz bytes at buf, in by_host: host i's is the i-th
+ * m-th (whole elements). */
+void ring_parts(char *buf, size_t count, size_t esz, int m, piece *by_host) {
     for (int i = 0; i < m; i++) {
         size_t lo = count * (size_t)i / (size_t)m, hi = count * (size_t)(i + 1) / (size_t)m;
         by_host[i] = (piece){buf + lo * esz, (hi - lo) * esz, 0, -1};
     }
+}
+
+/* The whole buffer, in ring_parts' parts. */
+int ring_allreduce(stc_comm *c, char *buf, size_t count, int dtype, int op, char *err, size_t errlen) {
+    int m = c->cfg.num_nodes;
+    piece *by_host = malloc(sizeof(piece) * (size_t)m);
+    if (!by_host) return fail(err, errlen, STC_E_SYS, "%s: out of memory", c->what);
+    ring_parts(buf, count, stc_dtype_size(dtype), m, by_host);
     int rc = ring_allreduce_pieces(c, by_host, dtype, op, err, errlen);
     free(by_host);
     return rc;

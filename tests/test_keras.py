@@ -77,6 +77,14 @@ def test_collectives_eager_and_in_tf_function(eager_and_loop):
     assert_collectives(ranks)
 
 
+def digits_mlp():
+    """fit_digits' model: 64 pixels in, 10 classes out."""
+    import keras
+
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dense(10, activation="softmax")])
+
+
 def fit_digits(outdir, epochs, per_rank_batch, lr, seed_by_rank, reference=False):
     import keras
 
@@ -86,8 +94,7 @@ def fit_digits(outdir, epochs, per_rank_batch, lr, seed_by_rank, reference=False
     r, n = hvd.rank(), hvd.size()
     (x, y), (x_test, y_test) = digits(r, n)
     keras.utils.set_random_seed(r if seed_by_rank else 0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
+    model = digits_mlp()
     initial = weights_digest(model.get_weights())
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(lr * n))
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -108,8 +115,7 @@ def one_process_fit(epochs, batch, lr):
 
     (x, y), (x_test, y_test) = digits(0, 1)
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
+    model = digits_mlp()
     model.compile(optimizer=keras.optimizers.Adam(lr), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
     return float(model.evaluate(x_test, y_test, verbose=0)[1])
