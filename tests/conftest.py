@@ -108,9 +108,11 @@ def pytest_configure(config):
 
 #: The modules that take longest, longest first: they start first, so that the test processes
 #: finish together instead of one running a long module alone at the end.
-LONGEST = ("test_multihost", "test_connect", "test_keras", "test_hvd_collectives", "test_data", "test_tracking",
-           "test_notebooks", "test_tf_kernels", "test_check", "test_native_keras", "test_faults", "test_native_engine",
-           "test_run_spark", "test_estimator", "test_executor_python")
+LONGEST = ("test_multihost", "test_keras", "test_connect", "test_data", "test_notebooks", "test_tracking",
+           "test_hvd_collectives", "test_tf_kernels", "test_check", "test_faults", "test_native_keras", "test_estimator",
+           "test_storage_faults", "test_executor_python", "test_native_engine", "test_resources_cluster", "test_cli",
+           "test_hvd_elastic", "test_horovod_scripts", "test_gpu_cluster", "test_run_spark", "test_hvd_keras",
+           "test_faults_cluster", "test_retries", "test_storage", "test_native_sanitizer", "test_process_sets")
 
 
 def pytest_collection_modifyitems(items):

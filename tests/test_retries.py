@@ -71,7 +71,7 @@ def test_a_timeout_is_not_retried(spark, tmp_path, caplog):
     assert read_ranks(str(tmp_path), "-attempt2") == {}
 
 
-def fit_resuming(prefix, options, epochs):
+def fit_resuming(prefix, options, epochs, outdir):
     import keras
 
     import sparktrain
@@ -95,15 +95,20 @@ def fit_resuming(prefix, options, epochs):
             if sparktrain.attempt() == 1 and hvd.rank() == 1 and self.epoch == 2 and batch == 3:
                 raise RuntimeError("rank 1 crashes in the third epoch")
 
+        def on_epoch_end(self, epoch, logs=None):  # the weights each epoch's checkpoint holds
+            record_rank(outdir, tag=f"-attempt{sparktrain.attempt()}-epoch{epoch + 1}",
+                        weights=weights_digest(model.get_weights()))
+
     history = model.fit(x, y, batch_size=32, epochs=epochs, initial_epoch=initial_epoch, verbose=0,
                         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), CrashOnce(),
                                    hvd.callbacks.RemoteCheckpoint(prefix + "/epoch-{epoch:02d}.keras",
                                                                   storage_options=options)])
     return {"attempt": sparktrain.attempt(), "initial_epoch": initial_epoch, "restored": restored,
-            "epochs_run": len(history.history["loss"])}
+            "epochs_run": len(history.history["loss"]), "optimizer": type(model.optimizer).__name__,
+            "distributed": getattr(model.optimizer, "_sparktrain_distributed", False)}
 
 
-def test_a_retried_keras_run_resumes_from_its_latest_checkpoint_on_azurite(spark, azurite, caplog):
+def test_a_retried_keras_run_resumes_from_its_latest_checkpoint_on_azurite(spark, azurite, caplog, tmp_path):
     import uuid
 
     from sparktrain import storage
@@ -114,12 +119,16 @@ def test_a_retried_keras_run_resumes_from_its_latest_checkpoint_on_azurite(spark
     container = f"retries-{uuid.uuid4().hex[:8]}"
     fs.mkdir(container)
     prefix = f"abfs://{container}/run"
-    result = sparktrain.run(fit_resuming, args=(prefix, options, 4), num_proc=2, max_attempts=2,
+    result = sparktrain.run(fit_resuming, args=(prefix, options, 4, str(tmp_path)), num_proc=2, max_attempts=2,
                             env={"TF_CPP_MIN_LOG_LEVEL": "3"}, output_ranks=[])
-    # The second attempt continued after the two epochs the first one committed.
+    # The second attempt continued after the two epochs the first one committed, from the weights
+    # saved at the end of the second, with a distributed optimizer again.
     assert (result["attempt"], result["initial_epoch"], result["epochs_run"]) == (2, 2, 2)
-    assert result["restored"] is not None
+    assert result["restored"] == read_ranks(str(tmp_path), "-attempt1-epoch2")[0]["weights"]
+    assert (result["optimizer"], result["distributed"]) == ("Adam", True)
     names = [u.rsplit("/", 1)[-1] for u in storage.list_checkpoints(prefix, options)]
     assert names == ["epoch-01.keras", "epoch-02.keras", "epoch-03.keras", "epoch-04.keras"]
+    assert storage.read_manifest(f"{prefix}/epoch-02.keras", options)["metadata"]["epoch"] == 2
+    assert storage.latest_checkpoint(prefix, options).endswith("epoch-04.keras")
     assert "rank 1 crashes in the third epoch" in caplog.text
     assert "succeeded on attempt 2 of 2" in caplog.text
