@@ -101,7 +101,9 @@ def test_mlflow_logger_warns_when_the_driver_set_up_no_tracking(monkeypatch, tmp
 
 # -- MLflow against a real server --------------------------------------------------------------------
 
-def fit_with_mlflow(outdir, token_digest):
+def fit_with_mlflow(outdir, token_digest, tensorboard_url, options):
+    """A fit that logs to the driver's MLflow run and uploads TensorBoard's event files, as a user
+    who wants both would write it."""
     import keras
     import mlflow
     import numpy as np
@@ -117,14 +119,24 @@ def fit_with_mlflow(outdir, token_digest):
         def on_epoch_end(self, epoch, logs=None):
             logs["rank_value"] = float(rank)
 
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        """After the upload of each epoch: what a reader finds on Azurite already, while training runs."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            if rank == 0:
+                seen.append(remote_scalars(tensorboard_url, options)[0])
+
     rng = np.random.default_rng(rank)
     x = rng.normal(size=(64, 4)).astype("float32")
     y = (x.sum(axis=1, keepdims=True) > 0).astype("float32")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="binary_crossentropy")
-    model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+    model.fit(x, y, batch_size=16, epochs=EPOCHS, verbose=0, validation_data=(x[:16], y[:16]),
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), RankValue(),
-                         hvd.callbacks.MLflowLogger(batch_size=16, params={"dataset": "random"})])
+                         hvd.callbacks.MLflowLogger(batch_size=16, params={"dataset": "random"}),
+                         hvd.callbacks.RemoteTensorBoard(tensorboard_url, storage_options=options), Probe()])
     stray_error = None
     if rank == 0:
         mlflow.log_metric("rank0_plain", 1.0)  # plain fluent call: the driver's run
@@ -134,7 +146,7 @@ def fit_with_mlflow(outdir, token_digest):
         except Exception as e:  # noqa: BLE001
             stray_error = f"{type(e).__name__}: {e}"
     active = mlflow.active_run()
-    record_rank(outdir, token_ok=_digest_env("MLFLOW_TRACKING_TOKEN") == token_digest,
+    record_rank(outdir, seen=seen, token_ok=_digest_env("MLFLOW_TRACKING_TOKEN") == token_digest,
                 has_token=bool(os.environ.get("MLFLOW_TRACKING_TOKEN")), stray_error=stray_error,
                 active_run=active.info.run_id if active else None, tracking_uri=mlflow.get_tracking_uri())
 
@@ -149,9 +161,16 @@ def stray_runs(client) -> list[str]:
     return [r.info.run_id for r in client.search_runs(experiments, filter_string="metrics.stray > 0")]
 
 
-def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model(
-        spark, mlflow_server, monkeypatch, tmp_path, caplog):  # noqa: F811 - the fixture
+def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model_and_tensorboard_files_every_epoch(
+        spark, mlflow_server, azurite, monkeypatch, tmp_path, caplog):  # noqa: F811 - the fixture
     import mlflow
+
+    from sparktrain import storage
+
+    options = azurite.options()
+    container = f"tb-{uuid.uuid4().hex[:10]}"
+    storage.filesystem("abfs://x", options)[0].mkdir(container)
+    url = f"abfs://{container}/runs/one"
 
     # Set after Spark started: the executors cannot have inherited them, only the hand-off brings them.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
@@ -163,8 +182,8 @@ def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model(
     caplog.set_level(logging.DEBUG, logger="sparktrain")
     try:
         with mlflow.start_run() as run:
-            sparktrain.run(fit_with_mlflow, args=(str(tmp_path), _digest(TOKEN)), num_proc=2, env=ENV,
-                           verbose=2, stdout=out, stderr=out)
+            sparktrain.run(fit_with_mlflow, args=(str(tmp_path), _digest(TOKEN), url, options), num_proc=2,
+                           env=ENV, verbose=2, stdout=out, stderr=out)
             # Rank 0 exited; the run is still the driver's, and still running.
             assert mlflow.MlflowClient().get_run(run.info.run_id).info.status == "RUNNING"
     finally:
@@ -209,6 +228,12 @@ def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model(
     # The token went to rank 0 and was shown nowhere: not in the ranks' output, not in the driver's log.
     assert TOKEN not in out.getvalue()
     assert TOKEN not in caplog.text and "MLFLOW_TRACKING_TOKEN=<redacted>" in caplog.text
+
+    # TensorBoard: rank 0's event files reached Azurite at each epoch's end, before the next began.
+    assert ranks[0]["seen"] == [[0], [0, 1], [0, 1, 2]]
+    assert ranks[1]["seen"] == []
+    assert remote_scalars(url, options) == ([0, 1, 2], 1)  # one scalar per epoch, from rank 0 alone
+    assert remote_scalars(url, options, "validation") == ([0, 1, 2], 1)
 
 
 def test_a_keras_estimator_of_two_inputs_and_two_outputs_logs_into_the_drivers_run_and_scores(
@@ -317,49 +342,6 @@ def remote_scalars(url, options, subdir="train", tag="epoch_loss") -> tuple[list
         else:
             steps = []
     return sorted(steps), len(files)
-
-
-def fit_with_tensorboard(outdir, url, options):
-    import keras
-    import numpy as np
-
-    import sparktrain.keras as hvd
-
-    hvd.init()
-    rank = hvd.rank()
-    seen = []
-
-    class Probe(keras.callbacks.Callback):
-        """After the upload of each epoch: what a reader finds on Azurite already, while training runs."""
-
-        def on_epoch_end(self, epoch, logs=None):
-            if rank == 0:
-                seen.append(remote_scalars(url, options)[0])
-
-    rng = np.random.default_rng(rank)
-    x = rng.normal(size=(64, 4)).astype("float32")
-    y = (x.sum(axis=1, keepdims=True) > 0).astype("float32")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="binary_crossentropy")
-    model.fit(x, y, batch_size=16, epochs=EPOCHS, verbose=0, validation_data=(x[:16], y[:16]),
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
-                         hvd.callbacks.RemoteTensorBoard(url, storage_options=options), Probe()])
-    record_rank(outdir, seen=seen)
-
-
-def test_tensorboard_event_files_reach_azurite_every_epoch(spark, azurite, tmp_path):
-    from sparktrain import storage
-
-    options = azurite.options()
-    container = f"tb-{uuid.uuid4().hex[:10]}"
-    storage.filesystem("abfs://x", options)[0].mkdir(container)
-    url = f"abfs://{container}/runs/one"
-    sparktrain.run(fit_with_tensorboard, args=(str(tmp_path), url, options), num_proc=2, env=ENV)
-    ranks = read_ranks(str(tmp_path))
-    assert ranks[0]["seen"] == [[0], [0, 1], [0, 1, 2]]  # uploaded at each epoch's end, before the next
-    assert ranks[1]["seen"] == []
-    assert remote_scalars(url, options) == ([0, 1, 2], 1)  # one scalar per epoch, from rank 0 alone
-    assert remote_scalars(url, options, "validation") == ([0, 1, 2], 1)
 
 
 def test_sync_dir_uploads_only_what_changed(tmp_path):
