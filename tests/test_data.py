@@ -127,54 +127,69 @@ def count_steps(outdir):
                    "shard": sparktrain.data.shard().rows}, f)
 
 
-def test_uneven_and_empty_partitions_run_the_same_steps_on_every_rank(spark, tmp_path):
+# -- coverage and order -----------------------------------------------------------------------------
+
+def epoch_ids(seed, epochs, name):
+    import sparktrain.data
+
+    ds = sparktrain.data.dataset("id", batch_size=7, seed=seed, prefetch=False, name=name)
+    ids = [[int(i) for batch in ds for i in batch.numpy()] for _ in range(epochs)]
+    x = sparktrain.data.numpy("id", name=name, uneven="drop")
+    s = sparktrain.data.shard(name)
+    return {"rank": sparktrain.rank(), "ids": ids, "cardinality": int(ds.cardinality()),
+            "numpy": x.tolist(), "rows": s.rows, "rows_per_rank": list(s.rows_per_rank)}
+
+
+def gather_epoch_ids(outdir, seed, epochs, name="ids"):
+    got = epoch_ids(seed, epochs, name)
+    with open(os.path.join(outdir, f"ids-{got['rank']}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def steps_and_ids(outdir):
+    """One run for both the equal steps and the order: a Keras fit on 'train' and 'val', then
+    the 'ids' set read for three epochs."""
+    count_steps(os.path.join(outdir, "steps"))
+    gather_epoch_ids(os.path.join(outdir, "ids"), 9, 3)
+
+
+@pytest.fixture(scope="module")
+def uneven_run(spark, tmp_path_factory):
+    """The run: 'train' in uneven partitions (the last one empty), 'val' of 4 rows on 3 ranks,
+    and 'ids' of 61 rows in 5 partitions. Returns its output directory, its stderr and its data."""
+    outdir = tmp_path_factory.mktemp("uneven")
+    (outdir / "steps").mkdir()
+    (outdir / "ids").mkdir()
     sizes = [1000, 10, 1, 0]  # the input's partitions; the last one has no rows
     parts = [list(range(sum(sizes[:i]), sum(sizes[:i + 1]))) for i in range(len(sizes))]
     rdd = spark.sparkContext.parallelize(parts, len(parts)).flatMap(lambda ids: [(i, float(i), i % 2) for i in ids])
     assert rdd.glom().map(len).collect() == sizes
     df = rdd.toDF(["id", "x", "label"])
     val = spark.createDataFrame([(float(i), i % 2) for i in range(4)], ["x", "label"])  # 4 rows on 3 ranks
+    data = {"train": df, "val": val, "ids": spark.range(0, 61, 1, 5)}
     err = io.StringIO()
-    sparktrain.run(count_steps, args=(str(tmp_path),), num_proc=3, data={"train": df, "val": val}, env=ENV,
-                   stderr=err)
-    got = [json.load(open(os.path.join(tmp_path, f"steps-{r}.json"))) for r in range(3)]
+    sparktrain.run(steps_and_ids, args=(str(outdir),), num_proc=3, data=data, env=ENV, stderr=err)
+    return outdir, err.getvalue(), data
+
+
+def test_uneven_and_empty_partitions_run_the_same_steps_on_every_rank(uneven_run):
+    outdir, log, _ = uneven_run
+    got = [json.load(open(outdir / "steps" / f"steps-{r}.json")) for r in range(3)]
     assert [g["steps"] for g in got] == [[6, 6]] * 3  # ceil(337 / 64) on every rank, both epochs
     assert {g["cardinality"] for g in got} == {6} and {g["val"] for g in got} == {2}
     assert sorted(g["shard"] for g in got) == [337, 337, 337]
-    log = err.getvalue()
     assert "'train' rank shards 337/337/337 rows; wrapping to 6 steps per epoch of 64 on every rank" in log
     counts = re.search(r"'val' rank shards (\d+)/(\d+)/(\d+) rows; wrapping to 2 steps per epoch of 1", log)
     assert counts and sorted(int(c) for c in counts.groups()) == [1, 1, 2], log
 
 
-# -- coverage and order -----------------------------------------------------------------------------
-
-def epoch_ids(seed, epochs):
-    import sparktrain.data
-
-    ds = sparktrain.data.dataset("id", batch_size=7, seed=seed, prefetch=False)
-    ids = [[int(i) for batch in ds for i in batch.numpy()] for _ in range(epochs)]
-    x = sparktrain.data.numpy("id", uneven="drop")
-    s = sparktrain.data.shard()
-    return {"rank": sparktrain.rank(), "ids": ids, "cardinality": int(ds.cardinality()),
-            "numpy": x.tolist(), "rows": s.rows, "rows_per_rank": list(s.rows_per_rank)}
-
-
-def gather_epoch_ids(outdir, seed, epochs):
-    got = epoch_ids(seed, epochs)
-    with open(os.path.join(outdir, f"ids-{got['rank']}.json"), "w") as f:
-        json.dump(got, f)
-
-
-def test_every_row_every_epoch_new_order_each_epoch_same_order_for_the_same_seed(spark, tmp_path):
-    df = spark.range(0, 61, 1, 5)
-    runs = []
-    for attempt in range(2):
-        outdir = tmp_path / str(attempt)
-        outdir.mkdir()
-        sparktrain.run(gather_epoch_ids, args=(str(outdir), 9, 3), num_proc=3, data=df, verbose=0)
-        runs.append([json.load(open(outdir / f"ids-{r}.json")) for r in range(3)])
-    first = runs[0]
+def test_every_row_every_epoch_new_order_each_epoch_same_order_for_the_same_seed(uneven_run, tmp_path):
+    outdir, _, data = uneven_run
+    first = [json.load(open(outdir / "ids" / f"ids-{r}.json")) for r in range(3)]
+    # Another run over the same data, with the same seed: the same order. (Each rank's share of a
+    # set depends on all the run's sets: they are dealt out together.)
+    sparktrain.run(gather_epoch_ids, args=(str(tmp_path), 9, 3), num_proc=3, data=data, verbose=0)
+    again = [json.load(open(tmp_path / f"ids-{r}.json")) for r in range(3)]
     assert {r["cardinality"] for r in first} == {3}  # ceil(21 / 7) on every rank
     for epoch in range(3):
         seen = [set(r["ids"][epoch]) for r in first]
@@ -183,7 +198,7 @@ def test_every_row_every_epoch_new_order_each_epoch_same_order_for_the_same_seed
     for r in first:
         assert r["ids"][0] != r["ids"][1] != r["ids"][2]  # the order changes between epochs
         assert len(r["numpy"]) == min(r["rows_per_rank"]) and r["numpy"] == sorted(r["numpy"])
-    assert [r["ids"] for r in runs[1]] == [r["ids"] for r in first]  # the same seed, the same order
+    assert [r["ids"] for r in again] == [r["ids"] for r in first]  # the same seed, the same order
 
 
 # -- resources --------------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     batch_size : rows per batch on this rank (the global batch is ``batch_size * size()``).
     shuffle : a new order every epoch, within this rank's shard. Each pass over the dataset is
         the next epoch.
-    seed : the same seed gives the same order, epoch by epoch, in every run; None: a fresh one.
+    seed : the same seed gives the same order, epoch by epoch, in every run over the same data;
+        None: a fresh one.
     name : which fed DataFrame (``data={"train": ..., "val": ...}``; a bare DataFrame is "train").
     uneven : "wrap" (default) or "drop"; see the module's docstring.
     prefetch : prefetch batches in the background (``tf.data.AUTOTUNE``).
