@@ -106,10 +106,11 @@ def pytest_configure(config):
                                        "CI: pytest -m 'multihost and slow' -n 0")
 
 
-#: The modules that take longest, longest first: they start first, so that the test processes
-#: finish together instead of one running a long module alone at the end.
-LONGEST = ("test_multihost", "test_keras", "test_connect", "test_data", "test_notebooks", "test_tracking",
-           "test_hvd_collectives", "test_tf_kernels", "test_check", "test_faults", "test_native_keras", "test_estimator",
+#: The modules that take longest, as measured, longest first: they start first, so that the two
+#: test processes finish together instead of one running a long module alone at the end. xdist
+#: keeps this order (setup.cfg turns off its own, by number of tests per module).
+LONGEST = ("test_multihost", "test_connect", "test_keras", "test_notebooks", "test_data", "test_hvd_collectives",
+           "test_tf_kernels", "test_tracking", "test_check", "test_faults", "test_native_keras", "test_estimator",
            "test_storage_faults", "test_executor_python", "test_native_engine", "test_resources_cluster", "test_cli",
            "test_hvd_elastic", "test_horovod_scripts", "test_gpu_cluster", "test_run_spark", "test_hvd_keras",
            "test_faults_cluster", "test_retries", "test_storage", "test_native_sanitizer", "test_process_sets")
