@@ -104,18 +104,3 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multihost: runs on simulated hosts (tests/simhosts.py); needs root")
     config.addinivalue_line("markers", "slow: the slow multi-host tier, run before a release rather than in "
                                        "CI: pytest -m 'multihost and slow' -n 0")
-
-
-#: The modules that take longest, as measured, longest first: they start first, so that the two
-#: test processes finish together instead of one running a long module alone at the end. xdist
-#: keeps this order (setup.cfg turns off its own, by number of tests per module).
-LONGEST = ("test_multihost", "test_connect", "test_keras", "test_notebooks", "test_data", "test_hvd_collectives",
-           "test_tf_kernels", "test_tracking", "test_check", "test_faults", "test_native_keras", "test_estimator",
-           "test_storage_faults", "test_executor_python", "test_native_engine", "test_resources_cluster", "test_cli",
-           "test_hvd_elastic", "test_horovod_scripts", "test_gpu_cluster", "test_run_spark", "test_hvd_keras",
-           "test_faults_cluster", "test_retries", "test_storage", "test_native_sanitizer", "test_process_sets")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1][:-3], len(LONGEST)))

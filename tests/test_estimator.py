@@ -151,7 +151,10 @@ def test_a_pipeline_trains_on_2_ranks_resumes_and_scores_as_well_as_one_process(
     assert model.getModelUrl() == f"{prefix}/model.keras"
 
     records = fitted["records"]
+    log_level = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
     model.getModel()  # the driver reads the model's shapes once; only the workers' loads count below
+    # Loading on the driver left its environment alone: a later local-mode run's ranks inherit it.
+    assert os.environ.get("TF_CPP_MIN_LOG_LEVEL") == log_level
     for f in os.listdir(records):
         os.remove(os.path.join(records, f))
     scored = pm.transform(fitted["test_df"].repartition(3))

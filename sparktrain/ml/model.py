@@ -75,12 +75,15 @@ def load(url: str, storage_options=None, custom_objects=None):
     import os
     import tempfile
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import keras
+    from .. import storage, tflog
 
-    from .. import storage
+    # TensorFlow's start-up lines (its import, and the first op's look for a GPU) are filtered as a
+    # rank's are, without changing this process's environment: a driver's later runs in local mode,
+    # whose ranks inherit it, keep their verbosity.
+    level = tflog.level_from_env() if "TF_CPP_MIN_LOG_LEVEL" in os.environ else 2
+    with tflog.filtered_stderr(level), tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
+        import keras
 
-    with tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
         local = os.path.join(tmp, "model.keras")
         storage.get_file(url, local, storage_options)
         return keras.saving.load_model(local, custom_objects=custom_objects, compile=False)
