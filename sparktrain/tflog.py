@@ -40,10 +40,19 @@ def below_log_level(line: str, level: int) -> bool:
     return m is not None and _CPP_SEVERITY[m.group(1)] < level
 
 
-def level_from_env(environ=os.environ) -> int:
-    """``TF_CPP_MIN_LOG_LEVEL`` as TensorFlow reads it; 0 when unset or not a number."""
+def level_from_env(environ=os.environ, unset: int = 0) -> int:
+    """``TF_CPP_MIN_LOG_LEVEL`` as TensorFlow reads it: 0 when not a number, ``unset`` when unset
+    (0, as TensorFlow takes it; a caller that quiets TensorFlow by default passes its own).
+
+    >>> level_from_env({}), level_from_env({}, unset=2), level_from_env({"TF_CPP_MIN_LOG_LEVEL": "1"}, unset=2)
+    (0, 2, 1)
+    >>> level_from_env({"TF_CPP_MIN_LOG_LEVEL": "quiet"}, unset=2)
+    0
+    """
+    if "TF_CPP_MIN_LOG_LEVEL" not in environ:
+        return unset
     try:
-        return int(environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
+        return int(environ["TF_CPP_MIN_LOG_LEVEL"])
     except ValueError:
         return 0
 

@@ -25,3 +25,12 @@ def test_filtered_stderr_drops_start_up_lines_below_the_level_and_keeps_the_rest
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == ["E0000 00:00:1795556702.1    4534 rpc.cc:1] peer gone", "a user's own line",
                                         "after"]
+
+
+def test_the_level_from_the_environment_and_the_callers_default_when_unset():
+    from sparktrain.tflog import level_from_env
+
+    assert level_from_env({}) == 0  # TensorFlow's own default
+    assert level_from_env({}, unset=2) == 2  # a caller that quiets TensorFlow unless told otherwise
+    assert level_from_env({"TF_CPP_MIN_LOG_LEVEL": "1"}, unset=2) == 1  # the user's setting wins
+    assert level_from_env({"TF_CPP_MIN_LOG_LEVEL": "quiet"}, unset=2) == 0  # not a number: as TensorFlow reads it
