@@ -8,8 +8,9 @@ Inside ``train_fn``::
 
 On GPU the collectives are TensorFlow's own (``CollectiveReduceV2`` and friends) over NCCL. On
 CPU they run on sparktrain's native engine (``sparktrain.engine``: shared memory within a host,
-a TCP ring between hosts), called through one ``tf.numpy_function`` per collective, so they
-work eagerly and inside ``model.fit``'s compiled step alike. ``SPARKTRAIN_CPU_COLLECTIVES`` /
+a TCP ring between hosts), called through sparktrain's TensorFlow kernels, compiled at first use
+(one ``tf.numpy_function`` per collective where they cannot be built), so they work eagerly,
+inside ``model.fit``'s compiled step and in ``tf.compat.v1`` graphs alike. ``SPARKTRAIN_CPU_COLLECTIVES`` /
 ``spark.sparktrain.cpuCollectives=tensorflow`` chooses TensorFlow's gRPC ring instead, as does
 a build without the engine (with one warning). ``init`` brings the chosen runtime up from the
 ``TF_CONFIG`` that ``run`` wrote; :func:`collective_engine` says which it is.
