@@ -123,6 +123,8 @@ def everything(outdir, gradients=None):
     # Horovod scales float16 in float32 and rounds once: the same tensor on every rank, n times.
     put("scaled/float16", lambda: hvd.allreduce(tf.constant(inputs(0, "float16"), tf.float16), op=hvd.Sum,
                                                 prescale_factor=0.3))
+    # float64 scaled by the factor itself, not by its float32 rounding (0.3 is not a float32).
+    put("scaled/float64", lambda: hvd.allreduce(t("float64"), op=hvd.Sum, prescale_factor=0.3, postscale_factor=0.7))
     put("average_true", lambda: hvd.allreduce(t("float32"), average=True))
     put("average_false", lambda: hvd.allreduce(t("float32"), average=False))
     put("fp16", lambda: hvd.allreduce(t("float64"), op=hvd.Sum, compression=hvd.Compression.fp16))
@@ -334,6 +336,9 @@ def check_everything(got: dict, n: int, tmp_path, engine: str) -> list:
         assert np.allclose(got[r]["scaled"], np.array(expected_reduce("Sum", "float32", n)) / n), r
         once = (inputs(0, "float16").astype(np.float32) * np.float32(0.3)).astype(np.float16)
         expect("scaled/float16", r, plain(once * np.float16(n)))
+        # Within float64's rounding of a sum (1e-16); the factors rounded to float32 were off by 1e-8.
+        want = sum(inputs(k, "float64") * 0.3 for k in range(n)) * 0.7
+        assert np.allclose(got[r]["scaled/float64"], want, rtol=1e-13, atol=0), (r, got[r]["scaled/float64"], want)
         expect("average_true", r, expected_reduce("Average", "float32", n))
         expect("average_false", r, expected_reduce("Sum", "float32", n))
         expect("fp16", r, expected_reduce("Sum", "float64", n))

@@ -64,8 +64,8 @@ def _scale(t, factor):
     tf = _tf()
     if t.dtype in (tf.float16, tf.bfloat16):  # as Horovod: scaled in float32, then rounded once
         return tf.cast(tf.cast(t, tf.float32) * factor, t.dtype)
-    if t.dtype.is_floating or t.dtype.is_complex:
-        return t * tf.cast(factor, t.dtype)
+    if t.dtype.is_floating or t.dtype.is_complex:  # the factor made in t's dtype: cast from a Python
+        return t * tf.constant(factor, t.dtype)      # float it would go through float32 first
     return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)  # integers: scaled, then truncated
 
 
