@@ -28,9 +28,10 @@ def spawn_and_wait(outdir):
     import time
 
     grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    with open(os.path.join(outdir, "pids.tmp"), "w") as f:
-        json.dump({"child": os.getpid(), "grandchild": grandchild.pid}, f)
-    os.replace(os.path.join(outdir, "pids.tmp"), os.path.join(outdir, "pids.json"))  # whole, for the waiter
+    from sparktrain.localfiles import write_atomically
+
+    pids = {"child": os.getpid(), "grandchild": grandchild.pid}
+    write_atomically(os.path.join(outdir, "pids.json"), json.dumps(pids).encode())  # whole, for the waiter
     time.sleep(300)
 
 

@@ -80,7 +80,8 @@ def load(url: str, storage_options=None, custom_objects=None):
     # TensorFlow's start-up lines (its import, and the first op's look for a GPU) are filtered as a
     # rank's are, without changing this process's environment: a driver's later runs in local mode,
     # whose ranks inherit it, keep their verbosity.
-    with tflog.filtered_stderr(tflog.level_from_env(unset=2)), tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
+    quiet = tflog.filtered_stderr(tflog.level_from_env(unset=2))
+    with quiet, tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
         import keras
 
         local = os.path.join(tmp, "model.keras")

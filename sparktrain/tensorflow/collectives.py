@@ -64,8 +64,9 @@ def _scale(t, factor):
     tf = _tf()
     if t.dtype in (tf.float16, tf.bfloat16):  # as Horovod: scaled in float32, then rounded once
         return tf.cast(tf.cast(t, tf.float32) * factor, t.dtype)
-    if t.dtype.is_floating or t.dtype.is_complex:  # the factor made in t's dtype: cast from a Python
-        return t * tf.constant(factor, t.dtype)      # float it would go through float32 first
+    if t.dtype.is_floating or t.dtype.is_complex:
+        # Made in t's dtype: tf.cast of a Python float would round it to float32 first.
+        return t * tf.constant(factor, t.dtype)
     return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)  # integers: scaled, then truncated
 
 
