@@ -46,8 +46,10 @@ class StallWatch:
         #: rank -> (progress, monotonic time the collective it is in began, as seen here)
         self._at: dict[int, tuple[dict, float]] = {}
         self._pending: _Stall | None = None
-        #: The collectives already reported, by (n, its earliest start), so each stall is told once.
-        self._told: set[tuple[int, float]] = set()
+        #: The collectives already reported: n -> when, so each stall is told once. A rank still
+        #: in collective n that began before that report is the same stall, not a new one (the
+        #: earliest rank may have finished it first); an n that began after it is a new collective.
+        self._told: dict[int, float] = {}
         #: The last report made in this attempt; it goes into the error of a run that fails.
         self.last_report: str | None = None
 
@@ -79,9 +81,9 @@ class StallWatch:
             return None
         began, _, info = min(active, key=lambda a: (a[0], a[1]))
         n = int(info["n"])
-        if now - began < self.warning or (n, began) in self._told:
+        if now - began < self.warning or began <= self._told.get(n, float("-inf")):
             return None
-        self._told.add((n, began))
+        self._told[n] = now
         waiting = sorted(r for _, r, at in active if int(at["n"]) == n)
         late = sorted(r for r in range(self.size) if r not in waiting and int(self._at.get(r, ({}, 0))[0].get("n", 0)) < n)
         self._pending = _Stall(n, waiting, late, now - began, info, now)
