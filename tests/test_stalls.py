@@ -203,3 +203,67 @@ def test_an_interrupted_run_prints_every_ranks_stack_then_stops_them(tmp_path):
         assert f'"{script}", line {number} in wait' in block.split("was interrupted")[0], err
     assert err.index("was interrupted; rank 1") < err.index("KeyboardInterrupt")
     assert rank_processes(f"sparktrain-{run_id}-", timeout=30) == []
+
+
+FLOODED_LOOP = textwrap.dedent("""
+    import sys, threading
+    from sparktrain.driver.interrupts import Interrupts
+    from sparktrain.driver.server import DriverServer, Interrupted, Output
+
+    server = DriverServer(b"k" * 32, 1, "127.0.0.1")  # the queue the supervision loop reads
+    def pour():  # a rank's output, as fast as it comes
+        while True:
+            server.events.put(Output(0, "stdout", "x", 0.0))
+    threading.Thread(target=pour, daemon=True).start()
+    interrupts = Interrupts(lambda: server.events.put(Interrupted()))
+    print("ready", flush=True)
+    try:
+        with interrupts:
+            while True:  # the loop's turns, as Attempt._supervise makes them
+                interrupts.check()
+                server.events.get(timeout=0.1)
+    except KeyboardInterrupt:
+        for _ in range(100):  # what printing the stacks does next: more waits on the same queue
+            server.events.get(timeout=0.01)
+        print("stopped", flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupt_while_events_pour_in_is_taken_between_waits(tmp_path):
+    """SIGINT at a random moment of the supervision loop, while a rank's output pours in: the loop
+    raises KeyboardInterrupt at its next turn and its queue still works. Raised inside the wait of
+    a queue.Queue, the interrupt left the queue's lock held in about a third of such tries here,
+    and the driver hung instead of printing the stacks."""
+    import random
+
+    script = tmp_path / "loop.py"
+    script.write_text(FLOODED_LOOP)
+    for attempt in range(12):
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            threading.Event().wait(random.random() * 0.2)  # a random moment of the loop
+            proc.send_signal(signal.SIGINT)  # our own child, not yet reaped
+            out, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert (proc.returncode, out.strip()) == (0, "stopped"), (attempt, err[-2000:])
+
+
+def test_a_run_puts_the_sigint_handler_back_and_an_ignored_sigint_stays_ignored():
+    def mine(signum, frame):
+        raise AssertionError("not during a run")
+
+    before = signal.signal(signal.SIGINT, mine)
+    try:
+        assert sparktrain.run(lambda: 7, num_proc=1, local_mode=True, verbose=0) == 7
+        assert signal.getsignal(signal.SIGINT) is mine
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert sparktrain.run(lambda: 8, num_proc=1, local_mode=True, verbose=0) == 8
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -28,7 +28,9 @@ from ..spec import SPILLED, TaskSpec
 from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory
 from .results import byte_size, load_result, placement
-from .server import Closed, DriverServer, Event, Failed, Hello, JobDone, Output, Progress, Refused, Stacks
+from .interrupts import Interrupts
+from .server import (Closed, DriverServer, Event, Failed, Hello, Interrupted, JobDone, Output, Progress, Refused,
+                     Stacks)
 from .stalls import StallWatch, collect_stacks, user_frames
 
 log = logging.getLogger("sparktrain")
@@ -131,7 +133,7 @@ class Attempt:
         else:
             self.phase = Phase.RUNNING  # ranks rendezvous through Spark; nothing tells the driver
         self.spec = spec
-        self.events: queue.Queue[Event] | None = self.server.events if self.server else None
+        self.events: queue.SimpleQueue[Event] | None = self.server.events if self.server else None
         # The job wakes the loop the moment it ends, through the same queue as the ranks' events.
         try:
             self.job: Job = make_job(spec, (lambda: self.events.put(JobDone())) if self.events else (lambda: None))
@@ -147,6 +149,9 @@ class Attempt:
         self.start_seconds: float | None = None
         #: Why this attempt is stopping: the error it raises unless ranks reported a failure.
         self.stopping: SparkTrainError | None = None
+        # Ctrl-C (a notebook's stop button) is raised at the top of a turn of the supervision loop,
+        # never inside one of its waits (see sparktrain.driver.interrupts).
+        self.interrupts = Interrupts((lambda: self.events.put(Interrupted())) if self.events else (lambda: None))
         self.stalls = StallWatch(spec.size, spec.stall_warning, self.hosts,
                                  self.server.request_stacks if self.server else lambda ranks: None)
 
@@ -155,17 +160,29 @@ class Attempt:
         """Start the job and watch it until it ends; return rank 0's value or raise one error."""
         tail = self._output_tail()
         try:
+            with self.interrupts:
+                self._supervise()
+        finally:
+            if self.server is not None:
+                self.server.close()
+            if tail is not None:
+                tail.stop()
+        return self._outcome()
+
+    def _supervise(self) -> None:
+        try:
             self.job.start()
             of = f" (attempt {self.spec.attempt} of {self.max_attempts})" if self.max_attempts > 1 else ""
             log.info("sparktrain: launching %d rank(s) of %s, run %s%s", self.spec.size, self.info.fn_name,
                      self.info.run_id, of)
             while self.phase is not Phase.ENDED:
+                self.interrupts.check()
                 self._handle(self._next_event(TICK))
                 self._step()
             self._drain()
         except BaseException as e:
-            # KeyboardInterrupt (a notebook's stop button) or any driver-side error: stop everything,
-            # after saying what every rank was doing when the user stopped it.
+            # KeyboardInterrupt or any driver-side error: stop everything, after saying what every
+            # rank was doing when the user stopped it.
             if isinstance(e, KeyboardInterrupt):
                 try:
                     self._print_stacks()
@@ -173,12 +190,6 @@ class Attempt:
                     pass  # interrupted again: stop the ranks without them
             self._stop("the driver was interrupted")
             raise
-        finally:
-            if self.server is not None:
-                self.server.close()
-            if tail is not None:
-                tail.stop()
-        return self._outcome()
 
     def _output_tail(self):
         """Without a channel, and with a log_url, the ranks' output comes here through storage."""
@@ -261,7 +272,7 @@ class Attempt:
             self.disconnected.add(event.rank)
         elif isinstance(event, Refused):
             log.warning("sparktrain: refused a connection from %s (%s)", event.peer, event.reason)
-        elif isinstance(event, JobDone) or event is None:
+        elif isinstance(event, (JobDone, Interrupted)) or event is None:
             pass  # _step looks at the job itself
 
     def _print_stacks(self) -> None:
@@ -270,6 +281,7 @@ class Attempt:
             return
 
         def next_stacks(timeout: float):
+            self.interrupts.check(allowed=1)
             event = self._next_event(min(timeout, TICK))
             if isinstance(event, Stacks):
                 return event.rank, event.text
@@ -295,6 +307,7 @@ class Attempt:
             if event is None:
                 return
             self._handle(event)
+            self.interrupts.check()
 
     def _stop(self, reason: str) -> None:
         """Stop every rank: ask them (they terminate their process groups), then cancel the job."""

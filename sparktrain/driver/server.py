@@ -87,7 +87,12 @@ class JobDone:
     """The Spark (or local) job ended; put on the queue by the job itself, to wake the loop at once."""
 
 
-Event = Union[Hello, Output, Failed, Progress, Stacks, Closed, Refused, JobDone]
+@dataclasses.dataclass(frozen=True)
+class Interrupted:
+    """The driver got SIGINT; put on the queue by the signal handler, to wake the loop at once."""
+
+
+Event = Union[Hello, Output, Failed, Progress, Stacks, Closed, Refused, JobDone, Interrupted]
 
 
 class DriverServer:
@@ -102,7 +107,9 @@ class DriverServer:
     def __init__(self, secret: bytes, size: int, host: str, heartbeat_timeout: float = 0.0):
         self.secret = secret
         self.size = size
-        self.events: queue.Queue[Event] = queue.Queue()
+        # A SimpleQueue: its put and get take no lock written in Python, so an interrupt in the
+        # supervision loop cannot leave one held, and its put is safe in a signal handler.
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
         self._hellos: dict[int, dict] = {}

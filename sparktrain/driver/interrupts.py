@@ -1,0 +1,52 @@
+"""Ctrl-C while an attempt is supervised: counted by the signal handler, raised where it is safe.
+
+Python raises ``KeyboardInterrupt`` at whatever bytecode the main thread is at. When that is just
+after a lock was taken inside an ``__enter__`` written in Python (``threading.Condition``'s, under
+``queue.Queue.get`` and ``threading.Event.wait``), the ``with`` block is never entered and the lock
+is never released: the supervision loop's next wait on it, and every thread that reports to it,
+then block for good. The driver hangs instead of printing the ranks' stacks and stopping them.
+
+So, while an attempt is supervised from the main thread, SIGINT only counts and wakes the loop;
+the loop raises ``KeyboardInterrupt`` at the top of its next turn (:meth:`Interrupts.check`), and a
+second interrupt cuts the stack report short. The handler that was there before comes back when
+supervision ends. A SIGINT that the process ignores stays ignored, and a run supervised from
+another thread keeps Python's own handling (only the main thread can set a handler).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Callable
+
+
+class Interrupts:
+    """``with Interrupts(wake) as interrupts:`` counts SIGINT and calls ``wake`` (which must be safe
+    in a signal handler: ``queue.SimpleQueue.put`` is) until the block ends."""
+
+    def __init__(self, wake: Callable[[], None] = lambda: None):
+        self._wake = wake
+        self._previous = None
+        #: SIGINTs received since the block began.
+        self.count = 0
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            # None: a handler not set from Python, which could not be put back; SIG_IGN: ignored on purpose.
+            if previous is not None and previous is not signal.SIG_IGN:
+                self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.count += 1
+        self._wake()
+
+    def check(self, allowed: int = 0) -> None:
+        """Raise ``KeyboardInterrupt`` if more than ``allowed`` interrupts came."""
+        if self.count > allowed:
+            raise KeyboardInterrupt
