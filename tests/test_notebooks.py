@@ -30,6 +30,9 @@ def executed(tmp_path_factory, azurite):
     from sparktrain import storage
 
     workdir = tmp_path_factory.mktemp("notebooks")
+    # The temporary files of the kernel, its Spark and the ranks go here, so that what they leave is seen.
+    tmpdir = workdir / "tmp"
+    tmpdir.mkdir()
     options = azurite.options()
     fs, _ = storage.filesystem("abfs://x", options)
     container = f"models-{uuid.uuid4().hex[:8]}"
@@ -39,7 +42,7 @@ def executed(tmp_path_factory, azurite):
            "CHECKPOINT_PREFIX": f"file://{workdir}/checkpoints",
            # The "python3" kernel of this environment first, before any user-wide one; jupyter_client
            # starts it with this interpreter.
-           "JUPYTER_PATH": os.path.join(sys.prefix, "share", "jupyter")}
+           "JUPYTER_PATH": os.path.join(sys.prefix, "share", "jupyter"), "TMPDIR": str(tmpdir)}
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
@@ -65,6 +68,7 @@ def executed(tmp_path_factory, azurite):
                         cells.append([out.text if out.output_type == "stream"
                                       else out.get("data", {}).get("text/plain", "") for out in cell.outputs])
                 found[name] = (cells, error)
+        found["_tmp_left"] = sorted(os.listdir(tmpdir))  # the kernel has shut down
     return found
 
 
@@ -188,3 +192,11 @@ def test_estimator_pipeline_fits_scores_saves_and_loads(executed):
     store = executed["_workdir"] / "models"
     runs = [p.name for p in store.iterdir()]
     assert len(runs) == 1 and (store / runs[0] / "model.keras").is_file(), runs
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(600)
+def test_the_notebooks_leave_no_temporary_files(executed):
+    """What the notebooks teach cleans up after itself: the ranks' train functions keep their
+    model files in temporary directories that go when they are done."""
+    assert executed["_tmp_left"] == [], executed["_tmp_left"]

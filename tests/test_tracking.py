@@ -207,13 +207,15 @@ def test_mlflow_run_on_the_driver_gets_params_averaged_metrics_and_the_model_and
     models = mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list",
                                          filter_string=f"source_run_id='{run.info.run_id}'")
     assert [m.name for m in models] == ["model"]
-    loaded = mlflow.keras.load_model(f"runs:/{run.info.run_id}/model")
+    # Downloaded under tmp_path: without dst_path, MLflow leaves a directory of its own behind.
+    loaded = mlflow.keras.load_model(f"runs:/{run.info.run_id}/model", dst_path=str(tmp_path / "loaded"))
     # Its requirements: the rank's keras, tensorflow and numpy, pinned (not inferred in a process of MLflow's).
     import keras
     import numpy
     import tensorflow
 
-    requirements = open(mlflow.pyfunc.get_model_dependencies(f"runs:/{run.info.run_id}/model")).read().split()
+    requirements = open(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model/requirements.txt",
+                                                            dst_path=str(tmp_path / "deps"))).read().split()
     assert {f"keras=={keras.__version__}", f"tensorflow=={tensorflow.__version__}",
             f"numpy=={numpy.__version__}"} <= set(requirements), requirements
     assert loaded.predict(__import__("numpy").zeros((2, 4), "float32"), verbose=0).shape == (2, 1)
