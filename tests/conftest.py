@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -41,10 +43,24 @@ def make_spark(master: str, **conf):
     from pyspark.sql import SparkSession
 
     settings = {**QUIET, **conf}
+    jvm_tmp = None
+    if not master.startswith("local["):
+        # Executors in JVMs of their own (local-cluster, standalone) get a temp dir of the session's:
+        # an executor that is killed (on purpose, or by its worker at the end) leaves the native
+        # library its JVM unpacked there (liblz4-java-*.so), and the session removes it when it stops.
+        jvm_tmp = tempfile.mkdtemp(prefix="sparktrain-tests-executors-")
+        settings["spark.executor.extraJavaOptions"] = (
+            f"{settings.get('spark.executor.extraJavaOptions', '')} -Djava.io.tmpdir={jvm_tmp}").strip()
     spark_conf = SparkConf(loadDefaults=False).setMaster(master).setAppName("sparktrain-tests")
     spark_conf.setAll(list(settings.items()))
-    session = SparkSession(SparkContext(conf=spark_conf))
+    try:
+        session = SparkSession(SparkContext(conf=spark_conf))
+    except BaseException:
+        if jvm_tmp is not None:
+            shutil.rmtree(jvm_tmp, ignore_errors=True)
+        raise
     session._test_settings = list(settings)
+    session._test_jvm_tmp = jvm_tmp
     if master.startswith("local-cluster["):
         _wait_for_executors(session, settings)
     return session
@@ -70,6 +86,8 @@ def stop_spark(session) -> None:
     session.stop()
     for key in getattr(session, "_test_settings", []):
         jvm.System.clearProperty(key)
+    if getattr(session, "_test_jvm_tmp", None):
+        shutil.rmtree(session._test_jvm_tmp, ignore_errors=True)
 
 
 def module_spark(master: str, **conf):
