@@ -1,4 +1,5 @@
-"""Shared test set-up: real Spark sessions (each module starts and stops its own) and pickling."""
+"""Shared test set-up: real Spark sessions (each module starts and stops its own), the JVMs' temp
+dir, and pickling."""
 from __future__ import annotations
 
 import os
@@ -43,24 +44,10 @@ def make_spark(master: str, **conf):
     from pyspark.sql import SparkSession
 
     settings = {**QUIET, **conf}
-    jvm_tmp = None
-    if not master.startswith("local["):
-        # Executors in JVMs of their own (local-cluster, standalone) get a temp dir of the session's:
-        # an executor that is killed (on purpose, or by its worker at the end) leaves the native
-        # library its JVM unpacked there (liblz4-java-*.so), and the session removes it when it stops.
-        jvm_tmp = tempfile.mkdtemp(prefix="sparktrain-tests-executors-")
-        settings["spark.executor.extraJavaOptions"] = (
-            f"{settings.get('spark.executor.extraJavaOptions', '')} -Djava.io.tmpdir={jvm_tmp}").strip()
     spark_conf = SparkConf(loadDefaults=False).setMaster(master).setAppName("sparktrain-tests")
     spark_conf.setAll(list(settings.items()))
-    try:
-        session = SparkSession(SparkContext(conf=spark_conf))
-    except BaseException:
-        if jvm_tmp is not None:
-            shutil.rmtree(jvm_tmp, ignore_errors=True)
-        raise
+    session = SparkSession(SparkContext(conf=spark_conf))
     session._test_settings = list(settings)
-    session._test_jvm_tmp = jvm_tmp
     if master.startswith("local-cluster["):
         _wait_for_executors(session, settings)
     return session
@@ -86,8 +73,6 @@ def stop_spark(session) -> None:
     session.stop()
     for key in getattr(session, "_test_settings", []):
         jvm.System.clearProperty(key)
-    if getattr(session, "_test_jvm_tmp", None):
-        shutil.rmtree(session._test_jvm_tmp, ignore_errors=True)
 
 
 def module_spark(master: str, **conf):
@@ -113,12 +98,32 @@ def _pickle_test_module_by_value(request):
     cloudpickle.unregister_pickle_by_value(module)
 
 
+#: The temp dir (java.io.tmpdir) of every JVM this test process starts, removed when the process is
+#: done: a JVM leaves the native library it unpacked (liblz4-java-*.so and its .lck) behind, at
+#: every exit for the driver's gateway and whenever a test or a worker kills an executor.
+_jvm_tmp: str | None = None
+
+
+def jvm_options() -> str:
+    """The options of every JVM this test process starts: a quick start and the process's temp dir."""
+    return f"{JVM_QUICK_START} -Djava.io.tmpdir={_jvm_tmp}" if _jvm_tmp else JVM_QUICK_START
+
+
 def pytest_configure(config):
+    global _jvm_tmp
+    _jvm_tmp = tempfile.mkdtemp(prefix="sparktrain-tests-jvm-")
+    QUIET["spark.driver.extraJavaOptions"] = f"{jvm_options()} -Dlog4j2.configurationFile={HERE}/log4j2-test.properties"
+    QUIET["spark.executor.extraJavaOptions"] = jvm_options()
     # Every JVM the suite starts through spark-submit (pyspark's gateway, the Connect server) or
-    # spark-class (standalone master and workers) starts quickly too.
-    os.environ.setdefault("SPARK_SUBMIT_OPTS", JVM_QUICK_START)
-    os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", JVM_QUICK_START)
+    # spark-class (standalone master and workers) starts quickly too, with that temp dir.
+    os.environ.setdefault("SPARK_SUBMIT_OPTS", jvm_options())
+    os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", jvm_options())
     config.addinivalue_line("markers", "spark: needs a real Spark session")
     config.addinivalue_line("markers", "multihost: runs on simulated hosts (tests/simhosts.py); needs root")
     config.addinivalue_line("markers", "slow: the slow multi-host tier, run before a release rather than in "
                                        "CI: pytest -m 'multihost and slow' -n 0")
+
+
+def pytest_unconfigure(config):
+    if _jvm_tmp:
+        shutil.rmtree(_jvm_tmp, ignore_errors=True)
