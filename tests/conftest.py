@@ -24,8 +24,6 @@ QUIET = {
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "4",
-    "spark.driver.extraJavaOptions": f"{JVM_QUICK_START} -Dlog4j2.configurationFile={HERE}/log4j2-test.properties",
-    "spark.executor.extraJavaOptions": JVM_QUICK_START,
 }
 
 
@@ -43,7 +41,7 @@ def make_spark(master: str, **conf):
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
-    settings = {**QUIET, **conf}
+    settings = {**QUIET, **jvm_conf(), **conf}
     spark_conf = SparkConf(loadDefaults=False).setMaster(master).setAppName("sparktrain-tests")
     spark_conf.setAll(list(settings.items()))
     session = SparkSession(SparkContext(conf=spark_conf))
@@ -109,11 +107,15 @@ def jvm_options() -> str:
     return f"{JVM_QUICK_START} -Djava.io.tmpdir={_jvm_tmp}" if _jvm_tmp else JVM_QUICK_START
 
 
+def jvm_conf() -> dict[str, str]:
+    """A Spark application's JVM options: :func:`jvm_options`, and the test log settings for its driver."""
+    log = f"-Dlog4j2.configurationFile={HERE}/log4j2-test.properties"
+    return {"spark.driver.extraJavaOptions": f"{jvm_options()} {log}", "spark.executor.extraJavaOptions": jvm_options()}
+
+
 def pytest_configure(config):
     global _jvm_tmp
     _jvm_tmp = tempfile.mkdtemp(prefix="sparktrain-tests-jvm-")
-    QUIET["spark.driver.extraJavaOptions"] = f"{jvm_options()} -Dlog4j2.configurationFile={HERE}/log4j2-test.properties"
-    QUIET["spark.executor.extraJavaOptions"] = jvm_options()
     # Every JVM the suite starts through spark-submit (pyspark's gateway, the Connect server) or
     # spark-class (standalone master and workers) starts quickly too, with that temp dir.
     os.environ.setdefault("SPARK_SUBMIT_OPTS", jvm_options())

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from conftest import jvm_options
+from conftest import jvm_conf
 from storage_servers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,10 +45,7 @@ class ConnectServer:
              "--conf", f"spark.connect.grpc.binding.port={self.port}",
              "--conf", f"spark.connect.grpc.binding.address={host}",
              "--conf", "spark.ui.enabled=false", "--conf", "spark.ui.showConsoleProgress=false",
-             "--conf", f"spark.driver.extraJavaOptions={jvm_options()} "
-             f"-Dlog4j2.configurationFile={HERE}/log4j2-test.properties",
-             "--conf", f"spark.executor.extraJavaOptions={jvm_options()}",
-             *[arg for k, v in (conf or {}).items() for arg in ("--conf", f"{k}={v}")]],
+             *[arg for k, v in {**jvm_conf(), **(conf or {})}.items() for arg in ("--conf", f"{k}={v}")]],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready(timeout)
 
