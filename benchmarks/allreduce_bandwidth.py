@@ -44,7 +44,7 @@ import shlex
 import sys
 import time
 
-from common import GlooGroup, HostSteal, machine_line, markdown_section, text_table, write_section
+from common import GlooGroup, HostSteal, machine_line, text_table, write_section
 
 COMPARE_BEGIN = "<!-- cpu_engines:begin -->"
 COMPARE_END = "<!-- cpu_engines:end -->"
@@ -318,14 +318,12 @@ def compare(args, command: str) -> int:
     print()
     print(text_table(cols, rows))
     if args.write:
-        write_section(args.write, markdown_section(
-            COMPARE_BEGIN, COMPARE_END, "CPU collective engines",
+        write_section(
+            args.write, COMPARE_BEGIN, COMPARE_END, "CPU collective engines",
             "Allreduce per call and busbw (= bytes / time x 2(n-1)/n, MB/s) of sparktrain's native engine beside "
             "TensorFlow's ring and Gloo, all measured in the same run. Written by "
             "`benchmarks/allreduce_bandwidth.py --compare`.",
-            machine, command, cols, rows, before_command=[method], first_left=False),
-                      COMPARE_BEGIN, COMPARE_END)
-        print(f"wrote the CPU-engines section of {args.write}")
+            machine, command, cols, rows, before_command=[method], first_left=False)
     return 0
 
 
@@ -481,15 +479,13 @@ def main(argv=None) -> int:
     print()
     print(summary)
     if args.write:
-        write_section(args.write, markdown_section(
-            SECTION_BEGIN, SECTION_END, "Allreduce bandwidth",
+        write_section(
+            args.write, SECTION_BEGIN, SECTION_END, "Allreduce bandwidth",
             "Time per `sparktrain.tensorflow.allreduce` call on float32 tensors, rank 0's median over the timed "
             "calls after a warm-up; algbw = bytes / time, busbw = algbw x 2(n-1)/n, in MB/s (10^6 B/s). "
             "Written by `benchmarks/allreduce_bandwidth.py`.",
             machine, command, cols, rows, before_command=[method], after_table=[summary[0].upper() + summary[1:]],
-            first_left=False),
-                      SECTION_BEGIN, SECTION_END)
-        print(f"wrote the allreduce-bandwidth section of {args.write}")
+            first_left=False)
     return 0
 
 

@@ -141,12 +141,16 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def markdown_section(begin: str, end: str, title: str, intro: str, machine: str, command: str,
-                     header: list[str], rows: list[list[str]], before_command=(), after_table=(),
-                     first_left: bool = True) -> str:
-    """A RESULTS.md section between ``begin`` and ``end``: what was measured, where, how, the table.
+def write_section(path: str, begin: str, end: str, title: str, intro: str, machine: str, command: str,
+                  header: list[str], rows: list[list[str]], before_command=(), after_table=(),
+                  first_left: bool = True) -> None:
+    """Put this benchmark's section into the results file ``path`` and say so.
 
-    A row shorter than the header (a failed contender and its reason) is padded with empty cells.
+    The section runs from ``begin`` through ``end`` (each script has its own markers): a heading,
+    what was measured, the machine, any ``before_command`` paragraphs, the command, the table and
+    any ``after_table`` paragraphs. It takes the old section's place, or goes at the end; the rest
+    of the file is kept. A row shorter than the header (a failed contender and its reason) is
+    padded with empty cells.
     """
     lines = [begin, f"## {title}", "", intro, "", f"Machine: {machine}", ""]
     for paragraph in before_command:
@@ -159,30 +163,22 @@ def markdown_section(begin: str, end: str, title: str, intro: str, machine: str,
     for paragraph in after_table:
         lines += ["", paragraph]
     lines.append(end)
-    return "\n".join(lines) + "\n"
-
-
-def write_section(path: str, section: str, begin_marker: str, end_marker: str) -> None:
-    """Put ``section`` in ``path`` in place of the old one (or at the end), keeping everything else.
-
-    The old section is the text from ``begin_marker`` through ``end_marker``; each script has
-    its own markers.
-    """
+    section = "\n".join(lines) + "\n"
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         text = ""
-    begin = text.find(begin_marker)
-    if begin >= 0:
-        end = text.find(end_marker, begin)
-        tail = text[end + len(end_marker):].lstrip("\n") if end >= 0 else ""
-        text = text[:begin] + section + ("\n" + tail if tail else "")
+    start = text.find(begin)
+    if start >= 0:
+        stop = text.find(end, start)
+        tail = text[stop + len(end):].lstrip("\n") if stop >= 0 else ""
+        text = text[:start] + section + ("\n" + tail if tail else "")
     else:
         text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+    print(f"wrote the section {title!r} of {path}")

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from common import machine_line, markdown_section, text_table, write_section  # noqa: E402
+from common import machine_line, text_table, write_section  # noqa: E402
 from connect_server import ConnectServer  # noqa: E402 - the test suite's Connect server launcher
 import launch_overhead  # noqa: E402
 from launch_overhead import FLOOR, SPARKTRAIN, TF_PEER, TORCH_PEER, benchmark, build_contenders  # noqa: E402
@@ -107,10 +107,10 @@ def main() -> int:
                  f"stage in two blocks, before and after sparktrain's. Each of `{SPARKTRAIN}`'s rank "
                  f"processes starts with its run, held while the ranks meet. "
                  f"{TF_PEER} is listed to show that it does not run over Connect; {TORCH_PEER} does.")
-        write_section(args.write, markdown_section(
-            SECTION_BEGIN, SECTION_END, "Launch overhead over Spark Connect", intro, machine,
+        write_section(
+            args.write, SECTION_BEGIN, SECTION_END, "Launch overhead over Spark Connect", intro, machine,
             f"python benchmarks/connect_overhead.py --repeats {args.repeats} --write benchmarks/RESULTS.md", header,
-            rows, after_table=[target_line]), SECTION_BEGIN, SECTION_END)
+            rows, after_table=[target_line])
     return 0
 
 

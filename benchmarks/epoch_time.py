@@ -51,7 +51,7 @@ import sys
 import time
 import traceback
 
-from common import HostSteal, machine_line, markdown_section, settle, short_reason, text_table, write_section
+from common import HostSteal, machine_line, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- epoch_time:begin -->"
 SECTION_END = "<!-- epoch_time:end -->"
@@ -609,15 +609,13 @@ def main(argv=None) -> int:
     print()
     print(target)
     if args.write:
-        write_section(args.write, markdown_section(
-            SECTION_BEGIN, SECTION_END, "Epoch time",
+        write_section(
+            args.write, SECTION_BEGIN, SECTION_END, "Epoch time",
             "Median epoch time of the same model, data and global batch, each contender run by `sparktrain.run` "
             "in the same invocation, timed inside the ranks (rank 0's view) with the first epoch of every run "
             "dropped. Written by `benchmarks/epoch_time.py`.",
             machine, command, HEADER, rows, before_command=[model[0].upper() + model[1:] + "."],
-            after_table=[target[0].upper() + target[1:]]),
-                      SECTION_BEGIN, SECTION_END)
-        print(f"wrote the epoch-time section of {args.write}")
+            after_table=[target[0].upper() + target[1:]])
     return 0 if all(c.status is None for c in contenders) else 1
 
 
@@ -638,8 +636,8 @@ def write_scaling(args, contenders: list[Contender], command: str) -> int:
     print()
     print(target)
     if args.write:
-        write_section(args.write, markdown_section(
-            SCALING_BEGIN, SCALING_END, "CPU scaling: 1 process against 2 ranks, 1 thread each",
+        write_section(
+            args.write, SCALING_BEGIN, SCALING_END, "CPU scaling: 1 process against 2 ranks, 1 thread each",
             "Samples per second of the same model and data: one process with one thread (confined to one core, "
             "as each pinned rank is, then free to use both cores for TensorFlow's inter-op and input threads); two "
             "processes that train alone side by side, never averaging (what two ranks could reach here if they "
@@ -651,9 +649,7 @@ def write_scaling(args, contenders: list[Contender], command: str) -> int:
             "An epoch's time is its slowest rank's. Host steal: the median share of the machine's CPU time the "
             "hypervisor gave elsewhere during the contender's epochs (/proc/stat). "
             "Written by `benchmarks/epoch_time.py --scaling`.",
-            machine, command, SCALING_HEADER, rows, before_command=[model], after_table=[target[0].upper() + target[1:]]),
-                      SCALING_BEGIN, SCALING_END)
-        print(f"wrote the CPU-scaling section of {args.write}")
+            machine, command, SCALING_HEADER, rows, before_command=[model], after_table=[target[0].upper() + target[1:]])
     return 0 if all(c.status is None for c in contenders) else 1
 
 

@@ -23,7 +23,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from common import machine_line, markdown_section, text_table, write_section  # noqa: E402
+from common import machine_line, text_table, write_section  # noqa: E402
 
 SECTION_BEGIN = "<!-- fault_bounds:begin -->"
 SECTION_END = "<!-- fault_bounds:end -->"
@@ -71,10 +71,8 @@ def main(argv=None) -> int:
                  f"scenario's bound. Median of {args.repeats} runs of the suite. Written by "
                  "`benchmarks/fault_bounds.py`.")
         notes = [f"{failed_runs} of {args.repeats} suite runs had a failing test."] if failed_runs else []
-        section = markdown_section(SECTION_BEGIN, SECTION_END, "Fault bounds", intro, machine, command,
-                                   header, rows, after_table=notes)
-        write_section(args.write, section, SECTION_BEGIN, SECTION_END)
-        print(f"wrote the fault section of {args.write}")
+        write_section(args.write, SECTION_BEGIN, SECTION_END, "Fault bounds", intro, machine, command,
+                      header, rows, after_table=notes)
     return 1 if failed_runs else 0
 
 

@@ -31,7 +31,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import machine_line, markdown_section, settle, short_reason, text_table, write_section  # noqa: E402
+from common import machine_line, settle, short_reason, text_table, write_section  # noqa: E402
 
 SECTION_BEGIN = "<!-- feed_throughput:begin -->"
 SECTION_END = "<!-- feed_throughput:end -->"
@@ -187,10 +187,9 @@ def main() -> int:
                  "first batch runs from the driver's `run` call to rank 0's first batch, so it includes the "
                  "launch, and for `data=` the shuffle and the spool. Every contender runs inside "
                  "`sparktrain.run` on the same session.")
-        write_section(args.write, markdown_section(
-            SECTION_BEGIN, SECTION_END, "DataFrame feeding throughput", intro, machine,
-            "python benchmarks/feed_throughput.py --write benchmarks/RESULTS.md", header, rows), SECTION_BEGIN,
-            SECTION_END)
+        write_section(
+            args.write, SECTION_BEGIN, SECTION_END, "DataFrame feeding throughput", intro, machine,
+            "python benchmarks/feed_throughput.py --write benchmarks/RESULTS.md", header, rows)
     spark.stop()
     return 0
 

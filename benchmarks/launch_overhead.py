@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from common import machine_line, markdown_section, settle, short_reason, text_table, write_section
+from common import machine_line, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- launch_overhead:begin -->"
 SECTION_END = "<!-- launch_overhead:end -->"
@@ -296,11 +296,9 @@ def main(argv=None) -> int:
         intro = (f"Wall time of one no-op run on {args.num_proc} ranks, each as one barrier stage of the same warm "
                  f"SparkSession: one untimed warm-up per contender, then {args.repeats} timed runs each, in a block "
                  "per contender. Ratios are medians over medians. Written by `benchmarks/launch_overhead.py`.")
-        write_section(args.write, markdown_section(
-            SECTION_BEGIN, SECTION_END, "Launch overhead", intro, machine, command, HEADER, rows,
-            after_table=[targets.replace("targets:", "Targets:", 1), warmups.replace("untimed", "Untimed", 1)]),
-            SECTION_BEGIN, SECTION_END)
-        print(f"wrote the launch-overhead section of {args.write}")
+        write_section(
+            args.write, SECTION_BEGIN, SECTION_END, "Launch overhead", intro, machine, command, HEADER, rows,
+            after_table=[targets.replace("targets:", "Targets:", 1), warmups.replace("untimed", "Untimed", 1)])
     return 0
 
 

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 
-from common import GlooGroup, machine_line, markdown_section, text_table, write_section
+from common import GlooGroup, machine_line, text_table, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -266,12 +266,8 @@ def main() -> int:
     if args.write:
         machine = machine_line(["torch"]).replace("local mode (no Spark)", "no Spark")
         command = " ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])
-        section = markdown_section(
-            SECTION_BEGIN, SECTION_END, "Across simulated hosts",
-            INTRO,
-            machine, command, HEADER, rows)
-        write_section(args.write, section, SECTION_BEGIN, SECTION_END)
-        print(f"wrote the multi-host section of {args.write}")
+        write_section(args.write, SECTION_BEGIN, SECTION_END, "Across simulated hosts", INTRO, machine, command,
+                      HEADER, rows)
     return 0
 
 
@@ -313,15 +309,13 @@ def keras_scaling(args) -> int:
     if args.write:
         machine = machine_line(["tensorflow"], master="spark standalone on simulated hosts")
         command = " ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])
-        section = markdown_section(
-            KERAS_BEGIN, KERAS_END, "Keras across simulated hosts",
+        write_section(
+            args.write, KERAS_BEGIN, KERAS_END, "Keras across simulated hosts",
             "A Keras 3 fit of the digits CNN (epoch_time.py's) through sparktrain.run with DistributedOptimizer, "
             "on a Spark standalone cluster of simulated hosts (one core each), a fixed batch per rank (weak scaling): "
             "samples/s of the epochs after the first (median), against the same fit on one host. Ideal is the "
             "hosts' cores over one host's. Written by `benchmarks/multihost.py --keras`.",
             machine, command, KERAS_HEADER, rows)
-        write_section(args.write, section, KERAS_BEGIN, KERAS_END)
-        print(f"wrote the Keras section of {args.write}")
     return 0
 
 

@@ -32,7 +32,7 @@ import pandas as pd
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import machine_line, markdown_section, nproc, settle, text_table, write_section  # noqa: E402
+from common import machine_line, nproc, settle, text_table, write_section  # noqa: E402
 
 SECTION_BEGIN = "<!-- scoring:begin -->"
 SECTION_END = "<!-- scoring:end -->"
@@ -193,10 +193,10 @@ def _bench(args, store):
                  f"written to a noop sink; prediction batch {args.batch_size}. The ceiling per core is `model.predict` in a "
                  "process kept to one core (affinity and TensorFlow's thread pools); the same process on every core is "
                  "shown for reference. Written by `benchmarks/scoring.py`.")
-        write_section(args.write, markdown_section(
-            SECTION_BEGIN, SECTION_END, "Scoring throughput", intro, machine,
+        write_section(
+            args.write, SECTION_BEGIN, SECTION_END, "Scoring throughput", intro, machine,
             f"python benchmarks/scoring.py --rows {args.rows} --write benchmarks/RESULTS.md", header, rows,
-            after_table=[target]), SECTION_BEGIN, SECTION_END)
+            after_table=[target])
     spark.stop()
     return 0
 

@@ -21,7 +21,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from common import machine_line, markdown_section, text_table, write_section  # noqa: E402
+from common import machine_line, text_table, write_section  # noqa: E402
 from storage_servers import Azurite  # noqa: E402 - the test suite's Azurite launcher
 
 SECTION_BEGIN = "<!-- storage_throughput:begin -->"
@@ -109,10 +109,8 @@ def main(argv=None) -> int:
                  "process so its peak RSS growth is its own. sparktrain.storage streams a local file "
                  "(put_file/get_file: atomic, with a checksum); adlfs directly moves bytes already in memory "
                  "(fs.pipe/fs.cat). Written by `benchmarks/storage_throughput.py`.")
-        section = markdown_section(SECTION_BEGIN, SECTION_END, "Storage throughput", intro, machine, command,
-                                   header, rows)
-        write_section(args.write, section, SECTION_BEGIN, SECTION_END)
-        print(f"wrote the storage section of {args.write}")
+        write_section(args.write, SECTION_BEGIN, SECTION_END, "Storage throughput", intro, machine, command,
+                      header, rows)
     return 0
 
 

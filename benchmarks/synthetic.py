@@ -33,7 +33,7 @@ import sys
 import time
 import traceback
 
-from common import machine_line, markdown_section, settle, short_reason, text_table, write_section
+from common import machine_line, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- synthetic:begin -->"
 SECTION_END = "<!-- synthetic:end -->"
@@ -222,14 +222,12 @@ def main(argv=None) -> int:
     print()
     print(text_table(HEADER, rows))
     if args.write:
-        write_section(args.write, markdown_section(
-            SECTION_BEGIN, SECTION_END, "Synthetic images/s: 1, 2 and 3 ranks per CPU engine",
+        write_section(
+            args.write, SECTION_BEGIN, SECTION_END, "Synthetic images/s: 1, 2 and 3 ranks per CPU engine",
             "Horovod's synthetic benchmark on sparktrain: a small ResNet-like Keras 3 model trained on random images "
             "with `DistributedGradientTape`, images/s per rank and in total, with sparktrain's native engine and "
             "with TensorFlow's ring; the ratio is the total over one rank's. Written by `benchmarks/synthetic.py`.",
-            machine, command, HEADER, rows, before_command=[setup + "."]),
-                      SECTION_BEGIN, SECTION_END)
-        print(f"wrote the synthetic section of {args.write}")
+            machine, command, HEADER, rows, before_command=[setup + "."])
     return 0 if all(c.status is None for c in contenders) else 1
 
 
