@@ -7,6 +7,7 @@ once, for ``run``, ``sparktrain check`` and the CLI; what Spark's errors say is 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from typing import Callable, Iterable, Mapping
 
 from ..errors import ClusterConfigError, InsufficientResourcesError
@@ -26,6 +28,20 @@ from .spark_errors import spark_error_reason
 def is_connect(spark) -> bool:
     """Whether ``spark`` is a Spark Connect session (its class lives in ``pyspark.sql.connect``)."""
     return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+#: What pyspark warns about where pandas 3 is installed (a regular expression): once per process,
+#: when it first imports its testing helpers (a SparkContext starting does), and on every Arrow stage.
+PYSPARK_PANDAS_WARNING = "PySpark does not yet fully support pandas"
+
+
+@contextlib.contextmanager
+def without_pandas_warning():
+    """Hide pyspark's pandas-version FutureWarning for what sparktrain itself asks of Spark: the
+    user did not cause it, and sparktrain's stages use no pandas API."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", PYSPARK_PANDAS_WARNING, FutureWarning)
+        yield
 
 log = logging.getLogger("sparktrain")
 
@@ -119,7 +135,8 @@ def start_session(master: str | None, conf: Iterable[tuple[str, str]] = ()):
         builder = builder.master(master).appName("sparktrain").config("spark.ui.showConsoleProgress", "false")
     for key, value in conf:
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    with without_pandas_warning():
+        spark = builder.getOrCreate()
     if master is not None:
         quiet_task_failures(spark)
     return spark

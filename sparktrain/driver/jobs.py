@@ -6,11 +6,10 @@ that ship a rank's work: ``sparktrain.executor.task`` is imported where a job st
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any, Callable, Protocol
 
 from ..spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
-from .cluster import is_connect
+from .cluster import is_connect, without_pandas_warning
 
 
 class Job(Protocol):
@@ -67,10 +66,6 @@ class _Background:
         return self._done.wait(timeout)
 
 
-#: What pyspark warns about on every Arrow stage where pandas 3 is installed (a regular expression).
-PYSPARK_PANDAS_WARNING = "PySpark does not yet fully support pandas"
-
-
 class BarrierJob(_Background):
     """One Spark job, collected on a background thread under its own job group, so it can be cancelled.
 
@@ -105,10 +100,8 @@ class BarrierJob(_Background):
         return self._quiet_collect()
 
     def _quiet_collect(self) -> list:
-        """Collect, without the pandas-version FutureWarning pyspark gives for every Arrow stage:
-        the user did not cause it, and sparktrain's stages use no pandas API."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", PYSPARK_PANDAS_WARNING, FutureWarning)
+        """Collect, without pyspark's pandas-version FutureWarning (``cluster.without_pandas_warning``)."""
+        with without_pandas_warning():
             return self._collect()
 
     def cancel(self) -> None:
