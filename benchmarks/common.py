@@ -5,7 +5,9 @@ import datetime
 import os
 import platform
 import re
+import sys
 import time
+import traceback
 
 
 def settle(max_wait: float = 15.0, busy_percent: float = 25.0) -> None:
@@ -67,6 +69,16 @@ class GlooGroup:
 
     def close(self) -> None:
         self.dist.destroy_process_group()
+
+
+def failed(name: str, exc: BaseException, when: str = "") -> str:
+    """A contender's status after ``exc``: ``failed: <short reason>`` for the table; its full
+    traceback goes to stderr between two marker lines. One contender failing must not stop the
+    others, so the scripts carry on after this."""
+    print(f"--- {name} failed{' during ' + when if when else ''}; full error follows ---", file=sys.stderr)
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    print(f"--- end of {name} error ---", file=sys.stderr, flush=True)
+    return f"failed: {short_reason(exc)}"
 
 
 def short_reason(exc: BaseException, limit: int = 160) -> str:

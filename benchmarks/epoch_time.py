@@ -49,9 +49,8 @@ import shlex
 import statistics
 import sys
 import time
-import traceback
 
-from common import HostSteal, machine_line, settle, short_reason, text_table, write_section
+from common import HostSteal, failed, machine_line, settle, short_reason, text_table, write_section
 
 SECTION_BEGIN = "<!-- epoch_time:begin -->"
 SECTION_END = "<!-- epoch_time:end -->"
@@ -478,10 +477,7 @@ def benchmark(contenders: list[Contender], rounds: int, settle_s: float, timeout
             except KeyboardInterrupt:
                 raise
             except BaseException as e:  # noqa: BLE001 - one contender failing must not stop the others
-                c.status = f"failed: {short_reason(e)}"
-                print(f"--- {c.name} failed; full error follows ---", file=sys.stderr)
-                traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-                print(f"--- end of {c.name} error ---", file=sys.stderr, flush=True)
+                c.status = failed(c.name, e)
 
 
 HEADER = ["contender", "ranks x batch", "steps/epoch", "timed epochs", "median epoch s", "min s", "max s",

@@ -26,12 +26,11 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import machine_line, settle, short_reason, text_table, write_section  # noqa: E402
+from common import failed, machine_line, settle, text_table, write_section  # noqa: E402
 
 SECTION_BEGIN = "<!-- feed_throughput:begin -->"
 SECTION_END = "<!-- feed_throughput:end -->"
@@ -164,8 +163,7 @@ def main() -> int:
             got = go(time.time())
             results[name] = {"first": got["first"], "rows_per_s": got["rows_per_s"] * RANKS}
         except Exception as exc:  # noqa: BLE001 - one contender failing must not stop the others
-            traceback.print_exc()
-            results[name] = f"failed: {short_reason(exc)}"
+            results[name] = failed(name, exc)
     shutil.rmtree(work, ignore_errors=True)
 
     ceiling = results["in-memory numpy (ceiling)"]

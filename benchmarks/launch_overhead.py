@@ -29,10 +29,9 @@ import statistics
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable
 
-from common import machine_line, settle, short_reason, text_table, write_section
+from common import failed, machine_line, settle, text_table, write_section
 
 SECTION_BEGIN = "<!-- launch_overhead:begin -->"
 SECTION_END = "<!-- launch_overhead:end -->"
@@ -156,10 +155,7 @@ def attempt(spark, c: Contender, timeout: float, when: str) -> float | None:
     except BaseException as e:  # noqa: BLE001 - a failing peer must not stop the benchmark
         if isinstance(e, KeyboardInterrupt):
             raise
-        c.status = f"failed: {short_reason(e)}"
-        print(f"--- {c.name} failed during {when}; full error follows ---", file=sys.stderr)
-        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-        print(f"--- end of {c.name} error ---", file=sys.stderr, flush=True)
+        c.status = failed(c.name, e, when)
         return None
 
 

@@ -31,9 +31,8 @@ import shlex
 import statistics
 import sys
 import time
-import traceback
 
-from common import machine_line, settle, short_reason, text_table, write_section
+from common import failed, machine_line, settle, text_table, write_section
 
 SECTION_BEGIN = "<!-- synthetic:begin -->"
 SECTION_END = "<!-- synthetic:end -->"
@@ -147,9 +146,7 @@ def run_all(contenders: list[Contender], args) -> None:
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # noqa: BLE001 - one contender failing must not stop the others
-            c.status = f"failed: {short_reason(e)}"
-            print(f"--- {c.name} failed; full error follows ---", file=sys.stderr)
-            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+            c.status = failed(c.name, e)
             continue
         print(f"{c.name:<28} run {time.perf_counter() - started:6.1f} s, img/s per rank "
               + " ".join(f"{v:.1f}" for v in c.out["per_rank"]), file=sys.stderr, flush=True)

@@ -1,5 +1,5 @@
-"""The benchmarks' shared report writer: a script's section of RESULTS.md is replaced in place,
-and nothing else in the file changes."""
+"""The benchmarks' shared helpers: a script's section of RESULTS.md is replaced in place,
+and nothing else in the file changes; a failed contender is reported in one line and in full."""
 import importlib.util
 import pathlib
 
@@ -34,3 +34,15 @@ def test_a_section_is_written_then_replaced_in_place_and_the_rest_is_kept(tmp_pa
     assert "kept before\n\n<!-- b:begin -->\n## Second\n\nwhat b measures\n\nMachine: m2\n\nSetup.\n\n" in text
     assert "|---:|---:|\n| three/four | 2 |\n<!-- b:end -->\n\nkept after\n" in text
     assert text.count("## First") == 1 and not list(tmp_path.glob("*.tmp*"))
+
+
+def test_a_failed_contender_gets_a_one_line_status_and_its_whole_traceback_on_stderr(capsys):
+    common = _common()
+    try:
+        raise RuntimeError("outer wrapper\nValueError: the real reason | with a pipe")
+    except RuntimeError as e:
+        status = common.failed("peer", e, "warm-up")
+    assert status == "failed: ValueError: the real reason / with a pipe"
+    err = capsys.readouterr().err
+    assert err.startswith("--- peer failed during warm-up; full error follows ---\nTraceback")
+    assert err.rstrip().endswith("--- end of peer error ---") and "outer wrapper" in err
