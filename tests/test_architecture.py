@@ -41,7 +41,9 @@ LAYERS = "Layers: ml over keras over tensorflow over engine"
     ("engine/topology.py", "from ..tensorflow import runtime", ["The pure modules import neither side", LAYERS, CIRCLES]),
     ("driver/feed.py", "from . import run", [CIRCLES]),
     ("tensorflow/kernels.py", "from . import timeline", [CIRCLES]),
-    ("driver/run.py", "from ..ml import estimator", ["The Spark ML stages build on run; neither side of a run imports them"]),
+    # ml imports the driver side (model.py: cluster.without_pandas_warning), so this is a circle too.
+    ("driver/run.py", "from ..ml import estimator", ["The Spark ML stages build on run; neither side of a run imports them",
+                                                     CIRCLES]),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path, module, line, contracts):
     shutil.copytree(os.path.join(ROOT, "sparktrain"), tmp_path / "sparktrain",
