@@ -35,8 +35,8 @@ class Report:
     def line(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
 
-    def field(self, label: str, value: str) -> None:
-        self.line(f"  {label:<18} {value}")
+    def field(self, label: str, value: str, width: int = 18) -> None:
+        self.line(f"  {label:<{width}} {value}")
 
     def ok(self, text: str) -> None:
         self.line(f"  [ok]   {text}")
@@ -342,7 +342,9 @@ def _hosts(report: Report, driver: dict, tasks: list[dict], conf: Mapping[str, s
     seen: dict[str, list[dict]] = {}
     for t in tasks:
         seen.setdefault(t["address"].rsplit(":", 1)[0], []).append(t)
-    for host, ts in [("the driver", [driver]), *seen.items()]:
+    rows = [("the driver", [driver]), *seen.items()]
+    width = max(18, *(len(f"{host} ({len(ts)} task(s))") for host, ts in rows))
+    for host, ts in rows:
         t = ts[0]
         networks = t.get("networks") or {}
         line = f"{t.get('cpus') or '?'} CPU(s); " + nics.describe({k: v for k, v in networks.items() if k != "lo"})
@@ -351,7 +353,7 @@ def _hosts(report: Report, driver: dict, tasks: list[dict], conf: Mapping[str, s
             line += f"; nics -> {picked or 'no address'}"
             if picked is None:
                 report.fail(nics.no_match(chosen, host if t is driver else f"executor host {host}", networks))
-        report.field(host if t is driver else f"{host} ({len(ts)} task(s))", line)
+        report.field(host if t is driver else f"{host} ({len(ts)} task(s))", line, width)
 
 
 def _engines(report: Report, driver: dict, tasks: list[dict]) -> None:
