@@ -342,10 +342,10 @@ def _hosts(report: Report, driver: dict, tasks: list[dict], conf: Mapping[str, s
     seen: dict[str, list[dict]] = {}
     for t in tasks:
         seen.setdefault(t["address"].rsplit(":", 1)[0], []).append(t)
-    rows = [("the driver", [driver]), *seen.items()]
-    width = max(18, *(len(f"{host} ({len(ts)} task(s))") for host, ts in rows))
-    for host, ts in rows:
-        t = ts[0]
+    rows = [("the driver", "the driver", driver)]
+    rows += [(host, f"{host} ({len(ts)} task(s))", ts[0]) for host, ts in seen.items()]
+    width = max(18, *(len(label) for _, label, _ in rows))
+    for host, label, t in rows:
         networks = t.get("networks") or {}
         line = f"{t.get('cpus') or '?'} CPU(s); " + nics.describe({k: v for k, v in networks.items() if k != "lo"})
         if chosen:
@@ -353,7 +353,7 @@ def _hosts(report: Report, driver: dict, tasks: list[dict], conf: Mapping[str, s
             line += f"; nics -> {picked or 'no address'}"
             if picked is None:
                 report.fail(nics.no_match(chosen, host if t is driver else f"executor host {host}", networks))
-        report.field(host if t is driver else f"{host} ({len(ts)} task(s))", line, width)
+        report.field(label, line, width)
 
 
 def _engines(report: Report, driver: dict, tasks: list[dict]) -> None:

@@ -53,6 +53,7 @@ def test_check_passes_on_local_3():
     hosts = [line for line in out.splitlines() if re.match(rf"  (the driver|\S+ \(3 task\(s\)\)) +{cpus} CPU\(s\); ", line)]
     assert len(hosts) == 2, out
     assert len({line.index(f" {cpus} CPU(s)") for line in hosts}) == 1, hosts  # the values in one column
+    assert re.search(rf"^  \S+ \(3 task\(s\)\) {cpus} CPU\(s\); ", out, re.M), out  # as wide as the widest label
     assert re.search(r"^  s3fs +driver: [\d.]+; executors: imports on 3 of 3$", out, re.M), out
     assert "[FAIL]" not in out and out.rstrip().endswith("Result: OK, sparktrain.run can launch on this cluster")
 

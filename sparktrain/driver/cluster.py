@@ -37,8 +37,9 @@ PYSPARK_PANDAS_WARNING = "PySpark does not yet fully support pandas"
 
 @contextlib.contextmanager
 def without_pandas_warning():
-    """Hide pyspark's pandas-version FutureWarning for what sparktrain itself asks of Spark: the
-    user did not cause it, and sparktrain's stages use no pandas API."""
+    """Hide pyspark's pandas-version FutureWarning for what sparktrain itself asks of Spark (its
+    session, its stages, the scoring UDF): the user did not cause it, the stages use no pandas API,
+    and the scoring is tested with pandas 3."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", PYSPARK_PANDAS_WARNING, FutureWarning)
         yield
