@@ -13,7 +13,7 @@ import dataclasses
 import warnings
 from typing import Any
 
-from ..errors import InvalidArgumentError, SparkTrainError
+from ..errors import InvalidArgumentError
 from .collectives import allreduce, global_process_set
 from .compression import Compression
 from .gradients import check_process_set, reduce_except_local
@@ -42,8 +42,6 @@ class GradientReduction:
     #: ``id()`` of each variable registered with ``register_local_var``, and the variables.
     local_vars: dict = dataclasses.field(default_factory=dict)
     local_layers: list = dataclasses.field(default_factory=list)
-    #: The variables of the update being applied (see _backend_apply_gradients).
-    pending_variables: list | None = None
 
     def local_ids(self) -> set[int]:
         ids = set(self.local_vars)
@@ -245,7 +243,7 @@ def _distributed_class(base: type) -> type:
     cls = _wrapped_classes.get(base)
     if cls is None:
         cls = type(base.__name__, (base,), {
-            "_backend_apply_gradients": _backend_apply_gradients,
+            "_backend_update_step": _backend_update_step,
             "_clip_gradients": _clip_gradients,
             "register_local_var": register_local_var,
             "_sparktrain_distributed": True,
@@ -282,27 +280,22 @@ def local_variables(optimizer) -> list:
     return list(found.values())
 
 
-def _backend_apply_gradients(self, grads, trainable_variables):
-    # Keras calls _clip_gradients once per update, inside the applying branch when it
-    # accumulates; it does not pass the variables there, so they are kept for that call, on
-    # the reduction settings: a list set on the optimizer itself would be tracked by Keras as
-    # optimizer variables.
-    reduction = _reduction_of(self)
-    reduction.pending_variables = list(trainable_variables)
-    try:
-        return super(type(self), self)._backend_apply_gradients(grads, trainable_variables)
-    finally:
-        reduction.pending_variables = None
+def _backend_update_step(self, grads, trainable_variables, learning_rate):
+    # Every Keras 3 release from 3.2 on (master too) calls _backend_update_step(grads, variables,
+    # learning_rate) once per applied update, with the gradients unscaled and, when it
+    # accumulates, already summed and averaged over the passes: the one place to reduce. Keras
+    # 3.2 clips in apply() (every pass, before accumulating), later releases just before this
+    # call; so Keras's own clipping is deferred (_clip_gradients below) and done here, after the
+    # reduction, as Horovod does, whichever release runs.
+    base = super(type(self), self)
+    grads = reduce_gradients(list(grads), list(trainable_variables), _reduction_of(self))
+    grads = base._clip_gradients(grads)
+    return base._backend_update_step(grads, trainable_variables, learning_rate)
 
 
 def _clip_gradients(self, grads):
-    reduction = _reduction_of(self)
-    variables = reduction.pending_variables
-    if variables is None or len(variables) != len(grads):
-        raise SparkTrainError("DistributedOptimizer could not match gradients to variables; this Keras version "
-                              "calls _clip_gradients differently from Keras 3.15")
-    grads = reduce_gradients(list(grads), variables, reduction)
-    return super(type(self), self)._clip_gradients(grads)
+    # Deferred to _backend_update_step: clipping applies to the reduced gradients.
+    return grads
 
 
 def reduce_gradients(grads: list, variables: list, reduction: GradientReduction) -> list:
