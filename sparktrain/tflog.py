@@ -2,8 +2,13 @@
 
 TensorFlow 2.21 prints its start-up lines (the absl notice, oneDNN, the CUDA stubs) through absl
 before it reads ``TF_CPP_MIN_LOG_LEVEL``, twice: once per copy of absl in its shared libraries.
-A rank's output pump drops them as the variable asks (``executor/output.py``); on the driver,
-:func:`filtered_stderr` does the same while it imports and first runs TensorFlow. Pure: no TensorFlow import here.
+TensorFlow 2.17 and 2.19 print, whatever the variable says, errors that their CUDA plugins were
+registered twice (``Unable to register cuFFT/cuDNN/cuBLAS factory``, ``computation placer already
+registered``), in absl's format or in TensorFlow's own dated one: a flaw of how those wheels are
+linked, harmless on every host. A rank's output pump drops all of these as the level asks
+(``executor/output.py``, through :class:`StartupFilter`); on the driver, :func:`filtered_stderr`
+does the same while it imports and first runs TensorFlow. At level 0 (``verbose=2``) every line
+shows. Pure: no TensorFlow import here.
 """
 from __future__ import annotations
 
@@ -14,13 +19,18 @@ import sys
 import threading
 from typing import Iterator
 
-#: A C++ log line in absl's format, severity letter first (``I0000 00:00:17.5 123 port.cc:153] ...``).
-_CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\] ")
+#: A C++ log line in absl's format, severity letter first (``I0000 00:00:17.5 123 port.cc:153] ...``),
+#: or in TensorFlow's own, dated (``2026-11-27 02:25:27.679433: E external/.../cuda_fft.cc:485] ...``).
+_CPP_LOG_LINE = re.compile(r"^(?:([IWEF])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: ([IWEF])) "
+                           r"\S+:\d+\] ")
 _CPP_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
 #: What each of TensorFlow's two copies of absl prints once before its first line.
 _ABSL_PREINIT = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 #: What TensorFlow logs as an error at start-up when it finds no GPU: expected where no GPU is used.
-NO_GPU_LINE = re.compile(r"^E\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ cuda_\w+\.cc:\d+\] failed call to cuInit: ")
+NO_GPU_LINE = re.compile(r"^\S.*[ /]cuda_\w+\.cc:\d+\] failed call to cuInit: ")
+#: What TensorFlow 2.17-2.19 log as errors (and warnings) on every host: CUDA plugins registered twice.
+_REGISTERED_TWICE = re.compile(r"\] (?:Unable to register cu\w+ factory: Attempting to register factory for plugin \w+ "
+                               r"when one has already been registered|computation placer already registered\. )")
 #: The second line of TensorFlow's CPU-feature notice, which is not in absl's format.
 _CPU_FEATURES = re.compile(r"^To enable the following instructions: .* rebuild TensorFlow with the appropriate "
                            r"compiler flags\.$")
@@ -37,7 +47,38 @@ def below_log_level(line: str, level: int) -> bool:
     if line == _ABSL_PREINIT:
         return level >= 1
     m = _CPP_LOG_LINE.match(line)
-    return m is not None and _CPP_SEVERITY[m.group(1)] < level
+    return m is not None and _CPP_SEVERITY[m.group(1) or m.group(2)] < level
+
+
+class StartupFilter:
+    """Which of a process's stderr lines to drop at ``TF_CPP_MIN_LOG_LEVEL=level``: C++ lines below
+    the level, the CPU-feature notice's second line, and at level 1 or more the plugins'
+    registered-twice errors, and, where no GPU is used (``no_gpu``), the failed ``cuInit``. At
+    level 0 nothing is dropped. Every other line, errors included, passes.
+
+    >>> f = StartupFilter(2, no_gpu=True)
+    >>> f.drops("2026-11-27 02:25:27.679433: E external/x/cuda_fft.cc:485] Unable to register cuFFT factory: "
+    ...         "Attempting to register factory for plugin cuFFT when one has already been registered")
+    True
+    >>> f.drops("2026-11-27 02:25:27.679433: E external/x/rpc.cc:1] peer gone"), StartupFilter(0).drops(
+    ...     "E0000 00:00:1.5 1 cuda_platform.cc:52] failed call to cuInit: INTERNAL")
+    (False, False)
+    """
+
+    def __init__(self, level: int, no_gpu: bool = True):
+        self.level = level
+        self.no_gpu = no_gpu
+        self._after_cpu_notice = False  # the line after the CPU-feature notice's first line
+
+    def drops(self, line: str) -> bool:
+        if self.level <= 0:
+            return False
+        cpp = _CPP_LOG_LINE.match(line)
+        hidden = bool(below_log_level(line, self.level) or (self.no_gpu and NO_GPU_LINE.match(line))
+                      or (cpp and _REGISTERED_TWICE.search(line))
+                      or (self._after_cpu_notice and _CPU_FEATURES.match(line)))
+        self._after_cpu_notice = bool(cpp) and "cpu_feature_guard" in line and hidden
+        return hidden
 
 
 def level_from_env(environ=os.environ, unset: int = 0) -> int:
@@ -60,24 +101,20 @@ def level_from_env(environ=os.environ, unset: int = 0) -> int:
 @contextlib.contextmanager
 def filtered_stderr(level: int = 2, no_gpu: bool = True) -> Iterator[None]:
     """While the block runs (TensorFlow's import, and its first op, which looks for a GPU), pass
-    this process's stderr through the filter a rank's output gets: C++ lines below ``level`` are
-    dropped, and with ``no_gpu`` the line TensorFlow logs when it finds no GPU. Every other line
-    reaches stderr unchanged."""
+    this process's stderr through the filter a rank's output gets (:class:`StartupFilter`). Every
+    other line reaches stderr unchanged."""
     sys.stderr.flush()
     saved = os.dup(2)
     read_end, write_end = os.pipe()
     os.dup2(write_end, 2)
     os.close(write_end)
 
+    dropped = StartupFilter(level, no_gpu)
+
     def forward() -> None:
-        pending = False  # the line after the CPU-feature notice's first line
         with os.fdopen(read_end, "r", errors="replace") as lines:
             for line in lines:
-                text = line.rstrip("\n")
-                hidden = below_log_level(text, level) or (no_gpu and NO_GPU_LINE.match(text)) or \
-                    (pending and _CPU_FEATURES.match(text))
-                pending = bool(_CPP_LOG_LINE.match(text)) and "cpu_feature_guard" in text and hidden
-                if not hidden:
+                if not dropped.drops(line.rstrip("\n")):
                     os.write(saved, line.encode())
 
     reader = threading.Thread(target=forward, name="sparktrain-tflog", daemon=True)

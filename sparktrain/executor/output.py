@@ -14,7 +14,7 @@ import sys
 import time
 
 from .. import channel
-from ..tflog import NO_GPU_LINE, below_log_level
+from ..tflog import StartupFilter
 from ..errors import RankFailure
 from ..spec import TaskSpec
 from .stacks import StackDump, beat
@@ -40,8 +40,8 @@ class RankIO:
         #: When the driver was last heard from (monotonic), while the rank runs.
         self.heard = 0.0
         self.show = spec.output_ranks is None or rank in spec.output_ranks
-        #: The rank's TF_CPP_MIN_LOG_LEVEL: C++ log lines below it are dropped (see below_log_level).
-        self.log_level = 0
+        #: Drops TensorFlow's start-up lines as the rank's TF_CPP_MIN_LOG_LEVEL asks (set with the level).
+        self.startup = StartupFilter(0)
         #: Where the output also goes when the run has a log_url (see sparktrain.storage.outputlog).
         self.log = None
         #: The key the ranks' collective connections prove they hold (see collective_key).
@@ -95,8 +95,7 @@ class RankIO:
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, stream: str, line: str) -> None:
-        if stream == "stderr" and self.log_level and (
-                below_log_level(line, self.log_level) or (not self.spec.use_gpu and NO_GPU_LINE.match(line))):
+        if stream == "stderr" and self.startup.drops(line):
             return
         self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
         if not self.show:

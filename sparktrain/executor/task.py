@@ -94,7 +94,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                     raise InvalidArgumentError(layout.no_rows(empty[0]))
                 state.emit("stderr", spool.describe(rank))
                 layout.write_manifest(data_dir, rank, {n: [int(s.get(n, 0)) for s in shards] for n in spec.feed})
-            state.log_level = tflog.level_from_env(env)
+            state.startup = tflog.StartupFilter(tflog.level_from_env(env), no_gpu=not spec.use_gpu)
             with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
                 f.write(spec.payload)
             if spec.checkpoint is not None and rank == 0:
