@@ -319,6 +319,12 @@ def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
     for diff, ts in differs.items():
         report.fail(f"{diff} ({_where(ts)}); runs would stop with VersionMismatchError. Install the same versions "
                     "on the executors as on the driver")
+    old: dict[str, list[dict]] = {}
+    for t in tasks:
+        for problem in versions.below_floor(t["versions"]):
+            old.setdefault(problem, []).append(t)
+    for problem, ts in old.items():
+        report.fail(f"on the executors of {_where(ts)}, {problem}")
     for keras, ts in kerases.items():
         report.warn(f"keras: driver {want['keras']}, this executor {keras} ({_where(ts)}); a model saved on one "
                     "side may not load on the other")

@@ -60,3 +60,42 @@ def mismatches(driver: Mapping[str, str | None], here: Mapping[str, str | None])
         if _comparable(name, want) != _comparable(name, have):
             lines.append(f"{name}: driver {want}, this executor {have or 'not installed'}")
     return lines
+
+
+#: The oldest releases sparktrain runs with (docs/compatibility.md): Databricks 15.4 LTS ML's.
+FLOORS = {"tensorflow": "2.16", "keras": "3.2"}
+_FIXES = {"tensorflow": "pip install 'tensorflow>=2.16' (Keras 3 comes with it)",
+          "keras": "pip install 'keras>=3.2'; for Keras 2 code, use tf_keras through sparktrain.tensorflow.strategy()"}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for p in version.split("."):
+        digits = "".join(c for c in p if c.isdigit()) if p[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != p:
+            break  # '0rc1': the release part ends here
+    return tuple(parts)
+
+
+def below_floor(found: Mapping[str, str | None], names=tuple(FLOORS)) -> list[str]:
+    """One line per package of ``names`` in ``found`` older than sparktrain's floor, with the fix;
+    packages not installed are not reported.
+
+    >>> below_floor({"tensorflow": "2.15.1", "keras": "2.15.0"})[1]
+    "keras 2.15.0 is older than 3.2, the oldest sparktrain supports: pip install 'keras>=3.2'; for Keras 2 code, use tf_keras through sparktrain.tensorflow.strategy()"
+    >>> below_floor({"tensorflow": "2.16.0rc0", "keras": "3.2.1"}), below_floor({"keras": None})
+    ([], [])
+    """
+    return [f"{name} {found[name]} is older than {FLOORS[name]}, the oldest sparktrain supports: {_FIXES[name]}"
+            for name in names if found.get(name) and _release(found[name]) < _release(FLOORS[name])]
+
+
+def require_floor(*names: str) -> None:
+    """Raise ImportError naming the versions found and the fix where an installed package of
+    ``names`` is older than sparktrain's floor (read from package metadata: nothing is imported)."""
+    problems = below_floor({name: _package_version(name) for name in names}, names)
+    if problems:
+        raise ImportError("; ".join(problems))

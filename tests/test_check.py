@@ -168,3 +168,17 @@ def test_check_names_the_executors_python_and_each_module_a_task_needs(other_pyt
     assert proc.returncode == 1, out + proc.stderr[-3000:]
     assert re.search(rf"\[FAIL\] the executors' Python {re.escape(base)} cannot import (cloudpickle, )?pyarrow "
                      r"\(task 0 at \S+, task 1 at \S+\), which every rank's task imports", out), out
+
+
+def test_check_fails_naming_the_executors_whose_keras_is_older_than_the_floor(tmp_path):
+    """The executors find Keras 2.15 first (its metadata, ahead of site-packages on their
+    PYTHONPATH); the driver has today's. check names them, the version and the fix."""
+    info = tmp_path / "keras-2.15.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: keras\nVersion: 2.15.0\n\n")
+    proc = check("--master", "local[2]", "--conf", f"spark.executorEnv.PYTHONPATH={tmp_path}")
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr[-3000:]
+    assert re.search(r"\[FAIL\] on the executors of task 0 at \S+, task 1 at \S+, keras 2\.15\.0 is older than 3\.2, "
+                     r"the oldest sparktrain supports: pip install 'keras>=3\.2'", out), out
+    assert "keras 2.15.0 is older" not in out.split("Versions")[0]  # the driver's own Keras is not below it

@@ -27,6 +27,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from ..versions import require_floor
+
+require_floor("tensorflow", "keras")  # Keras 2 or an older TensorFlow fails here, with the versions and the fix
+
 from ..errors import InvalidArgumentError
 from ..localfiles import replaced_atomically
 from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401

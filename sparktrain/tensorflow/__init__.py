@@ -27,6 +27,10 @@ optimizer wrapper), ``sync_batch_norm`` and ``timeline``.
 """
 from __future__ import annotations
 
+from ..versions import require_floor
+
+require_floor("tensorflow")  # an older TensorFlow fails here, with the version found and the fix
+
 from .collectives import allgather, allreduce, barrier, broadcast, grouped_allgather, grouped_allreduce, join
 from .compression import Compression
 from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
