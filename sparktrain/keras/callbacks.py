@@ -97,7 +97,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 def _is_variable(v) -> bool:
     import tensorflow as tf
 
-    return isinstance(v, (keras.Variable, tf.Variable))
+    # A layer's variables are the backend's Variable class: keras.Variable itself from Keras 3.6
+    # or so, its base before (3.2-3.5 export a subclass of it as keras.Variable). The class right
+    # after keras.Variable in its MRO is that backend class in every release.
+    return isinstance(v, (keras.Variable.__mro__[1], keras.Variable, tf.Variable))
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
