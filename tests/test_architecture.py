@@ -41,7 +41,7 @@ LAYERS = "Layers: ml over keras over tensorflow over engine"
     ("engine/topology.py", "from ..tensorflow import runtime", ["The pure modules import neither side", LAYERS, CIRCLES]),
     ("driver/feed.py", "from . import run", [CIRCLES]),
     ("tensorflow/kernels.py", "from . import timeline", [CIRCLES]),
-    # ml imports the driver side (model.py: cluster.without_pandas_warning), so this is a circle too.
+    # ml imports the driver side (model.py: cluster.without_pyspark_warnings), so this is a circle too.
     ("driver/run.py", "from ..ml import estimator", ["The Spark ML stages build on run; neither side of a run imports them",
                                                      CIRCLES]),
 ])

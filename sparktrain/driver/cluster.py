@@ -36,13 +36,19 @@ PYSPARK_PANDAS_WARNING = "PySpark does not yet fully support pandas"
 
 
 @contextlib.contextmanager
-def without_pandas_warning():
-    """Hide pyspark's pandas-version FutureWarning for what sparktrain itself asks of Spark (its
-    session, its stages, the scoring UDF): the user did not cause it, the stages use no pandas API,
-    and the scoring is tested with pandas 3."""
+def without_pyspark_warnings():
+    """Hide the warnings pyspark gives for what sparktrain itself asks of Spark (its session, its
+    stages, the scoring UDF), which the user did not cause: the pandas-version FutureWarning (the
+    stages use no pandas API, and the scoring is tested with pandas 3); and pyspark 3.5's, at every
+    stage, a distutils DeprecationWarning from its check of the pandas and pyarrow versions, and a
+    ResourceWarning for the socket its collect leaves unclosed."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", PYSPARK_PANDAS_WARNING, FutureWarning)
+        warnings.filterwarnings("ignore", "distutils Version classes are deprecated", DeprecationWarning,
+                                r"pyspark\.sql\.pandas\.utils")
+        warnings.filterwarnings("ignore", "unclosed <socket", ResourceWarning)
         yield
+
 
 log = logging.getLogger("sparktrain")
 
@@ -136,7 +142,7 @@ def start_session(master: str | None, conf: Iterable[tuple[str, str]] = ()):
         builder = builder.master(master).appName("sparktrain").config("spark.ui.showConsoleProgress", "false")
     for key, value in conf:
         builder = builder.config(key, value)
-    with without_pandas_warning():
+    with without_pyspark_warnings():
         spark = builder.getOrCreate()
     if master is not None:
         quiet_task_failures(spark)

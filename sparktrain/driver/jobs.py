@@ -9,7 +9,7 @@ import threading
 from typing import Any, Callable, Protocol
 
 from ..spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
-from .cluster import is_connect, without_pandas_warning
+from .cluster import is_connect, without_pyspark_warnings
 
 
 class Job(Protocol):
@@ -100,8 +100,8 @@ class BarrierJob(_Background):
         return self._quiet_collect()
 
     def _quiet_collect(self) -> list:
-        """Collect, without pyspark's pandas-version FutureWarning (``cluster.without_pandas_warning``)."""
-        with without_pandas_warning():
+        """Collect, without the warnings pyspark gives for it (``cluster.without_pyspark_warnings``)."""
+        with without_pyspark_warnings():
             return self._collect()
 
     def cancel(self) -> None:

@@ -12,7 +12,7 @@ from pyspark import keyword_only
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
-from ..driver.cluster import without_pandas_warning
+from ..driver.cluster import without_pyspark_warnings
 from . import columns
 from .params import MODEL, set_defaults, with_params
 from .persistence import StageReader, StageWriter
@@ -63,7 +63,7 @@ class KerasModel(Model, MLReadable, MLWritable):
         scalar = [all(d == 1 for d in shape) for shape in shapes]
         fields = [StructField(c, FloatType() if s else ArrayType(FloatType())) for c, s in zip(out_cols, scalar)]
         in_shapes = [[int(d) if d is not None else -1 for d in t.shape[1:]] for t in model.inputs]
-        with without_pandas_warning():
+        with without_pyspark_warnings():
             predict = predict_batch_udf(
                 _Loader(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), out_cols, scalar),
                 return_type=StructType(fields), batch_size=self.getBatchSize(), input_tensor_shapes=in_shapes)
