@@ -258,11 +258,29 @@ def test_bad_input_is_refused_before_any_spark_job(spark):
         KerasEstimator(transformation_fn=lambda row: row)
 
 
-def test_the_docs_name_every_refused_horovod_parameter_and_why():
-    from sparktrain.ml import NOT_SUPPORTED
+#: Horovod's KerasEstimator parameters (horovod/spark/keras/estimator.py and common/params.py).
+HOROVOD_PARAMS = (
+    "num_proc", "model", "backend", "store", "custom_objects", "optimizer", "loss", "loss_weights", "sample_weight_col",
+    "gradient_compression", "metrics", "feature_cols", "label_cols", "validation", "callbacks", "batch_size",
+    "val_batch_size", "epochs", "verbose", "random_seed", "shuffle_buffer_size", "shuffle", "partitions_per_process",
+    "run_id", "train_steps_per_epoch", "validation_steps_per_epoch", "transformation_fn", "transformation_edit_fields",
+    "transformation_removed_fields", "train_reader_num_workers", "val_reader_num_workers", "reader_pool_type",
+    "label_shapes", "checkpoint_callback", "inmemory_cache_all", "backend_env", "use_gpu", "mp_start_method",
+    "compress_sparse_cols",
+)
 
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "estimator.md")).read()
-    for name, why in NOT_SUPPORTED.items():
-        line = next((line for line in text.splitlines() if f"`{name}`" in line), "")
-        assert line, name
-        assert why.split(";")[0].split(":")[0].strip("`") in line.replace("`", ""), (name, line)
+
+def test_the_docs_decide_every_horovod_parameter_and_say_why():
+    from sparktrain.ml import NO_EFFECT, NOT_SUPPORTED, KerasEstimator
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                             "from-horovod.md")).read()
+    rows = text[text.index("## The Spark estimator"):].splitlines()
+    for name in HOROVOD_PARAMS:
+        assert name in KerasEstimator._specs or name in NOT_SUPPORTED, name
+        assert any(line.startswith("| ") and f"`{name}`" in line.split(" | ")[0] for line in rows), name
+    for table, word in ((NOT_SUPPORTED, "refused"), (NO_EFFECT, "accepted")):
+        for name, why in table.items():
+            line = next(line for line in rows if line.startswith("| ") and f"`{name}`" in line.split(" | ")[0])
+            assert word in line, (name, line)
+            assert why.split(";")[0].split(":")[0] in line.replace("`", ""), (name, line)

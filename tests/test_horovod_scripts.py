@@ -1,4 +1,5 @@
-"""Horovod-style TF2/Keras scripts, unchanged but for their imports, on 3 ranks through `sparktrain run --local`."""
+"""Horovod-style scripts, unchanged but for their imports: TF2/Keras scripts on 3 ranks through
+`sparktrain run --local`, and a Spark estimator script run as Horovod's examples are, with python."""
 from __future__ import annotations
 
 import os
@@ -67,3 +68,23 @@ def test_synthetic_benchmark_script_prints_images_per_second(tmp_path):
     assert float(total.group(1)) == pytest.approx(3 * float(per.group(1)), abs=0.2)
     assert min(iters) - 0.1 <= float(per.group(1)) <= max(iters) + 0.1
     assert not rank_lines(proc.stdout, 1) and not rank_lines(proc.stdout, 2)  # Horovod's log(): rank 0 only
+
+
+@pytest.mark.timeout(480)
+def test_keras_spark_estimator_script_trains_and_scores_a_dataframe(tmp_path):
+    """Horovod's keras_spark_mnist.py, on the digits: libsvm's sparse 64-long vectors feed an (8, 8, 1)
+    input, OneHotEncoder's sparse labels the softmax; SparkBackend, Store.create and
+    inmemory_cache_all as Horovod's."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYSPARK_PYTHON=sys.executable, SPARKTRAIN_COLLECTIVE_TIMEOUT="60")
+    env.pop("PYSPARK_GATEWAY_PORT", None)
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "keras_spark_digits.py"), "--num-proc", "2",
+                           "--epochs", "2", "--work-dir", str(tmp_path / "store"), "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=420, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    accuracy = [float(m.group(1)) for m in re.finditer(r"^Test accuracy: ([\d.]+)$", proc.stdout, re.M)]
+    assert len(accuracy) == 1 and accuracy[0] > 0.7, proc.stdout[-3000:]
+    # The backend's prefix_output_with_timestamp: rank 0's Keras lines carry the time.
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \[0\]<stdout>:Epoch 2/2$", proc.stdout, re.M), proc.stdout[-3000:]
+    assert proc.stderr.count("inmemory_cache_all=True has no effect here") == 1, proc.stderr[-3000:]
+    runs = os.listdir(tmp_path / "store" / "runs")
+    assert len(runs) == 1 and os.path.exists(tmp_path / "store" / "runs" / runs[0] / "model.keras"), runs

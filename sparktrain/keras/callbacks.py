@@ -264,8 +264,9 @@ class BestModelCheckpoint(keras.callbacks.Callback):
     """Keep the best model seen so far at ``filepath``: rank 0 saves it whenever ``monitor`` improves.
 
     Horovod's callback (``monitor``, ``verbose``, ``save_weights_only``, ``mode``, ``save_freq``)
-    takes its path from the Spark estimator that sets ``filepath``; here pass ``filepath=``
-    yourself (a local or mounted path ending in ``.keras``, or ``.weights.h5`` with
+    takes its path from the Spark estimator that sets ``filepath``, and so does
+    ``sparktrain.ml.KerasEstimator(checkpoint_callback=...)``; elsewhere pass ``filepath=`` yourself
+    (a local or mounted path ending in ``.keras``, or ``.weights.h5`` with
     ``save_weights_only=True``), or set ``callback.filepath`` before ``fit``. It is Keras's
     ``ModelCheckpoint(save_best_only=True)`` on rank 0; other ranks neither write nor wait. Put it
     after ``MetricAverageCallback`` so the monitored value is the average over ranks.

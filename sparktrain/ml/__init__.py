@@ -7,11 +7,16 @@ and the :class:`KerasModel` it returns scores DataFrames, alone or inside a ``py
                          num_proc=3, store="abfss://models@acct.dfs.core.windows.net/churn")
     scored = est.fit(train_df).transform(test_df)      # adds "label__output"
 
-See docs/estimator.md. Importing this package imports pyspark, not TensorFlow.
+A Horovod estimator script runs with its imports changed: ``SparkBackend`` and ``Store`` take
+Horovod's constructors (``KerasEstimator(backend=SparkBackend(num_proc=4), store=Store.create(url), ...)``).
+
+See docs/estimator.md and docs/from-horovod.md. Importing this package imports pyspark, not TensorFlow.
 """
 from __future__ import annotations
 
-from .estimator import NOT_SUPPORTED, KerasEstimator
+from .backend import SparkBackend
+from .estimator import NO_EFFECT, NOT_SUPPORTED, KerasEstimator
 from .model import KerasModel
+from .store import Store
 
-__all__ = ["KerasEstimator", "KerasModel", "NOT_SUPPORTED"]
+__all__ = ["KerasEstimator", "KerasModel", "SparkBackend", "Store", "NOT_SUPPORTED", "NO_EFFECT"]

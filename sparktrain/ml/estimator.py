@@ -1,10 +1,13 @@
 """``KerasEstimator``: a Spark ML Estimator whose ``fit(df)`` is one ``sparktrain.run(..., data=df)``.
 
-Everything a fit could trip on is checked here on the driver, before any Spark job: the model, the
-columns and their types, the model's outputs against ``label_cols``, and the store's scheme.
+Everything a fit could trip on is checked here on the driver, before the run: the model, the
+columns and their types, the columns' lengths against the model's inputs and outputs, the store,
+the backend and Horovod's other parameters (see params.py for which are honoured, which are
+performance hints without effect here, and which are refused).
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -13,28 +16,20 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..errors import InvalidArgumentError, UnsupportedError
-from . import columns
-from .params import ESTIMATOR, set_defaults, with_params
+from . import columns, shapes
+from .backend import SparkBackend
+from .params import ESTIMATOR, NO_EFFECT, NOT_SUPPORTED, set_defaults, with_params
 from .persistence import StageReader, StageWriter
-from .training import TrainSpec, keras_bytes, model_url_of
+from .portable import keras_bytes, pack
+from .store import Store
+from .training import TrainSpec, model_url_of
 
-#: Horovod's KerasEstimator parameters that have no place here, and why.
-NOT_SUPPORTED = {
-    "backend": "the Spark cluster is the backend; num_proc says how many ranks",
-    "transformation_fn": "rows reach the ranks as the DataFrame's columns; transform them in Spark first",
-    "train_reader_num_workers": "there is no petastorm reader: each rank memory-maps its spooled shard",
-    "val_reader_num_workers": "there is no petastorm reader: each rank memory-maps its spooled shard",
-    "reader_pool_type": "there is no petastorm reader: each rank memory-maps its spooled shard",
-    "inmemory_cache_all": "the spooled shard is memory-mapped, so the OS already caches it",
-    "shuffle_buffer_size": "each epoch shuffles the rank's whole shard (shuffle=True)",
-    "partitions_per_process": "the feed deals rows, not partitions, evenly over the ranks",
-    "train_steps_per_epoch": "every rank runs the same steps per epoch, computed from its shard",
-    "validation_steps_per_epoch": "every rank runs the same steps per epoch, computed from its shard",
-    "label_shapes": "reshape the labels in the model's loss, or in Spark",
-    "continuous_columns": "assemble the features into one column (VectorAssembler)",
-    "categorical_columns": "encode categories in Spark first (StringIndexer, OneHotEncoder)",
-    "checkpoint_callback": "each epoch is checkpointed to the store; pass more callbacks with callbacks=",
-}
+__all__ = ["KerasEstimator", "NOT_SUPPORTED", "NO_EFFECT"]
+
+log = logging.getLogger("sparktrain")
+
+#: Python multiprocessing's start methods (Horovod's mp_start_method).
+START_METHODS = ("fork", "spawn", "forkserver")
 
 
 @with_params(ESTIMATOR)
@@ -42,8 +37,9 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
     """Train a Keras 3 model data-parallel on a DataFrame: ``KerasEstimator(...).fit(df)`` gives a
     :class:`~sparktrain.ml.KerasModel` whose ``transform`` scores DataFrames.
 
-    The parameters are Horovod's ``horovod.spark.keras.KerasEstimator``'s where they mean the same
-    (see docs/estimator.md), except that ``store`` is an fsspec URL with ``storage_options``.
+    The parameters are Horovod's ``horovod.spark.keras.KerasEstimator``'s (docs/estimator.md says
+    which are honoured, which have no effect here and which are refused); ``store`` is a
+    :class:`~sparktrain.ml.Store` (``Store.create(url)``) or an fsspec URL with ``storage_options``.
     """
 
     @keyword_only
@@ -76,38 +72,104 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
 
         from .model import KerasModel
 
-        spec, data, run_url = self._prepare(dataset)
-        history = sparktrain.run(
-            _train_on_rank, args=(spec,), num_proc=self.getNumProc(), data=data, verbose=self.getVerbose(),
-            env=self.getEnv(), storage_options=self.getStorageOptions(), max_attempts=self.getMaxAttempts())
-        model = KerasModel(model_url=model_url_of(run_url), history=history, run_id=run_url.rsplit("/", 1)[-1],
-                           feature_cols=spec.feature_cols, label_cols=spec.label_cols,
-                           output_cols=self.getOutputCols() or [f"{c}__output" for c in spec.label_cols],
-                           custom_objects=spec.custom_objects, storage_options=spec.storage_options)
-        return model
+        spec, data, launch = self._prepare(dataset)
+        history = sparktrain.run(_train_on_rank, args=(spec,), data=data, **launch)
+        return KerasModel(model_url=spec.model_url, history=history, run_id=spec.run_url.rsplit("/", 1)[-1],
+                          feature_cols=spec.feature_cols, label_cols=spec.label_cols,
+                          output_cols=self.getOutputCols() or [f"{c}__output" for c in spec.label_cols],
+                          custom_objects=spec.custom_objects, storage_options=spec.storage_options)
 
     def _prepare(self, df):
         """Checks every parameter against ``df`` and the model; returns the ranks' spec, the fed
-        DataFrames and the run's URL in the store."""
-        from .. import storage, tracking
+        DataFrames and ``sparktrain.run``'s keywords."""
+        from .. import tracking
 
         keras_model = _check_model(self.getModel())
-        store = self.getStore()
-        if not store:
-            raise InvalidArgumentError("store is not set: pass store='abfss://container@account.dfs.core.windows.net/"
-                                       "models' (any fsspec URL; file:///path for a shared disk)")
-        options = self.getStorageOptions()
-        storage.check_url(store, options)
+        run_url, model_url, options, store_env = self._store()
+        launch = self._launch(options, store_env)
         if self.getOptimizer() is None or self.getLoss() is None:
             raise InvalidArgumentError("optimizer and loss must both be set, e.g. optimizer=keras.optimizers.Adam(1e-3), "
                                        "loss='sparse_categorical_crossentropy'")
+        feature_cols, label_cols, weight, kinds = self._columns(df, keras_model)
+        train_df, val_df = _split(df, self.getValidation(), self.getRandomSeed())
+        steps = self._steps(val_df is not None)
+        callback = _check_checkpoint_callback(self.getCheckpointCallback())
+        method = self.getMpStartMethod()
+        if method is not None and method not in START_METHODS:
+            raise InvalidArgumentError(f"mp_start_method={method!r} must be one of {list(START_METHODS)} or None")
+        input_names = [t.name for t in keras_model.inputs]
+        output_names = list(getattr(keras_model, "output_names", None) or [t.name for t in keras_model.outputs])
+        found = shapes.lengths(df, feature_cols + label_cols, kinds)  # a look at one row where the schema cannot tell
+        inputs = shapes.model_shapes(keras_model.inputs)
+        feature_shapes = shapes.feature_shapes(feature_cols, found, inputs, input_names)
+        label_shapes = shapes.label_shapes(label_cols, found, shapes.model_shapes(keras_model.outputs), output_names,
+                                           self.getLabelShapes())
+        self._log_hints()
+        needed = list(dict.fromkeys(feature_cols + label_cols + ([weight] if weight else [])))
+        data = {"train": train_df.select(*needed)}
+        if val_df is not None:
+            data["val"] = val_df.select(*needed)
+        spec = TrainSpec(
+            model=keras_bytes(keras_model), input_names=input_names, output_names=output_names,
+            optimizer=pack(self.getOptimizer()), loss=pack(self.getLoss()), loss_weights=self.getLossWeights(),
+            metrics=pack(self.getMetrics()), callbacks=list(self.getCallbacks() or []),
+            custom_objects=self.getCustomObjects(), compression=self.getGradientCompression(),
+            backward_passes_per_step=self.getBackwardPassesPerStep(), feature_cols=feature_cols, label_cols=label_cols,
+            sample_weight_col=weight, validation=val_df is not None, batch_size=self.getBatchSize(),
+            val_batch_size=self.getValBatchSize() or self.getBatchSize(), epochs=self.getEpochs(),
+            verbose=self.getVerbose(), random_seed=self.getRandomSeed(),
+            shuffle=bool(self.getShuffle()) and self.getShuffleBufferSize() != 0, run_url=run_url, model_url=model_url,
+            storage_options=options, mlflow=bool(tracking.mlflow_handoff(user_env=launch["env"])),
+            registered_model_name=self.getRegisteredModelName(), feature_shapes=feature_shapes,
+            label_shapes=label_shapes, train_steps=steps[0], val_steps=steps[1], checkpoint_callback=callback,
+            mp_start_method=method)
+        return spec, data, launch
+
+    def _store(self) -> tuple[str, str, dict | None, dict]:
+        """The run's URL, the trained model's URL, the storage options and the ranks' environment for the store."""
+        from .. import storage
+
+        store, options, env, name = self.getStore(), self.getStorageOptions(), {}, "model.keras"
+        if isinstance(store, Store):
+            options = {**store.storage_options, **(options or {})} or None
+            env = {"TMPDIR": store.temp_dir} if store.temp_dir else {}
+            store, name = store.runs_url, store.model_filename
+        elif not isinstance(store, str) or not store:
+            raise InvalidArgumentError(
+                f"store={store!r}: pass store=Store.create('abfss://container@account.dfs.core.windows.net/models') "
+                "(from sparktrain.ml) or the URL itself (any fsspec URL; file:///path for a shared disk)")
+        storage.check_url(store, options)
+        run_url = f"{store.rstrip('/')}/{self.getRunId() or 'keras_' + uuid.uuid4().hex[:12]}"
+        return run_url, model_url_of(run_url, name), options, env
+
+    def _launch(self, options, store_env) -> dict[str, Any]:
+        """``sparktrain.run``'s keywords: the backend's, the environment, the storage options."""
+        backend, num_proc, run_kwargs, env = self.getBackend(), self.getNumProc(), {}, {}
+        if backend is not None:
+            if not isinstance(backend, SparkBackend):
+                kind = f"{type(backend).__module__}.{type(backend).__qualname__}"
+                raise InvalidArgumentError(f"backend must be a sparktrain.ml.SparkBackend (SparkBackend(num_proc=4)), "
+                                           f"got {kind}")
+            if num_proc is not None:
+                raise InvalidArgumentError(f"num_proc={num_proc} and backend=SparkBackend(...) both set the ranks: "
+                                           "give num_proc to SparkBackend and leave it off KerasEstimator (as Horovod "
+                                           "asks)")
+            num_proc, run_kwargs, env = backend.num_proc, backend.run_kwargs(), dict(backend.env)
+        for extra in (store_env, self.getBackendEnv(), self.getEnv()):
+            env.update(extra or {})
+        use_gpu = False if self.getUseGpu() is False else None  # Horovod's True: a GPU where there is one
+        return {"num_proc": num_proc, "verbose": self.getVerbose(), "env": env or None, "storage_options": options,
+                "max_attempts": self.getMaxAttempts(), "use_gpu": use_gpu, **run_kwargs}
+
+    def _columns(self, df, keras_model):
+        """The feature, label and weight columns, checked against the DataFrame and the model, and their kinds."""
         feature_cols = list(self.getFeatureCols() or [])
         label_cols = list(self.getLabelCols() or [])
         inputs, outputs = len(keras_model.inputs), len(keras_model.outputs)
-        columns.check_features(df.schema, feature_cols, inputs)
+        kinds = columns.check_features(df.schema, feature_cols, inputs)
         if not label_cols:
             raise InvalidArgumentError("label_cols is not set: name the label column(s), one per model output")
-        columns.check(df.schema, label_cols, "label columns", "label_cols")
+        kinds += columns.check(df.schema, label_cols, "label columns", "label_cols")
         if len(label_cols) != outputs:
             raise InvalidArgumentError(
                 f"label_cols {label_cols} name {len(label_cols)} label(s), and the model has {outputs} output(s): "
@@ -118,25 +180,27 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
         out_cols = self.getOutputCols()
         if out_cols is not None and len(out_cols) != len(label_cols):
             raise InvalidArgumentError(f"output_cols {out_cols} must name one column per label in {label_cols}")
-        train_df, val_df = _split(df, self.getValidation(), self.getRandomSeed())
-        needed = list(dict.fromkeys(feature_cols + label_cols + ([weight] if weight else [])))
-        data = {"train": train_df.select(*needed)}
-        if val_df is not None:
-            data["val"] = val_df.select(*needed)
-        run_url = f"{store.rstrip('/')}/{self.getRunId() or 'keras_' + uuid.uuid4().hex[:12]}"
-        spec = TrainSpec(
-            model=keras_bytes(keras_model), input_names=[t.name for t in keras_model.inputs],
-            output_names=list(getattr(keras_model, "output_names", None) or [t.name for t in keras_model.outputs]),
-            optimizer=self.getOptimizer(), loss=self.getLoss(), loss_weights=self.getLossWeights(),
-            metrics=self.getMetrics(), callbacks=list(self.getCallbacks() or []),
-            custom_objects=self.getCustomObjects(), compression=self.getGradientCompression(),
-            backward_passes_per_step=self.getBackwardPassesPerStep(), feature_cols=feature_cols, label_cols=label_cols,
-            sample_weight_col=weight, validation=val_df is not None, batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize() or self.getBatchSize(), epochs=self.getEpochs(),
-            verbose=self.getVerbose(), random_seed=self.getRandomSeed(), shuffle=self.getShuffle(), run_url=run_url,
-            storage_options=options, mlflow=bool(tracking.mlflow_handoff(user_env=self.getEnv())),
-            registered_model_name=self.getRegisteredModelName())
-        return spec, data, run_url
+        return feature_cols, label_cols, weight, kinds
+
+    def _steps(self, validation: bool) -> tuple[int | None, int | None]:
+        train, val = self.getTrainStepsPerEpoch(), self.getValidationStepsPerEpoch()
+        for name, value in (("train_steps_per_epoch", train), ("validation_steps_per_epoch", val)):
+            if value is not None and value < 1:
+                raise InvalidArgumentError(f"{name}={value} must be a positive number of batches, or None for a "
+                                           "whole pass over each rank's shard")
+        if val is not None and not validation:
+            raise InvalidArgumentError(f"validation_steps_per_epoch={val} needs validation rows: set validation=0.1 "
+                                       "(a fraction) or validation='is_val' (a boolean column), or leave it out")
+        return train, val
+
+    def _log_hints(self) -> None:
+        given = [f"{name}={self.getOrDefault(name)!r}" for name in NO_EFFECT
+                 if self.isSet(name) and not (name == "shuffle_buffer_size" and self.getShuffleBufferSize() == 0)]
+        if given:
+            log.warning("KerasEstimator: %s %s no effect here: sparktrain has no Parquet copy of the DataFrame and no "
+                        "petastorm reader to tune (each rank memory-maps its shard of the rows, spooled to its "
+                        "executor's disk, and shuffles the whole shard each epoch)",
+                        ", ".join(given), "has" if len(given) == 1 else "have")
 
 
 def _train_on_rank(spec):
@@ -165,6 +229,20 @@ def _check_model(model):
     if not model.inputs:
         raise InvalidArgumentError(f"model {model.name!r} is not built: give it keras.Input(shape=...)")
     return model
+
+
+def _check_checkpoint_callback(callback):
+    if callback is None:
+        return None
+    import keras
+
+    if not isinstance(callback, keras.callbacks.Callback) or not hasattr(callback, "filepath"):
+        kind = f"{type(callback).__module__}.{type(callback).__qualname__}"
+        raise InvalidArgumentError(
+            f"checkpoint_callback must be a Keras callback that saves the model to its filepath, such as "
+            "keras.callbacks.ModelCheckpoint('best.keras', monitor='val_loss', save_best_only=True) or "
+            f"sparktrain.keras.callbacks.BestModelCheckpoint(monitor='val_loss'); got {kind}")
+    return callback
 
 
 def _split(df, validation, seed):

@@ -30,6 +30,7 @@ _INT = _optional(TypeConverters.toInt)
 _STR = _optional(TypeConverters.toString)
 _NAMES = _optional(TypeConverters.toListString)
 _BOOL = TypeConverters.toBoolean
+_OPT_BOOL = _optional(TypeConverters.toBoolean)
 
 #: Params that KerasEstimator and KerasModel share.
 COMMON = (
@@ -63,12 +64,55 @@ ESTIMATOR = COMMON + (
     Spec("gradient_compression", "sparktrain.keras.Compression.fp16 to send gradients as float16", None),
     Spec("backward_passes_per_step", "local gradient accumulation steps before each allreduce",
          TypeConverters.toInt, 1),
-    Spec("store", "an fsspec URL under which each run keeps its checkpoints, history and model", _STR),
+    Spec("store", "where each run keeps its checkpoints, history and model: a sparktrain.ml.Store (Horovod's "
+         "Store.create(url)) or an fsspec URL", None),
     Spec("max_attempts", "attempts of the training run; a retried attempt resumes from its last epoch",
          TypeConverters.toInt, 1),
     Spec("registered_model_name", "with an active MLflow run: register the model under this name", _STR),
     Spec("env", "extra environment variables for every rank", None),
+    # Horovod's parameters, honoured:
+    Spec("backend", "a sparktrain.ml.SparkBackend: how many ranks, and how they run (instead of num_proc)", None),
+    Spec("backend_env", "more environment variables for every rank, as Horovod's", None),
+    Spec("train_steps_per_epoch", "batches per epoch on every rank; None: a whole pass over the rank's shard", _INT),
+    Spec("validation_steps_per_epoch", "validation batches per epoch on every rank; None: the whole validation shard",
+         _INT),
+    Spec("label_shapes", "the shape each label column's rows are reshaped to, one per label column", None),
+    Spec("checkpoint_callback", "a Keras ModelCheckpoint-like callback, run on rank 0; the model it keeps (the best "
+         "epoch's, say) is the trained model", None),
+    Spec("use_gpu", "False: the ranks use no GPU; True or None: a GPU per rank where Spark gives the tasks GPUs",
+         _OPT_BOOL),
+    Spec("mp_start_method", "Python multiprocessing's start method on the ranks: fork, spawn or forkserver", _STR),
+    Spec("shuffle_buffer_size", "0 turns shuffling off; any other size has no effect (each epoch shuffles the "
+         "rank's whole shard)", _INT),
+    # Horovod's performance hints for its Parquet copy of the data and petastorm's reader: no effect here.
+    Spec("inmemory_cache_all", "no effect (Horovod's petastorm reader's)", _OPT_BOOL),
+    Spec("train_reader_num_workers", "no effect (Horovod's petastorm reader's)", _INT),
+    Spec("val_reader_num_workers", "no effect (Horovod's petastorm reader's)", _INT),
+    Spec("reader_pool_type", "no effect (Horovod's petastorm reader's)", _STR),
+    Spec("partitions_per_process", "no effect (Horovod's Parquet copy of the data)", _INT),
+    Spec("compress_sparse_cols", "no effect (Horovod's Parquet copy of the data)", _OPT_BOOL),
 )
+
+#: Horovod's KerasEstimator parameters that have no place here, and why: refused.
+NOT_SUPPORTED = {
+    "transformation_fn": "rows reach the ranks as the DataFrame's columns; transform them in Spark first "
+                         "(df.mapInPandas(fn, schema) does what petastorm's TransformSpec did)",
+    "transformation_edit_fields": "rows reach the ranks as the DataFrame's columns; transform them in Spark first",
+    "transformation_removed_fields": "rows reach the ranks as the DataFrame's columns; select the columns in Spark",
+    "continuous_columns": "assemble the features into one column (VectorAssembler)",
+    "categorical_columns": "encode categories in Spark first (StringIndexer, OneHotEncoder)",
+}
+
+#: Horovod's performance hints, accepted with one log line per fit: they tune what sparktrain has not.
+NO_EFFECT = {
+    "inmemory_cache_all": "each rank memory-maps its spooled shard, so the OS already caches it",
+    "train_reader_num_workers": "there is no petastorm reader: each rank memory-maps its spooled shard",
+    "val_reader_num_workers": "there is no petastorm reader: each rank memory-maps its spooled shard",
+    "reader_pool_type": "there is no petastorm reader: each rank memory-maps its spooled shard",
+    "partitions_per_process": "there is no Parquet copy of the data: the feed deals rows evenly over the ranks",
+    "compress_sparse_cols": "there is no Parquet copy of the data: sparse vectors reach the ranks as dense arrays",
+    "shuffle_buffer_size": "each epoch shuffles the rank's whole shard; 0 turns shuffling off, as in Horovod",
+}
 
 MODEL = COMMON + (
     Spec("model_url", "where the trained model is, in the store (a .keras file)", _STR),

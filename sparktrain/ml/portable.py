@@ -1,0 +1,98 @@
+"""Keras objects in a form that pickles on every Keras 3 release, and back.
+
+Keras 3.2's optimizers hold weak references, so ``pickle``/``cloudpickle`` refuse them ("cannot
+pickle 'weakref.ReferenceType' object"), and a pickled Keras 3.2 model does not load back
+("'TrackedList' object has no attribute 'tracker'"). Keras's own serialization works on every
+Keras 3 release, so the estimator ships and saves them that way:
+
+- an optimizer, loss, metric or learning-rate schedule travels as its class and its
+  ``get_config()``, rebuilt with ``from_config``. The class itself is pickled, so a class defined
+  in a notebook needs no ``custom_objects``. An object whose ``from_config(get_config())`` fails
+  (a custom metric without ``get_config``) travels as itself, as before;
+- a model travels as the bytes of its ``.keras`` file.
+
+Lists, tuples and dicts of them (``metrics=[...]``, a loss per output) are walked. Keras is
+imported only where a value needs it.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, NamedTuple
+
+
+class KerasObject(NamedTuple):
+    """An optimizer, loss, metric or schedule, as its class and config."""
+    cls: type
+    config: dict
+
+
+class KerasModelFile(NamedTuple):
+    """A model, as the bytes of its ``.keras`` file."""
+    data: bytes
+
+
+def pack(value: Any) -> Any:
+    """``value`` with each Keras object in it replaced by what rebuilds it (see the module's docstring)."""
+    if isinstance(value, (KerasObject, KerasModelFile)) or value is None or isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, dict):
+        return {k: pack(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(pack(v) for v in value)
+    keras = sys.modules.get("keras")  # a Keras object cannot exist before keras is imported
+    if keras is None:
+        return value
+    if isinstance(value, keras.Model):
+        return KerasModelFile(keras_bytes(value))
+    kinds = (keras.optimizers.Optimizer, keras.losses.Loss, keras.metrics.Metric,
+             keras.optimizers.schedules.LearningRateSchedule)
+    if not isinstance(value, kinds):
+        return value
+    config = value.get_config()
+    try:
+        type(value).from_config(dict(config))
+    except Exception:  # noqa: BLE001 - an incomplete get_config: the object travels as itself
+        return value
+    return KerasObject(type(value), config)
+
+
+def unpack(value: Any, custom_objects: dict | None = None) -> Any:
+    """The inverse of :func:`pack`: each :class:`KerasObject` and :class:`KerasModelFile` rebuilt."""
+    if isinstance(value, KerasObject):
+        import keras
+
+        with keras.saving.custom_object_scope(custom_objects or {}):
+            return value.cls.from_config(dict(value.config))
+    if isinstance(value, KerasModelFile):
+        return load_bytes(value.data, custom_objects)
+    if isinstance(value, dict):
+        return {k: unpack(v, custom_objects) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(unpack(v, custom_objects) for v in value)
+    return value
+
+
+def keras_bytes(model) -> bytes:
+    """``model`` as the bytes of a ``.keras`` file."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
+        path = os.path.join(tmp, "model.keras")
+        model.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def load_bytes(data: bytes, custom_objects):
+    """The model whose ``.keras`` file's bytes are ``data`` (not compiled)."""
+    import os
+    import tempfile
+
+    import keras
+
+    with tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
+        path = os.path.join(tmp, "model.keras")
+        with open(path, "wb") as f:
+            f.write(data)
+        return keras.saving.load_model(path, custom_objects=custom_objects, compile=False)
