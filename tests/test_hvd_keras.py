@@ -286,6 +286,13 @@ def hvd_keras_checks(outdir):
     schedules_and_best(got, hvd, keras, r, outdir, x, y, x_test, y_test)
     save_and_load(got, hvd, keras, outdir, x, y)
     loss_scale(got, hvd, keras, r)
+    # A uint32 variable (Keras 3.2's seed state) comes from the root bit for bit.
+    import numpy as np
+    import tensorflow as tf
+
+    seed = tf.Variable(np.array([4_000_000_000 + r, r], dtype=np.uint32))
+    hvd.broadcast_variables([seed], root_rank=0)
+    got["uint32_broadcast"] = [int(v) for v in seed.numpy()]
     record_rank(outdir, got=got)
 
 
@@ -407,6 +414,11 @@ def test_best_model_checkpoint_keeps_the_best_epoch_from_rank_0(ranks):
     assert best != len(losses) - 1, losses  # so the file is not simply the last epoch
     assert got["best_saved_digest"] == got["best_epoch_digests"][best]
     assert same_on_every_rank(ranks, "best_val_losses") == losses  # averaged by MetricAverageCallback
+
+
+def test_a_uint32_variable_is_broadcast_bit_for_bit(ranks):
+    ranks, _ = ranks
+    assert [got["uint32_broadcast"] for got in ranks.values()] == [[4_000_000_000, 0]] * 3
 
 
 @pytest.mark.timeout(400)

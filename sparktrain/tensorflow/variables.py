@@ -12,15 +12,23 @@ from .runtime import require_init
 from ..errors import InvalidArgumentError, UnsupportedError
 
 
+#: Dtypes the collectives do not carry, broadcast as the signed type of their size (bit for bit):
+#: Keras 3.2's random layers keep their seed state in a uint32 variable.
+_CARRIED_AS = {"uint32": "int32", "uint64": "int64"}
+
+
 def _assign_from_root(variables: list, root: int, g) -> list:
     """Each variable assigned its value on the root (``root``: its index in the group ``g``), one
     broadcast per dtype; returns what each assignment returns, which in a TensorFlow 1 graph is
     what runs it."""
-    values = [_tf().convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
+    tf = _tf()
+    values = [tf.convert_to_tensor(v) for v in variables]  # Keras 3 variables report their dtype as a string
     if g.size == 1:
         return values
-    return [v.assign(value) for v, value in
-            zip(variables, backends.fused(values, lambda flat: _broadcast_raw(flat, root, g=g)))]
+    carried = [tf.bitcast(x, _CARRIED_AS[x.dtype.name]) if x.dtype.name in _CARRIED_AS else x for x in values]
+    received = backends.fused(carried, lambda flat: _broadcast_raw(flat, root, g=g))
+    return [v.assign(tf.bitcast(r, x.dtype) if r.dtype != x.dtype else r)
+            for v, x, r in zip(variables, values, received)]
 
 
 def broadcast_variables(variables: Iterable, root_rank: int = 0, process_set=global_process_set,
