@@ -2,8 +2,9 @@
 
 The distributed optimizer is a subclass of the user's optimizer class, built from its config,
 whose gradients are reduced over all ranks inside the compiled train step, after Keras has
-unscaled and (with ``backward_passes_per_step``) accumulated them, and before clipping, weight
-decay and the update. Only the applying step reduces: on the other passes the gradients are
+unscaled and (with ``backward_passes_per_step``) accumulated them, and before clipping and the
+update, in every Keras release from 3.2 (see ``_backend_update_step``). Weight decay acts on the
+variables, not the gradients, so its place does not change the result. Only the applying step reduces: on the other passes the gradients are
 added to local accumulators (Keras 3's own ``gradient_accumulation_steps``) and no collective
 runs.
 """
