@@ -6,6 +6,7 @@ whole process group, when the test module ends.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -13,11 +14,47 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
+
+import pytest
 
 from conftest import jvm_conf
 from storage_servers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: The class Spark loads to serve Connect, in the embedded server and in a server of its own.
+PLUGIN = "org.apache.spark.sql.connect.SparkConnectPlugin"
+
+
+@functools.lru_cache(maxsize=None)
+def server_missing() -> str | None:
+    """Why this pyspark cannot serve Spark Connect, or None when it can.
+
+    pyspark 4's wheel carries the server (``jars/spark-connect_2.13-*.jar``); pyspark 3.5's does
+    not: there the server is the separate package ``org.apache.spark:spark-connect_2.12:3.5.x``,
+    fetched from Maven by ``--packages`` (docs/connect.md), which the tests never do. Told by the
+    plugin class in the jars that pyspark's ``spark-submit`` loads, not by the version.
+    """
+    import pyspark
+
+    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+    entry = PLUGIN.replace(".", "/") + ".class"
+    names = sorted(os.listdir(jars)) if os.path.isdir(jars) else []
+    for name in sorted(names, key=lambda n: "connect" not in n):  # the likely jar first
+        try:
+            with zipfile.ZipFile(os.path.join(jars, name)) as jar:
+                jar.getinfo(entry)
+                return None
+        except (KeyError, OSError, zipfile.BadZipFile):
+            continue
+    scala = next((n[len("spark-core_"):].split("-")[0] for n in names if n.startswith("spark-core_")), "2.12")
+    return (f"pyspark {pyspark.__version__} has no Spark Connect server: no jar under {jars} holds {PLUGIN}. "
+            f"It is the separate package org.apache.spark:spark-connect_{scala}:{pyspark.__version__} "
+            "(docs/connect.md), which the tests do not download")
+
+
+#: Marks a test that needs a Connect server (the embedded one or a process of its own).
+needs_server = pytest.mark.skipif(server_missing() is not None, reason=str(server_missing()))
 
 
 class ConnectServer:

@@ -31,7 +31,9 @@ def jvm():
 def spark_defaults(jvm) -> dict[str, str]:
     """conf/spark-defaults.conf as Spark's own properties-file reader sees it."""
     parsed = jvm.org.apache.spark.util.Utils.getPropertiesFromFile(os.path.join(CONF, "spark-defaults.conf"))
-    return dict(jvm.scala.jdk.javaapi.CollectionConverters.asJava(parsed))
+    # scala.collection.JavaConverters is in Scala 2.12 (pyspark 3.5) and 2.13 (pyspark 4);
+    # scala.jdk.javaapi.CollectionConverters is in 2.13 only.
+    return dict(jvm.scala.collection.JavaConverters.mapAsJavaMapConverter(parsed).asJava())
 
 
 def synapse() -> dict:

@@ -19,11 +19,11 @@ import threading
 import pytest
 
 import sparktrain
-from connect_server import ConnectServer
+from connect_server import ConnectServer, needs_server
 from helpers import rank_processes, read_ranks, record_rank, run_marker, wait_for_file, wait_for_ranks, weights_digest
 
 pytest.importorskip("grpc")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), needs_server]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {"SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}

@@ -129,3 +129,22 @@ def test_a_rank_without_rows_is_told_why(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"has 2 row\(s\), fewer than the 3 ranks, so rank 0 got none"):
         Shard(str(tmp_path), "train")
     assert not os.path.exists(os.path.join(str(tmp_path), layout.spool_file("train")))
+
+
+def test_the_stage_marker_row_is_dropped(tmp_path):
+    # driver.feed.stage_input adds one row of no DataFrame (a null feed index, null structs) so that
+    # the stage is never empty; it must not count as a row of any DataFrame, with one name or more.
+    kind = pa.struct([("id", pa.int64()), (layout.ROW_COLUMN, pa.int64())])
+    marker_only = pa.RecordBatch.from_arrays([pa.array([None], pa.int8()), pa.array([None], kind)],
+                                             names=[layout.FEED_COLUMN, "train"])
+    mixed = pa.RecordBatch.from_arrays(
+        [pa.array([0, None, 0], pa.int8()),
+         pa.array([{"id": 1, layout.ROW_COLUMN: 1}, None, {"id": 2, layout.ROW_COLUMN: 2}], kind)],
+        names=[layout.FEED_COLUMN, "train"])
+    assert Spool(str(tmp_path / "a"), ["train"]).consume([marker_only]) == {"train": 0}
+    assert not os.path.exists(tmp_path / "a" / layout.spool_file("train"))
+    os.mkdir(tmp_path / "b")
+    assert Spool(str(tmp_path / "b"), ["train"]).consume([marker_only, mixed]) == {"train": 2}
+    layout.write_manifest(str(tmp_path / "b"), 0, {"train": [2]})
+    s = Shard(str(tmp_path / "b"), "train")
+    assert sorted(s.column("id").take(s.epoch_rows(0, s.rows, shuffle=False, seed=0)).tolist()) == [1, 2]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from connect_server import needs_server
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
 
@@ -91,6 +92,7 @@ except sparktrain.SparkTrainError as e:
 """
 
 
+@needs_server
 def test_over_connect_executors_without_the_clients_python_are_refused_before_launch(path_python, tmp_path):
     # The same newcomer over Spark Connect: the client cannot run the server's executors' Python,
     # so the probe job that chooses the rendezvous reports it (here it cannot even start an Arrow task).

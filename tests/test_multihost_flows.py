@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 import simhosts
+from connect_server import ConnectServer, needs_server
 from multihost_cluster import MARKS
 from standalone import Standalone
 
@@ -165,11 +166,10 @@ CONNECT_CLIENT = textwrap.dedent("""
 
 
 @pytest.mark.timeout(300)
+@needs_server
 def test_a_connect_client_runs_ranks_on_the_hosts_behind_a_connect_server(gpu_cluster, tmp_path):
     """A Spark Connect server in front of the standalone cluster, on the driver's host; a client
     process runs 4 ranks on the simulated hosts, which reach the client and stream its output."""
-    from connect_server import ConnectServer
-
     hosts, standalone = gpu_cluster
     conf = {**standalone.session_conf(), "spark.ui.enabled": "false"}
     server = ConnectServer(master=standalone.url, conf=conf, host=hosts.driver_ip)

@@ -110,11 +110,23 @@ def test_local_master_keeps_todays_gpu_error_and_refuses_a_profile():
         capacity.stage_resources({}, TaskResources(2, None), use_gpu=False, local_master=True)
 
 
-def test_pyspark_35_gets_a_clear_error():
-    with pytest.raises(ClusterConfigError, match=r"new in pyspark 4.0; this is pyspark 3.5.3\. Upgrade"):
-        capacity.check_profile_support("3.5.3")
-    capacity.check_profile_support("4.0.0")
-    capacity.check_profile_support("4.3.0")
+def map_in_arrow_35(self, func, schema, barrier=False):
+    """pyspark 3.5's DataFrame.mapInArrow (classic and Connect)."""
+
+
+def map_in_arrow_40(self, func, schema, barrier=False, profile=None):
+    """pyspark 4.0's, which takes a ResourceProfile."""
+
+
+def test_a_mapinarrow_without_profile_gets_a_clear_error():
+    # The parameters decide, not the version: a 4.x number with 3.5's method is refused too.
+    for version in ("3.5.2", "4.9.0"):
+        with pytest.raises(ClusterConfigError, match=rf"and pyspark {version}'s DataFrame.mapInArrow\(func, schema, "
+                                                     r"barrier\) takes no profile= \(it came in pyspark 4.0\)\. Upgrade"):
+            capacity.check_profile_support(map_in_arrow_35, version)
+    capacity.check_profile_support(map_in_arrow_40, "3.5.2")
+    assert capacity.profile_unsupported(map_in_arrow_40, "4.0.0") is None
+    assert capacity.profile_unsupported(min, "4.0.0") is None  # no signature to read: the call decides
 
 
 def test_slots_are_counted_for_the_profile_and_the_error_gives_the_figures():

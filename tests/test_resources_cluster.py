@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import os
 
+import pyspark
 import pytest
+from pyspark.sql import DataFrame
 
 import sparktrain
 from conftest import HERE, make_spark, stop_spark
+from connect_server import ConnectServer, needs_server
 from helpers import read_ranks, record_rank
+from sparktrain.driver import capacity
 from sparktrain.worker_env import THREAD_VARS
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+#: Why this pyspark cannot give a stage task resources of its own (None: it can), as the driver tells.
+NO_PROFILES = capacity.profile_unsupported(DataFrame.mapInArrow, pyspark.__version__)
+needs_profiles = pytest.mark.skipif(
+    NO_PROFILES is not None, reason=f"needs a stage's own task resources, and {NO_PROFILES}; "
+    "test_a_pyspark_without_profiles_is_refused_before_any_job asserts the driver's refusal here")
 
 
 GPU_CLUSTER = {
@@ -67,6 +77,7 @@ def _jobs_started(spark) -> int:
     return int(spark.sparkContext._jsc.sc().dagScheduler().nextJobId())
 
 
+@needs_profiles
 def test_gpu_run_between_cpu_stages(cluster, tmp_path):
     assert "spark.task.resource.gpu.amount" not in dict(cluster.sparkContext.getConf().getAll())
     before = _cpu_stage(cluster)
@@ -86,6 +97,7 @@ def test_gpu_run_between_cpu_stages(cluster, tmp_path):
     assert _cpu_stage(cluster) == before
 
 
+@needs_profiles
 def test_resources_cpus_and_gpus_reach_the_rank(cluster, tmp_path):
     # num_proc=None: as many ranks as the profile's slots, 3 cores / 3 cpus per rank = 1.
     sparktrain.run(see_resources, args=(str(tmp_path),), resources={"cpus": 3, "gpus": 2}, verbose=0,
@@ -97,12 +109,14 @@ def test_resources_cpus_and_gpus_reach_the_rank(cluster, tmp_path):
                                    "TF_NUM_INTEROP_THREADS": "1"}  # the user's env wins
 
 
+@needs_profiles
 def test_cpu_only_resources_hide_gpus(cluster, tmp_path):
     assert sparktrain.run(see_resources, args=(str(tmp_path),), num_proc=1, resources={"cpus": 2},
                           verbose=0) == "-1"
     assert read_ranks(str(tmp_path))[0]["threads"]["OMP_NUM_THREADS"] == "2"
 
 
+@needs_profiles
 @pytest.mark.parametrize("kwargs, words", [
     (dict(num_proc=2, resources={"cpus": 2}),
      ["num_proc=2 needs 2 task slots", "the cluster has 1",
@@ -134,6 +148,7 @@ def count_rows():
     return s.total_rows, os.environ["CUDA_VISIBLE_DEVICES"], os.environ["OMP_NUM_THREADS"]
 
 
+@needs_profiles
 def test_fed_dataframe_goes_through_the_profiled_stage(cluster):
     df = cluster.range(0, 30).toDF("x")
     total, visible, threads = sparktrain.run(count_rows, num_proc=2, data=df, resources={"gpus": 1}, verbose=0)
@@ -151,18 +166,26 @@ def fail_first_attempt():
     return sparktrain.attempt(), os.environ["CUDA_VISIBLE_DEVICES"]
 
 
+@needs_profiles
 def test_a_retried_attempt_asks_for_the_same_resources(cluster):
     attempt, visible = sparktrain.run(fail_first_attempt, num_proc=2, use_gpu=True, max_attempts=2, verbose=0)
     assert attempt == 2 and visible in ("5", "6", "7")
 
 
-def test_pyspark_35_is_refused_before_any_job(cluster, monkeypatch):
-    import pyspark
+def map_in_arrow_35(self, func, schema, barrier=False):
+    raise AssertionError("the driver must refuse the run before it launches anything")
 
-    monkeypatch.setattr(pyspark, "__version__", "3.5.3")
+
+def test_a_pyspark_without_profiles_is_refused_before_any_job(cluster, monkeypatch):
+    if NO_PROFILES is None:  # a pyspark with profile=: give the session's DataFrames pyspark 3.5's method
+        monkeypatch.setattr(type(cluster.range(0)), "mapInArrow", map_in_arrow_35)
     before = _jobs_started(cluster)
-    with pytest.raises(sparktrain.ClusterConfigError, match=r"new in pyspark 4.0; this is pyspark 3.5.3"):
-        sparktrain.run(see_resources, args=("/nonexistent",), num_proc=1, use_gpu=True, verbose=0)
+    for kwargs in (dict(use_gpu=True), dict(resources={"cpus": 2})):
+        with pytest.raises(sparktrain.ClusterConfigError) as e:
+            sparktrain.run(see_resources, args=("/nonexistent",), num_proc=1, verbose=0, **kwargs)
+        assert "this run needs its own task resources" in str(e.value)
+        assert f"{pyspark.__version__}'s DataFrame.mapInArrow(func, schema, barrier) takes no profile= (it came " \
+               "in pyspark 4.0). Upgrade to pyspark 4.0 or later, or set spark.task.cpus" in str(e.value), str(e.value)
     assert _jobs_started(cluster) == before
 
 
@@ -190,6 +213,8 @@ spark.stop()
 """
 
 
+@needs_profiles
+@needs_server
 def test_a_gpu_run_over_spark_connect_gets_its_own_profile(tmp_path):
     # The same cluster behind a Spark Connect server: the client sends the profile with the stage.
     # The client is a process of its own: this one may hold a classic session, which pyspark does
@@ -197,8 +222,6 @@ def test_a_gpu_run_over_spark_connect_gets_its_own_profile(tmp_path):
     pytest.importorskip("grpc")
     import subprocess
     import sys
-
-    from connect_server import ConnectServer
 
     server = ConnectServer("local-cluster[1,3,1024]", conf=GPU_CLUSTER)
     try:

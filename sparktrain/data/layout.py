@@ -4,7 +4,8 @@ driver (which builds the stage's input), the task (which spools it) and the rank
 The barrier stage's input has one column :data:`FEED_COLUMN` (which named DataFrame a row
 belongs to, by position in the run's ``feed`` names) and one struct column per name holding
 that DataFrame's columns plus :data:`ROW_COLUMN`, a stable row id that fixes the shard's order
-whatever order the shuffle delivered the rows in.
+whatever order the shuffle delivered the rows in. One row of the input belongs to no DataFrame:
+its :data:`FEED_COLUMN` is null (it keeps the stage from being empty); the task drops it.
 """
 from __future__ import annotations
 

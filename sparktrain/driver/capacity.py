@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
 
@@ -179,17 +179,38 @@ def stage_resources(conf: Mapping[str, str], asked: TaskResources | None, use_gp
     return wanted
 
 
-def check_profile_support(pyspark_version: str) -> None:
-    """Stage-level task resources need ``mapInArrow(..., profile=...)``, new in pyspark 4.0."""
-    import re
+def profile_unsupported(map_in_arrow: Callable, pyspark_version: str) -> str | None:
+    """Why this pyspark cannot give a run's barrier stage task resources of its own; None when it can.
 
-    major = int((re.findall(r"\d+", pyspark_version) or ["0"])[0])
-    if major < 4:
+    sparktrain asks for them through ``mapInArrow(..., profile=...)`` (pyspark 4.0 on): the
+    parameters of the session's own ``DataFrame.mapInArrow`` tell, not the version number.
+
+    >>> def map_in_arrow(self, func, schema, barrier=False): ...
+    >>> profile_unsupported(map_in_arrow, "3.5.2")
+    "pyspark 3.5.2's DataFrame.mapInArrow(func, schema, barrier) takes no profile= (it came in pyspark 4.0)"
+    """
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(map_in_arrow).parameters if p != "self"]
+    except (TypeError, ValueError):
+        return None  # no signature to read: let the call itself decide
+    if "profile" in params:
+        return None
+    return (f"pyspark {pyspark_version}'s DataFrame.mapInArrow({', '.join(params)}) takes no profile= "
+            "(it came in pyspark 4.0)")
+
+
+def check_profile_support(map_in_arrow: Callable, pyspark_version: str) -> None:
+    """Refuse, before anything launches, a run that needs its own task resources where the
+    session's ``mapInArrow`` cannot ask for them (see :func:`profile_unsupported`)."""
+    why = profile_unsupported(map_in_arrow, pyspark_version)
+    if why is not None:
         raise ClusterConfigError(
-            f"this run needs its own task resources (resources=, or use_gpu=True where the application's tasks "
-            f"ask for no GPU), which sparktrain requests through mapInArrow(..., profile=...), new in pyspark 4.0; "
-            f"this is pyspark {pyspark_version}. Upgrade to pyspark 4.0 or later, or set spark.task.cpus and "
-            "spark.task.resource.gpu.amount for the whole application and leave resources= out")
+            "this run needs its own task resources (resources=, or use_gpu=True where the application's tasks "
+            f"ask for no GPU), which sparktrain requests through mapInArrow(..., profile=...), and {why}. "
+            "Upgrade to pyspark 4.0 or later, or set spark.task.cpus and spark.task.resource.gpu.amount for the "
+            "whole application and leave resources= out")
 
 
 def check_capacity(required: int, cap: Capacity, use_gpu: bool) -> None:

@@ -10,6 +10,7 @@ Spark Connect sessions.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any, Mapping
 
 from ..data import layout
@@ -112,7 +113,8 @@ def stage_input(frames: Mapping[str, Any], size: int):
     - round-robin gives shards that differ by at most one row, whatever the input's partitions;
     - the partition count is not known without a job over Spark Connect.
     Each row carries a stable id taken before the shuffle, by which the rank orders its shard, so
-    the same seed gives the same order in every run.
+    the same seed gives the same order in every run. One marker row, whose feed index is null,
+    keeps the stage from being empty (see below).
     """
     from pyspark.sql import functions as F
 
@@ -122,7 +124,12 @@ def stage_input(frames: Mapping[str, Any], size: int):
         part = df.select(F.lit(index).cast("tinyint").alias(layout.FEED_COLUMN),
                          F.struct(*columns, F.monotonically_increasing_id().alias(layout.ROW_COLUMN)).alias(name))
         stage = part if stage is None else stage.unionByName(part, allowMissingColumns=True)
-    return stage.repartition(size)
+    # One marker row of no DataFrame (a null feed index; the task's spool drops it) keeps the
+    # shuffle from being empty. pyspark 3.5's adaptive execution turns an empty shuffle into an
+    # empty relation of no partitions, and the barrier stage then ran no task at all: the run
+    # returned None without train_fn, instead of the ranks' "has no rows".
+    marker = stage.sparkSession.range(0, 1, 1, 1).select(F.lit(None).cast("tinyint").alias(layout.FEED_COLUMN))
+    return stage.unionByName(marker, allowMissingColumns=True).repartition(size)
 
 
 def _spooled(df, field):
@@ -140,7 +147,11 @@ def _quoted(column: str) -> str:
 
 def _described(value: Any) -> str:
     kind = type(value)
-    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    module = kind.__module__
+    top = sys.modules.get(module.split(".")[0])
+    if getattr(top, kind.__qualname__, None) is kind:  # the public name: pandas 1.x says pandas.core.frame
+        module = top.__name__
+    name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
     text = " ".join(repr(value).split())
     text = text if len(text) <= 80 else text[:77] + "..."
     hint = "; make it a Spark DataFrame with spark.createDataFrame(...)" if name.startswith("pandas.") else ""

@@ -233,7 +233,7 @@ def run(
     if stage is not None:
         import pyspark
 
-        capacity.check_profile_support(pyspark.__version__)
+        capacity.check_profile_support(type(spark.range(0)).mapInArrow, pyspark.__version__)  # no job runs
         profile = cluster.task_profile(sc, stage)  # sc is None over Connect: the server registers it
         if connected:
             connect.register_profile(spark, profile)

@@ -43,6 +43,8 @@ class Spool:
 
         try:
             for batch in batches:
+                if batch.column(0).null_count:  # the stage's marker row (driver.feed.stage_input)
+                    batch = batch.filter(batch.column(0).is_valid())
                 if batch.num_rows == 0:
                     continue
                 feed = batch.column(0)
