@@ -293,6 +293,12 @@ def hvd_keras_checks(outdir):
     seed = tf.Variable(np.array([4_000_000_000 + r, r], dtype=np.uint32))
     hvd.broadcast_variables([seed], root_rank=0)
     got["uint32_broadcast"] = [int(v) for v in seed.numpy()]
+    # Clipping acts on the reduced gradient: rank 0's 3.0 and the others' 0.0 average to 1.0,
+    # clipped to 0.5 (clipping each rank's own first would give 0.5 / 3).
+    w = keras.Variable(0.0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0, global_clipnorm=0.5))
+    opt.apply([tf.constant(3.0 if r == 0 else 0.0)], [w])
+    got["clipped_after_reduction"] = float(w.numpy())
     record_rank(outdir, got=got)
 
 
@@ -414,6 +420,11 @@ def test_best_model_checkpoint_keeps_the_best_epoch_from_rank_0(ranks):
     assert best != len(losses) - 1, losses  # so the file is not simply the last epoch
     assert got["best_saved_digest"] == got["best_epoch_digests"][best]
     assert same_on_every_rank(ranks, "best_val_losses") == losses  # averaged by MetricAverageCallback
+
+
+def test_gradients_are_clipped_after_the_reduction(ranks):
+    ranks, _ = ranks
+    assert [round(got["clipped_after_reduction"], 6) for got in ranks.values()] == [-0.5] * 3
 
 
 def test_a_uint32_variable_is_broadcast_bit_for_bit(ranks):
