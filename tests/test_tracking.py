@@ -270,7 +270,12 @@ def test_a_keras_estimator_of_two_inputs_and_two_outputs_logs_into_the_drivers_r
         mlflow.set_experiment("Default")
     client = mlflow.MlflowClient(mlflow_server.uri)
     assert [r.info.run_id for r in client.search_runs([experiment_id])] == [run.info.run_id]
-    for metric in ("loss", "positive_loss", "total_loss"):
+    # Every metric of the fit's history, one point per epoch: the per-output losses where this Keras
+    # reports them (Keras 3.2 reports the total only).
+    history = fitted.getHistory()
+    assert "loss" in history and set(history) & {"positive_loss", "total_loss"} in (set(), {"positive_loss",
+                                                                                          "total_loss"}), history
+    for metric in history:
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, metric)) == list(range(EPOCHS)), metric
     params = client.get_run(run.info.run_id).data.params
     assert (params.get("num_proc"), params.get("batch_size"), params.get("epochs")) == ("2", "16", str(EPOCHS))
