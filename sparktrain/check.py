@@ -106,7 +106,7 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
 def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float) -> None:
     over_connect = cluster.is_connect(spark)
     sc = None if over_connect else spark.sparkContext  # a Connect client has no SparkContext
-    conf = connect.conf_of(spark) if over_connect else dict(sc.getConf().getAll())
+    conf = connect.conf_of(spark) if over_connect else cluster.spark_conf(sc)
     master = conf.get("spark.master", "?")
     report.field("master", master + (" (through Spark Connect)" if over_connect else ""))
     report.field("Spark version", spark.version)

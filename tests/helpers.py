@@ -81,7 +81,8 @@ def rank_processes(marker: str, timeout: float = 5.0) -> list[int]:
         out = []
         for p in psutil.process_iter(["pid", "cmdline", "status"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if ("sparktrain.executor.child" in cmd or "sparktrain.executor.watcher" in cmd) and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            sparktrains = ("sparktrain.executor.child", "sparktrain.executor.watcher", "sparktrain/executor/watcher.py")
+            if any(s in cmd for s in sparktrains) and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
                 out.append(p.info["pid"])
         if not out or time.monotonic() >= deadline:
             return out

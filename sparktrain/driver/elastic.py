@@ -65,7 +65,7 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
         raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
                                "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
     sc = spark.sparkContext
-    conf = dict(sc.getConf().getAll())
+    conf = cluster.spark_conf(sc)
     elastic_url = settings.resolve("elastic_url", environ={**os.environ, **env}, conf=conf)
     if not elastic_url:
         raise InvalidArgumentError(

@@ -208,7 +208,7 @@ def run(
         frames = feed.frames_of(data)
     connected = cluster.is_connect(spark)
     sc = None if connected else spark.sparkContext  # a Connect client has no SparkContext
-    conf = connect.conf_of(spark) if connected else dict(sc.getConf().getAll())
+    conf = connect.conf_of(spark) if connected else cluster.spark_conf(sc)
     master = conf.get("spark.master", "")
     preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
     rendezvous = settings.resolve("rendezvous", conf=conf)
