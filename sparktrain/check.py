@@ -15,7 +15,7 @@ import sys
 from typing import Any, Callable, Mapping, TextIO
 
 from . import __version__, nics, settings, versions
-from .driver import capacity, cluster, connect, preflight, probe, spark_errors
+from .driver import capacity, cluster, preflight, probe, spark_errors, views
 from .errors import ClusterConfigError, InsufficientResourcesError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
@@ -104,11 +104,10 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
 
 
 def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float) -> None:
-    over_connect = cluster.is_connect(spark)
-    sc = None if over_connect else spark.sparkContext  # a Connect client has no SparkContext
-    conf = connect.conf_of(spark) if over_connect else cluster.spark_conf(sc)
+    view = views.of(spark)
+    conf = view.conf
     master = conf.get("spark.master", "?")
-    report.field("master", master + (" (through Spark Connect)" if over_connect else ""))
+    report.field("master", master + (f" (through {view.name})" if view.here == "client" else ""))
     report.field("Spark version", spark.version)
     if tuple(int(p) for p in re.findall(r"\d+", spark.version)[:2]) < (3, 5):
         report.fail(f"Spark {spark.version} is too old: sparktrain launches ranks with mapInArrow(barrier=True), "
@@ -121,8 +120,8 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
         report.fail(str(e))
     use_gpu = _check_gpu_conf(report, master, conf)
 
-    if over_connect:
-        cap = connect.capacity(conf)
+    if not view.lists_executors:
+        cap = view.capacity()
         if cap is None:
             if num_proc is None:
                 report.fail("a Spark Connect client cannot count the task slots of this cluster from its conf "
@@ -135,8 +134,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     else:
         # Executors register after the session starts; with the conf already broken, do not wait for them.
         expected = cluster.expected_executors(master, conf)
-        cap = cluster.wait_for_executors(sc, conf, lambda c: c.executors >= (expected or 1),
-                                         0 if report.failures else wait)
+        cap = view.wait_for_executors(lambda c: c.executors >= (expected or 1), 0 if report.failures else wait)
         if cluster.is_local(master):
             report.field("executors", "1 (local mode: the driver runs the tasks)")
         else:
@@ -167,7 +165,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     if report.failures:
         report.line("  (the probing barrier stage is skipped until the problems above are fixed)")
     else:
-        tasks = _probe(report, spark, conf, size, use_gpu, timeout)
+        tasks = _probe(report, view, size, use_gpu, timeout)
     _versions(report, driver, tasks)
     _hosts(report, driver, tasks, conf)
     _engines(report, driver, tasks)
@@ -233,12 +231,12 @@ def _local_facts() -> dict:
     return probe.facts_function()(PACKAGES, tuple(BACKENDS))
 
 
-def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: bool, timeout: float) -> list[dict]:
+def _probe(report: Report, view, size: int, use_gpu: bool, timeout: float) -> list[dict]:
     """Run one barrier stage of ``size`` tasks; each reports what it sees. Returns their reports."""
-    over_connect = cluster.is_connect(spark)
+    conf = view.conf
     # Ranks check in where run() listens: the driver, or this client over Spark Connect.
-    host = connect.client_host(spark) if over_connect else conf.get("spark.driver.host", "127.0.0.1")
-    found = probe.run(spark, size, host, PACKAGES, tuple(BACKENDS), timeout=timeout,
+    host = view.driver_host()
+    found = probe.run(view, size, host, PACKAGES, tuple(BACKENDS), timeout=timeout,
                       description=f"sparktrain check: a barrier stage of {size} task(s)")
     if found.timed_out:
         report.fail(f"the barrier stage of {size} task(s) did not finish within {timeout:g} s; every rank needs a "
@@ -259,8 +257,8 @@ def _probe(report: Report, spark, conf: Mapping[str, str], size: int, use_gpu: b
     unreachable = [t for t in tasks if t["reach"]]
     rendezvous = settings.resolve("rendezvous", conf=conf)
     if not unreachable:
-        report.ok(f"every task reached the {'client' if over_connect else 'driver'} at {host} (ranks check in there)")
-    elif over_connect and rendezvous != "driver":
+        report.ok(f"every task reached the {view.here} at {host} (ranks check in there)")
+    elif view.here == "client" and rendezvous != "driver":
         report.warn(f"{len(unreachable)} task(s) cannot reach this client at {host} ({unreachable[0]['reach']}); "
                     "over Spark Connect, runs then meet through Spark's barrier allGather, and each rank's output "
                     "tail comes back with the result or the error instead of live")

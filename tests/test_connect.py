@@ -238,7 +238,7 @@ def test_an_executors_python_of_another_minor_version_is_refused_before_launch(s
     # As the classic path's version tests do, the client claims other versions; the probe that
     # chooses the rendezvous has reported the executors' Python, once per session.
     from sparktrain import versions
-    from sparktrain.driver import connect
+    from sparktrain.driver import connect, views
 
     real = versions.collect()
     monkeypatch.setattr(versions, "collect", lambda: dict(real, python="3.1.0"))
@@ -250,14 +250,14 @@ def test_an_executors_python_of_another_minor_version_is_refused_before_launch(s
     assert f"this client runs {sys.executable} (Python 3.1.0)" in message
     assert f"PYSPARK_PYTHON set to a Python 3.1 " in message and f"export PYSPARK_PYTHON={sys.executable}" in message
     assert not marker.exists()  # refused before the run's stage
-    assert connect.probe(spark, connect.client_host(spark)).python == sys.executable
+    assert connect.probe(views.of(spark), connect.client_host(spark)).python == sys.executable
 
 
 def test_an_executors_python_that_lacks_a_module_is_refused_before_launch(spark, monkeypatch):
-    from sparktrain.driver import connect
+    from sparktrain.driver import connect, views
 
     key = (str(spark.session_id), connect.client_host(spark))
-    seen = connect.probe(spark, key[1])
+    seen = connect.probe(views.of(spark), key[1])
     monkeypatch.setitem(connect._PROBED, key, connect.Probed(seen.reached, seen.python, seen.version, ("sparktrain",)))
     with pytest.raises(sparktrain.ClusterConfigError) as e:
         sparktrain.run(lambda: 1, num_proc=3, verbose=0)

@@ -131,29 +131,30 @@ class Probed:
 _PROBED: dict[tuple[str, str | None], Probed] = {}
 
 
-def probe(spark, host: str | None) -> Probed:
+def probe(view, host: str | None) -> Probed:
     """One one-task job that reports the executors' Python and, given ``host``, whether a task can
     open a TCP connection to it (this client): it connects to a listener here, whose kernel
     completes the handshake, so nothing needs to accept it. A job that does not finish in time
-    counts as "cannot reach". Asked once per session and address."""
-    key = (str(getattr(spark, "session_id", id(spark))), host)
+    counts as "cannot reach". Asked once per session and address. ``view``: the session's
+    ``views.ConnectView``."""
+    key = (str(getattr(view.spark, "session_id", id(view.spark))), host)
     if key not in _PROBED:
-        _PROBED[key] = _probe(spark, host)
+        _PROBED[key] = _probe(view, host)
     return _PROBED[key]
 
 
-def executors_reach(spark, host: str) -> bool:
+def executors_reach(view, host: str) -> bool:
     """Whether a task of this session can open a TCP connection to ``host`` (this client); see :func:`probe`."""
-    return probe(spark, host).reached
+    return probe(view, host).reached
 
 
-def check_executors_python(spark, host: str | None) -> None:
+def check_executors_python(view, host: str | None) -> None:
     """Over Connect, the classic path's check of the executors' Python (``cluster.check_executors_python``),
     from the probe's report instead of by running that Python here: it must be this client's minor
     version and import sparktrain, cloudpickle and pyarrow. Raises ClusterConfigError naming both
     interpreters, their versions and the fix, before the run's stage launches. ``host``: as for
     :func:`probe` (the run asks with the address it probes anyway, so this costs no job of its own)."""
-    found = probe(spark, host)
+    found = probe(view, host)
     mine = versions.collect()["python"]
     theirs = found.version
     if found.failure is not None:
@@ -180,9 +181,9 @@ def check_executors_python(spark, host: str | None) -> None:
 _PYTHON_FAILURES = re.compile(r"(\[PYTHON_VERSION_MISMATCH\][^\n]*|No module named '?[\w.]+'?)")
 
 
-def _probe(spark, host: str | None) -> Probed:
+def _probe(view, host: str | None) -> Probed:
     try:
-        found = executor_probe.run(spark, 1, host, barrier=False, timeout=PROBE_JOB_TIMEOUT,
+        found = executor_probe.run(view, 1, host, barrier=False, timeout=PROBE_JOB_TIMEOUT,
                                    description="sparktrain: the executors' Python, and can they reach the client?")
     except OSError as e:
         log.debug("sparktrain: no probe listener on %s: %s", host, e)
@@ -197,7 +198,7 @@ def _probe(spark, host: str | None) -> Probed:
     return Probed(task["reach"] is None, task["executable"], task["versions"]["python"], tuple(task["missing"]))
 
 
-def concurrent_slots(spark, host: str, wanted: int, wait: float) -> int:
+def concurrent_slots(view, host: str, wanted: int, wait: float) -> int:
     """How many of ``wanted`` tasks of one (non-barrier) job run at once within ``wait`` seconds.
 
     Each task connects to a listener here and holds its connection until this client closes it,
@@ -214,8 +215,8 @@ def concurrent_slots(spark, host: str, wanted: int, wait: float) -> int:
         listener.bind((host, 0))
         listener.listen(max(8, wanted))
         port = listener.getsockname()[1]
-        job = jobs.BarrierJob(spark, f"sparktrain-slots-{port}", f"sparktrain: do {wanted} tasks run at once?",
-                         lambda: spark.range(0, wanted, 1, wanted).mapInArrow(_hold(host, port, wait),
+        job = jobs.BarrierJob(view, f"sparktrain-slots-{port}", f"sparktrain: do {wanted} tasks run at once?",
+                         lambda: view.spark.range(0, wanted, 1, wanted).mapInArrow(_hold(host, port, wait),
                                                                              "held boolean").collect())
         job.start()
         deadline = time.monotonic() + wait

@@ -51,7 +51,7 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
     setting (``SPARKTRAIN_ELASTIC_URL`` in ``env=`` or the driver's environment, or
     ``spark.sparktrain.elasticUrl``) says where the commits go.
     """
-    from . import cluster
+    from . import cluster, views
     from .run import run
 
     if "max_attempts" in run_kwargs:
@@ -61,11 +61,11 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
         raise InvalidArgumentError("run_elastic runs on a Spark cluster; local mode has no executors to lose")
     env = dict(env or {})
     spark = cluster.active_session()
-    if spark is None or cluster.is_connect(spark):
+    view = views.of(spark) if spark is not None else None
+    if view is None or not view.lists_executors:
         raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
                                "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
-    sc = spark.sparkContext
-    conf = cluster.spark_conf(sc)
+    sc, conf = view.sc, view.conf
     elastic_url = settings.resolve("elastic_url", environ={**os.environ, **env}, conf=conf)
     if not elastic_url:
         raise InvalidArgumentError(

@@ -9,7 +9,7 @@ import threading
 from typing import Any, Callable, Protocol
 
 from ..spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
-from .cluster import is_connect, without_pyspark_warnings
+from .cluster import without_pyspark_warnings
 
 
 class Job(Protocol):
@@ -71,33 +71,27 @@ class BarrierJob(_Background):
 
     ``collect`` builds and collects the barrier stage; ``rows`` holds what it returned.
 
-    >>> job = BarrierJob(spark, "probe-1", "a probe", lambda: rdd.barrier().mapPartitions(f).collect())  # doctest: +SKIP
+    ``view`` (``sparktrain.driver.views``) puts the job in its group and cancels it.
+
+    >>> job = BarrierJob(view, "probe-1", "a probe", lambda: df.mapInArrow(f, schema, barrier=True).collect())  # doctest: +SKIP
     >>> job.start(); job.wait(60) or job.cancel()                                                     # doctest: +SKIP
     """
 
-    def __init__(self, spark, group: str, description: str, collect: Callable[[], list],
+    def __init__(self, view, group: str, description: str, collect: Callable[[], list],
                  on_done: Callable[[], None] = lambda: None):
         super().__init__(f"sparktrain-job-{group}", on_done)
-        self.spark = spark
+        self.view = view
         self.group = group
         self.description = description
         self._collect = collect
-        self._connect = is_connect(spark)
 
     @property
     def rows(self) -> list | None:
         return self.value
 
     def _body(self) -> list:
-        if self._connect:
-            # A Connect client has no job groups; a tag marks this thread's jobs for interruptTag.
-            self.spark.addTag(self.group)
-            try:
-                return self._quiet_collect()
-            finally:
-                self.spark.removeTag(self.group)
-        self.spark.sparkContext.setJobGroup(self.group, self.description, interruptOnCancel=True)
-        return self._quiet_collect()
+        with self.view.group(self.group, self.description):
+            return self._quiet_collect()
 
     def _quiet_collect(self) -> list:
         """Collect, without the warnings pyspark gives for it (``cluster.without_pyspark_warnings``)."""
@@ -105,10 +99,7 @@ class BarrierJob(_Background):
             return self._collect()
 
     def cancel(self) -> None:
-        if self._connect:
-            self.spark.interruptTag(self.group)
-        else:
-            self.spark.sparkContext.cancelJobGroup(self.group)
+        self.view.cancel(self.group)
 
 
 class SparkJob(BarrierJob):
@@ -118,9 +109,9 @@ class SparkJob(BarrierJob):
     ``driver.feed``), or one row per task when no data is fed.
     """
 
-    def __init__(self, spark, spec: TaskSpec, fn_name: str, on_done: Callable[[], None], source=None,
+    def __init__(self, view, spec: TaskSpec, fn_name: str, on_done: Callable[[], None], source=None,
                  profile=None):
-        super().__init__(spark, f"sparktrain-{spec.run_id}",
+        super().__init__(view, f"sparktrain-{spec.run_id}",
                          f"sparktrain.run({fn_name}) num_proc={spec.size} run {spec.run_id}",
                          self._launch, on_done)
         self.spec = spec
@@ -131,7 +122,7 @@ class SparkJob(BarrierJob):
     def _launch(self) -> list:
         from ..executor.task import barrier_task  # the one entry into the executor side
 
-        df = self.source if self.source is not None else self.spark.range(0, self.spec.size, 1, self.spec.size)
+        df = self.source if self.source is not None else self.view.spark.range(0, self.spec.size, 1, self.spec.size)
         # profile= exists from pyspark 4.0 only; without a profile, the call stays 3.5-compatible.
         extra = {"profile": self.profile} if self.profile is not None else {}
         return df.mapInArrow(barrier_task(self.spec), RESULT_SCHEMA, barrier=True, **extra).collect()

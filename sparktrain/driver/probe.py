@@ -8,8 +8,8 @@ whether it could open a TCP connection to ``host:port``.
 
 The task function is built inside a function so that cloudpickle ships it by value: it needs
 neither sparktrain nor pyarrow on the executor, which may be exactly what is missing there.
-On a classic session the stage is an RDD one and needs nothing but Python; over Connect, which
-has no RDDs, it is ``mapInArrow``.
+The stage is the view's (``views.ClusterView.stage``): on a classic session an RDD one, which needs
+nothing but Python; over Connect, which has no RDDs, ``mapInArrow``.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class Probe:
     seconds: float = 0.0
 
 
-def run(spark, size: int, host: str | None, packages: tuple = (), backends: tuple = (), barrier: bool = True,
+def run(view, size: int, host: str | None, packages: tuple = (), backends: tuple = (), barrier: bool = True,
         timeout: float = 60.0, description: str = "sparktrain: probe the executors") -> Probe:
     """Run ``size`` probing tasks (a barrier stage unless ``barrier=False``); with ``host``, each
     task also reports whether it can open a TCP connection to a listener there."""
@@ -139,10 +139,9 @@ def run(spark, size: int, host: str | None, packages: tuple = (), backends: tupl
         except OSError:
             listener.close()
             raise
-    over_connect = cluster.is_connect(spark)
     task = task_function(packages, backends, address)
-    job = jobs.BarrierJob(spark, f"sparktrain-probe-{uuid.uuid4().hex[:12]}", description,
-                          lambda: _stage(spark, size, task, over_connect, barrier))
+    job = jobs.BarrierJob(view, f"sparktrain-probe-{uuid.uuid4().hex[:12]}", description,
+                          lambda: view.stage(size, task, barrier))
     started = time.monotonic()
     job.start()
     try:
@@ -157,17 +156,3 @@ def run(spark, size: int, host: str | None, packages: tuple = (), backends: tupl
     if job.error is not None:
         return Probe([], error=job.error, seconds=seconds)
     return Probe(sorted((json.loads(r) for r in job.rows), key=lambda t: t["task"]), seconds=seconds)
-
-
-def _stage(spark, size: int, task, over_connect: bool, barrier: bool) -> list[str]:
-    if not over_connect:
-        rdd = spark.sparkContext.parallelize(range(size), size)
-        return (rdd.barrier() if barrier else rdd).mapPartitions(task).collect()
-
-    def in_arrow(batches):
-        import pyarrow as pa
-
-        yield pa.RecordBatch.from_arrays([pa.array(list(task(batches)))], names=["info"])
-
-    rows = spark.range(0, size, 1, size).mapInArrow(in_arrow, "info string", barrier=barrier).collect()
-    return [r["info"] for r in rows]

@@ -1,4 +1,6 @@
-"""The public ``sparktrain.run``: validate, pickle, resolve settings, then hand over to the attempts.
+"""The public ``sparktrain.run``, as a pipeline: check the arguments, choose the cluster view,
+resolve the settings against its conf (``driver.config``), fit the ranks to its slots, build the
+ranks' spec, and hand over to the attempts (``driver.attempt``).
 
 pyspark is imported inside the functions that need it, so ``import sparktrain`` stays fast
 and works where only the worker API is used. The flow of a run, and which module does what,
@@ -6,19 +8,15 @@ is drawn in docs/architecture.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
-import uuid
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from .. import payload, settings, tracking, versions
-from ..errors import InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
+from .. import settings, tracking, versions
 from ..spec import TaskSpec
-from . import capacity, cluster, connect, preflight
+from . import config, preflight, views
 from .attempt import RunInfo, run_attempts
-from .jobs import LocalJob, SparkJob
 
 log = logging.getLogger("sparktrain")
 
@@ -145,233 +143,55 @@ def run(
     >>> sparktrain.run(train, args=(0.1,), kwargs={"epochs": 2}, num_proc=3)  # doctest: +SKIP
     'rank 0 trained at 0.1'
     """
-    size, local = preflight.check_num_proc(num_proc, local_mode)
-    args, kwargs, env = preflight.check_arguments(
-        train_fn, args, kwargs, env, stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks)
-    asked = capacity.check_resources(resources, use_gpu)
-    for name in settings.READ_IN_RANK:  # a bad value fails here, not in every rank
-        settings.resolve(name, environ={**os.environ, **env})
-    start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
-    timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
-    if max_attempts is not None:
-        max_attempts = settings.resolve("max_attempts", max_attempts)
-    if nics is not None:
-        nics = settings.resolve("nics", nics)
+    a = config.check_arguments(train_fn, args, kwargs, num_proc, local_mode, start_timeout, timeout, env, stdout,
+                               stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
+                               storage_options, max_attempts, data, log_url, resources, nics)
     _configure_logging(verbose)
-    import cloudpickle
-
-    checkpoint = None
-    if checkpoint_url is not None:
-        from .. import storage
-
-        storage.check_url(checkpoint_url, storage_options)  # an unknown scheme or missing backend fails here
-        try:
-            checkpoint = cloudpickle.dumps((checkpoint_url, dict(storage_options or {})))
-        except Exception as e:  # noqa: BLE001
-            raise PicklingFailedError(f"cannot pickle storage_options for {checkpoint_url!r}: {type(e).__name__}") \
-                from None
-
-    fn_name = getattr(train_fn, "__qualname__", type(train_fn).__name__)
-    info = RunInfo(run_id=uuid.uuid4().hex[:12], fn_name=fn_name, stdout=stdout, stderr=stderr,
-                   timestamps=prefix_output_with_timestamp, timeout=timeout, verbose=verbose)
-
-    if local:
-        if data is not None:
-            raise InvalidArgumentError(
-                "data= feeds a DataFrame through the run's Spark stage, and local mode runs without Spark. Use "
-                "num_proc > 0 (on a local[N] master for one machine), or read the data inside train_fn")
-        conf: dict[str, str] = {}
-        if asked is not None and asked.gpus not in (None, 0.0, 1.0):
-            raise InvalidArgumentError(
-                f"local mode gives each rank one GPU of this machine, or none; resources['gpus']={resources['gpus']!r} "
-                "cannot be met. Ask for 'gpus': 1 or 0, or run on Spark (num_proc > 0)")
-        if asked is not None and asked.gpus:
-            use_gpu = True
-        output = preflight.normalize_output_ranks(output_ranks, size)
-        spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, payload.dumps),
-                          driver_address=("127.0.0.1", 0), use_gpu=bool(use_gpu), output_ranks=output, max_result_bytes=0,
-                          env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
-                          task_cpus=asked.cpus if asked is not None else None)
-        gpus = cluster.local_gpus(size) if use_gpu else None
-        return run_attempts(info, spec, lambda s, on_done: LocalJob(s, gpus, on_done), "127.0.0.1",
-                            settings.resolve("max_attempts", max_attempts, conf=conf))
-
-    spark = cluster.active_session()
-    if spark is None:
-        master = f"local[{size or os.cpu_count() or 1}]"
-        spark = cluster.start_session(master)
-        log.info("sparktrain: no active SparkSession; started an embedded %s session", master)
-    frames = None
-    if data is not None:
-        from . import feed
-
-        frames = feed.frames_of(data)
-    connected = cluster.is_connect(spark)
-    sc = None if connected else spark.sparkContext  # a Connect client has no SparkContext
-    conf = connect.conf_of(spark) if connected else cluster.spark_conf(sc)
-    master = conf.get("spark.master", "")
-    preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
-    rendezvous = settings.resolve("rendezvous", conf=conf)
-    if sc is not None:
-        cluster.check_executors_python(sc)
-        driver_host = conf.get("spark.driver.host", "127.0.0.1")
-    else:
-        driver_host = connect.client_host(spark)
-        # The probe that chooses the rendezvous reports the executors' Python too, once per session.
-        connect.check_executors_python(spark, driver_host if rendezvous == "auto" else None)
-    nics = settings.resolve("nics", nics, conf=conf)
-    if nics:
-        from .. import nics as networks
-
-        driver_host = networks.own_address(nics, "the driver")
-        log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(nics), driver_host)
-    if use_gpu is None:
-        use_gpu = bool(asked.gpus) if asked is not None and asked.gpus is not None else capacity.gpu_amount(conf) > 0
-    local_master = cluster.is_local(master)
-    stage = capacity.stage_resources(conf, asked, use_gpu, local_master)
-    profile = None
-    if stage is not None:
-        import pyspark
-
-        capacity.check_profile_support(type(spark.range(0)).mapInArrow, pyspark.__version__)  # no job runs
-        profile = cluster.task_profile(sc, stage)  # sc is None over Connect: the server registers it
-        if connected:
-            connect.register_profile(spark, profile)
-        log.info("sparktrain: each rank's task asks for %d CPU(s) and %g GPU(s) through its own resource profile",
-                 stage.cpus, stage.gpus)
-    else:
-        capacity.check_gpu_conf(conf, use_gpu)
-    # A local master's task cpus are a count of slots, not of cores: threads follow only a cluster's.
-    task_cpus = stage.cpus if stage is not None else \
-        None if local_master else capacity.default_task_resources(conf).cpus
-    capacity_wait = settings.resolve("capacity_wait", conf=conf)
-    if connected:
-        size = _check_connect_capacity(spark, conf, size, use_gpu, stage, capacity_wait)
-    else:
-        if size is None:
-            size = max(1, cluster.capacity(sc, conf, stage, profile).slots(use_gpu))
-        cluster.wait_for_capacity(sc, conf, size, use_gpu, capacity_wait, stage, profile)
-    if connected:
-        if rendezvous == "auto":
-            reach = connect.executors_reach(spark, driver_host)
-            rendezvous = "driver" if reach else "barrier"
-            log.info("sparktrain: run %s over Spark Connect: executors %s this client at %s; ranks meet through %s",
-                     info.run_id, "can reach" if reach else "cannot reach", driver_host,
-                     "its channel, and their output streams here live" if reach else
-                     "Spark's barrier allGather, and each rank's output tail comes back with the result or error")
-        max_result = connect.size_bytes(conf.get("spark.driver.maxResultSize", "1g"))
-    else:
-        max_result = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", "1g"))
-    log_target = _log_target(log_url, storage_options, conf)
-    output = preflight.normalize_output_ranks(output_ranks, size)
-    spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, payload.dumps),
-                      driver_address=(driver_host, 0) if rendezvous != "barrier" else None, use_gpu=use_gpu,
-                      output_ranks=output, max_result_bytes=max_result,
-                      env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
-                      spill_url=_spill_url(master, conf), feed=tuple(frames or ()),
-                      return_output=connected and rendezvous == "barrier" and log_target is None,
-                      log_target=log_target, task_cpus=task_cpus, nics=nics)
+    view = views.choose(a.local, a.size, a.use_gpu)
+    cfg = config.resolve(a, view)
+    profile = view.profile(cfg.stage) if cfg.stage is not None else None
+    size = view.fit(a.size, cfg.use_gpu, cfg.stage, profile, cfg.capacity_wait)
+    spec = _task_spec(cfg, size, view)
     source = None
-    if frames:
+    if a.frames:
         from . import feed
 
-        source = feed.stage_input(frames, size)
-    max_attempts = settings.resolve("max_attempts", max_attempts, conf=conf)
-    log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
-              "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s "
-              "task_resources=%s task_cpus=%s",
-              info.run_id, size, use_gpu, spec.start_timeout, timeout, rendezvous, spec.grace_period, max_result,
-              max_attempts, capacity_wait, spec.spill_url, stage or "default profile", task_cpus)
-
-    def before_retry() -> None:
-        # A lost executor is usually replaced within seconds; the gang needs all its slots back.
-        if connected:
-            _check_connect_capacity(spark, conf, size, use_gpu, stage, max(RETRY_CAPACITY_WAIT, capacity_wait))
-        else:
-            cluster.wait_for_capacity(sc, conf, size, use_gpu, max(RETRY_CAPACITY_WAIT, capacity_wait), stage,
-                                      profile)
+        source = feed.stage_input(a.frames, size)
+    info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=stdout, stderr=stderr,
+                   timestamps=prefix_output_with_timestamp, timeout=a.timeout, verbose=verbose)
+    # A lost executor is usually replaced within seconds; a retried gang needs all its slots back.
+    retry_wait = max(RETRY_CAPACITY_WAIT, cfg.capacity_wait)
+    return run_attempts(info, spec, lambda s, on_done: view.job(s, a.fn_name, on_done, source, profile),
+                        cfg.driver_host, cfg.max_attempts,
+                        lambda: view.fit(size, cfg.use_gpu, cfg.stage, profile, retry_wait))
 
 
-    return run_attempts(info, spec, lambda s, on_done: SparkJob(spark, s, fn_name, on_done, source, profile), driver_host,
-                        max_attempts, before_retry)
-
-
-def _log_target(log_url: str | None, storage_options: Mapping[str, Any] | None,
-                conf: Mapping[str, str]) -> bytes | None:
-    """``(log_url, storage_options)`` pickled for the ranks, or None when no log_url is set."""
-    url = settings.resolve("log_url", log_url, conf=conf)
-    if not url:
-        return None
-    from .. import storage
-
-    storage.check_url(url, storage_options)
-    import cloudpickle
-
-    return cloudpickle.dumps((url, dict(storage_options or {})))
-
-
-def _check_connect_capacity(spark, conf: Mapping[str, str], size: int | None, use_gpu: bool,
-                            stage: capacity.TaskResources | None = None, wait: float = 10.0) -> int:
-    """Over Connect the client cannot list executors: count slots from the conf, or, where the
-    conf does not say, probe with a job of ``size`` tasks that must all run at once within
-    ``wait`` seconds. Fails now rather than wait out Spark's barrier slot check (about 10
-    minutes). Returns the size. ``stage``: the run's own task resources, counted instead of the conf's."""
-    cap = connect.capacity(conf)
-    if cap is not None and stage is not None:
-        cap = dataclasses.replace(cap, task_cpus=stage.cpus, task_gpus=stage.gpus or 0.0, profile=True)
-    checked = (f"counted from the session's conf (spark.master={conf.get('spark.master', '?')}, "
-               f"spark.executor.instances={conf.get('spark.executor.instances', 'unset')}, "
-               f"spark.executor.cores={conf.get('spark.executor.cores', 'unset')}, "
-               f"spark.task.cpus={conf.get('spark.task.cpus', '1')})")
-    if cap is None:
-        if size is None:
-            raise InvalidArgumentError(
-                "num_proc is required over Spark Connect when the conf does not say how many executors there "
-                f"are (spark.executor.instances/cores unset); {checked}")
-        host = connect.client_host(spark)
-        if stage is not None or not connect.executors_reach(spark, host):
-            log.info("sparktrain: over Spark Connect the task slots cannot be %s, nor probed from here; "
-                     "launching %d ranks", checked, size)
-            return size
-        running = connect.concurrent_slots(spark, host, size, wait)
-        if running < size:
-            raise InsufficientResourcesError(
-                f"num_proc={size} needs {size} task slots at once, but only {running} task(s) of a probe job of "
-                f"{size} ran at once within {wait:g} s (the conf does not say: {checked}). Lower num_proc, add "
-                "executors, or set spark.executor.instances and spark.executor.cores so the count comes from the "
-                "conf; spark.sparktrain.capacityWait waits longer for executors to come up")
-        log.info("sparktrain: %d tasks ran at once in a probe job (the conf does not say how many executors "
-                 "there are)", running)
-        return size
-    if size is None:
-        return max(1, cap.slots(use_gpu))
-    try:
-        capacity.check_capacity(size, cap, use_gpu)
-    except InsufficientResourcesError as e:
-        raise InsufficientResourcesError(f"{e} (slots {checked})") from None
-    return size
-
-
-def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tuple[str, int] | None, use_gpu: bool,
-               output_ranks: frozenset[int] | None, max_result_bytes: int, env: Mapping[str, str],
-               conf: Mapping[str, str], checkpoint: bytes | None, start_timeout: float | None,
-               spill_url: str | None = None, feed: tuple[str, ...] = (), return_output: bool = False,
-               log_target: bytes | None = None, task_cpus: int | None = None,
-               nics: tuple[str, ...] | None = None) -> TaskSpec:
+def _task_spec(cfg: config.RunConfig, size: int, view) -> TaskSpec:
     """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
-    settings.warn_retired(conf, {**os.environ, **(env or {})})
-    return TaskSpec(
-        run_id=info.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
-        use_gpu=use_gpu, output_ranks=output_ranks, max_result_bytes=max_result_bytes,
-        start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
+    a, conf = cfg.args, cfg.conf
+    env = {**os.environ, **a.env}
+    settings.warn_retired(conf, env)
+    spec = TaskSpec(
+        run_id=a.run_id, size=size, payload=a.payload, secret=b"",
+        driver_address=(cfg.driver_host, 0) if cfg.rendezvous != "barrier" else None,
+        use_gpu=cfg.use_gpu, output_ranks=preflight.normalize_output_ranks(a.output_ranks, size),
+        max_result_bytes=view.max_result_bytes(),
+        start_timeout=settings.resolve("start_timeout", a.start_timeout, conf=conf),
         grace_period=settings.resolve("grace_period", conf=conf),
         heartbeat_timeout=settings.resolve("heartbeat_timeout", conf=conf),
-        stall_warning=settings.resolve("stall_warning", environ={**os.environ, **(env or {})}, conf=conf),
-        user_env=settings.rank_env(env, conf), checkpoint=checkpoint,
-        spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
-        return_output=return_output, log_target=log_target,
-        mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus, nics=nics,
+        stall_warning=settings.resolve("stall_warning", environ=env, conf=conf),
+        user_env=settings.rank_env(a.env, conf), checkpoint=a.checkpoint,
+        spill_url=cfg.spill_url, versions=versions.collect(), tf_log_level=0 if a.verbose == 2 else 2,
+        feed=tuple(a.frames or ()), return_output=view.tails_without_channel and cfg.rendezvous == "barrier"
+        and cfg.log_target is None, log_target=cfg.log_target,
+        mlflow=_mlflow_handoff(a.run_id, a.env), task_cpus=cfg.task_cpus, nics=a.nics,
     )
+    log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
+              "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s "
+              "task_resources=%s task_cpus=%s", a.run_id, size, cfg.use_gpu, spec.start_timeout, a.timeout,
+              cfg.rendezvous, spec.grace_period, spec.max_result_bytes, cfg.max_attempts, cfg.capacity_wait,
+              spec.spill_url, cfg.stage or "default profile", cfg.task_cpus)
+    return spec
 
 
 def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
@@ -380,20 +200,3 @@ def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | Non
     if handoff:
         log.debug("sparktrain: run %s: rank 0 logs to MLflow %s", run_id, tracking.describe(handoff))
     return handoff or None
-
-
-def _spill_url(master: str, conf: Mapping[str, str]) -> str | None:
-    """Where rank 0 spills a value too large for Spark's result path; None: it fails instead."""
-    url = settings.resolve("spill_url", conf=conf)
-    if url == "":
-        return None  # spilling turned off
-    if url is None and cluster.on_this_host(master):
-        # Executors and driver share this machine's disk.
-        import tempfile
-
-        url = "file://" + os.path.join(tempfile.gettempdir(), "sparktrain-spill")
-    if url is not None:
-        from .. import storage
-
-        storage.check_url(url)
-    return url

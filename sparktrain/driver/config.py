@@ -1,0 +1,197 @@
+"""A run's settings, resolved once: :func:`check_arguments` before any session, then
+:func:`resolve` against the cluster view's conf, into one frozen :class:`RunConfig`.
+
+The order in which a setting is read (argument, ``env=``, the driver's environment, the Spark
+conf, the default) is the settings table's (``sparktrain.settings``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from typing import IO, Any, Callable, Mapping
+
+from .. import payload as payloads
+from .. import settings
+from ..errors import InvalidArgumentError, PicklingFailedError
+from . import capacity, cluster, preflight
+from .capacity import TaskResources
+
+log = logging.getLogger("sparktrain")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arguments:
+    """``run``'s arguments, checked, with nothing asked of a cluster yet."""
+
+    run_id: str
+    fn_name: str
+    payload: bytes
+    size: int | None
+    local: bool
+    env: dict[str, str]
+    stdout: IO[str] | None
+    stderr: IO[str] | None
+    verbose: int
+    timestamps: bool
+    use_gpu: bool | None
+    asked: TaskResources | None
+    output_ranks: Any
+    checkpoint: bytes | None
+    storage_options: Mapping[str, Any] | None
+    frames: dict[str, Any] | None
+    log_url: str | None
+    nics: tuple[str, ...] | None
+    start_timeout: float | None
+    timeout: float | None
+    max_attempts: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run's attempts need to know, resolved against the cluster's conf."""
+
+    args: Arguments
+    conf: Mapping[str, str]
+    #: Where the ranks reach this process.
+    driver_host: str
+    #: How ranks meet: "driver" (its channel) or "barrier" (Spark's allGather).
+    rendezvous: str
+    use_gpu: bool
+    #: The run's own task resources (a ResourceProfile), or None for the application's default.
+    stage: TaskResources | None
+    task_cpus: int | None
+    capacity_wait: float
+    max_attempts: int
+    log_target: bytes | None
+    spill_url: str | None
+
+    @property
+    def master(self) -> str:
+        return self.conf.get("spark.master", "")
+
+
+def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_mode, start_timeout, timeout, env,
+                    stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
+                    storage_options, max_attempts, data, log_url, resources, nics) -> Arguments:
+    """Check every argument of ``run``; a bad one raises, naming the value and the fix."""
+    size, local = preflight.check_num_proc(num_proc, local_mode)
+    args, kwargs, env = preflight.check_arguments(
+        train_fn, args, kwargs, env, stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks)
+    asked = capacity.check_resources(resources, use_gpu)
+    for name in settings.READ_IN_RANK:  # a bad value fails here, not in every rank
+        settings.resolve(name, environ={**os.environ, **env})
+    start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
+    timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
+    if max_attempts is not None:
+        max_attempts = settings.resolve("max_attempts", max_attempts)
+    if nics is not None:
+        nics = settings.resolve("nics", nics)
+    if local and data is not None:
+        raise InvalidArgumentError(
+            "data= feeds a DataFrame through the run's Spark stage, and local mode runs without Spark. Use "
+            "num_proc > 0 (on a local[N] master for one machine), or read the data inside train_fn")
+    if local and asked is not None and asked.gpus not in (None, 0.0, 1.0):
+        raise InvalidArgumentError(
+            f"local mode gives each rank one GPU of this machine, or none; resources['gpus']={resources['gpus']!r} "
+            "cannot be met. Ask for 'gpus': 1 or 0, or run on Spark (num_proc > 0)")
+    if local and asked is not None and asked.gpus:
+        use_gpu = True
+    checkpoint = _checkpoint(checkpoint_url, storage_options)
+    frames = None
+    if data is not None:
+        from . import feed
+
+        frames = feed.frames_of(data)
+    return Arguments(
+        run_id=uuid.uuid4().hex[:12], fn_name=getattr(train_fn, "__qualname__", type(train_fn).__name__),
+        payload=preflight.pickle_payload(train_fn, args, kwargs, payloads.dumps), size=size, local=local, env=env,
+        stdout=stdout, stderr=stderr, verbose=verbose, timestamps=prefix_output_with_timestamp, use_gpu=use_gpu,
+        asked=asked, output_ranks=output_ranks, checkpoint=checkpoint, storage_options=storage_options,
+        frames=frames, log_url=log_url, nics=nics, start_timeout=start_timeout, timeout=timeout,
+        max_attempts=max_attempts)
+
+
+def resolve(a: Arguments, view) -> RunConfig:
+    """The run's settings against ``view``'s conf (``views.ClusterView``); refuses, before launch,
+    what the cluster cannot do."""
+    conf = view.conf
+    if a.local:
+        return RunConfig(args=a, conf=conf, driver_host="127.0.0.1", rendezvous="driver", use_gpu=bool(a.use_gpu),
+                         stage=None, task_cpus=a.asked.cpus if a.asked is not None else None, capacity_wait=0.0,
+                         max_attempts=settings.resolve("max_attempts", a.max_attempts, conf=conf), log_target=None,
+                         spill_url=None)
+    preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
+    rendezvous = settings.resolve("rendezvous", conf=conf)
+    view.check_python(rendezvous)
+    driver_host = view.driver_host()
+    nics = settings.resolve("nics", a.nics, conf=conf)
+    if nics:
+        from .. import nics as networks
+
+        driver_host = networks.own_address(nics, "the driver")
+        log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(nics), driver_host)
+    use_gpu = a.use_gpu
+    if use_gpu is None:
+        use_gpu = bool(a.asked.gpus) if a.asked is not None and a.asked.gpus is not None \
+            else capacity.gpu_amount(conf) > 0
+    local_master = cluster.is_local(view.master)
+    stage = capacity.stage_resources(conf, a.asked, use_gpu, local_master)
+    if stage is None:
+        capacity.check_gpu_conf(conf, use_gpu)
+    # A local master's task cpus are a count of slots, not of cores: threads follow only a cluster's.
+    task_cpus = stage.cpus if stage is not None else \
+        None if local_master else capacity.default_task_resources(conf).cpus
+    return RunConfig(
+        args=dataclasses.replace(a, nics=nics), conf=conf, driver_host=driver_host,
+        rendezvous=view.default_rendezvous(rendezvous, driver_host, a.run_id), use_gpu=use_gpu, stage=stage,
+        task_cpus=task_cpus, capacity_wait=settings.resolve("capacity_wait", conf=conf),
+        max_attempts=settings.resolve("max_attempts", a.max_attempts, conf=conf),
+        log_target=_log_target(a.log_url, a.storage_options, conf), spill_url=_spill_url(view.master, conf))
+
+
+def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
+    """``(checkpoint_url, storage_options)`` pickled for rank 0, or None without a checkpoint_url."""
+    if url is None:
+        return None
+    import cloudpickle
+
+    from .. import storage
+
+    storage.check_url(url, storage_options)  # an unknown scheme or missing backend fails here
+    try:
+        return cloudpickle.dumps((url, dict(storage_options or {})))
+    except Exception as e:  # noqa: BLE001
+        raise PicklingFailedError(f"cannot pickle storage_options for {url!r}: {type(e).__name__}") from None
+
+
+def _log_target(log_url: str | None, storage_options: Mapping[str, Any] | None,
+                conf: Mapping[str, str]) -> bytes | None:
+    """``(log_url, storage_options)`` pickled for the ranks, or None when no log_url is set."""
+    url = settings.resolve("log_url", log_url, conf=conf)
+    if not url:
+        return None
+    from .. import storage
+
+    storage.check_url(url, storage_options)
+    import cloudpickle
+
+    return cloudpickle.dumps((url, dict(storage_options or {})))
+
+
+def _spill_url(master: str, conf: Mapping[str, str]) -> str | None:
+    """Where rank 0 spills a value too large for Spark's result path; None: it fails instead."""
+    url = settings.resolve("spill_url", conf=conf)
+    if url == "":
+        return None  # spilling turned off
+    if url is None and cluster.on_this_host(master):
+        # Executors and driver share this machine's disk.
+        import tempfile
+
+        url = "file://" + os.path.join(tempfile.gettempdir(), "sparktrain-spill")
+    if url is not None:
+        from .. import storage
+
+        storage.check_url(url)
+    return url
