@@ -1,20 +1,15 @@
 """Attempts of one run: start the gang, supervise it until it ends, return rank 0's value or raise.
 
-One :class:`Attempt` is a small state machine driven by the events of the run's channel
-(``sparktrain.driver.server``) and by its job (``sparktrain.driver.jobs``)::
-
-    STARTING --every rank checked in--> RUNNING
-    STARTING/RUNNING --a rank failed, a timeout, the job ended under the ranks--> STOPPING
-    any --the job is done--> ENDED
-
-:func:`run_attempts` starts attempts until one succeeds, a failure is not ``retryable``, or
-``max_attempts`` is spent.
+One :class:`Attempt` carries out what ``sparktrain.driver.supervision`` decides: it feeds that
+pure core the events of the run's channel (``sparktrain.driver.server``) and of its job
+(``sparktrain.driver.jobs``) with the time, and does the actions it returns (stop the ranks,
+cancel the job, log). :func:`run_attempts` starts attempts until one succeeds, or the retry
+policy (``supervision.retry``) says no.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import enum
 import logging
 import queue
 import sys
@@ -22,8 +17,7 @@ import time
 from typing import IO, Any, Callable
 
 from .. import channel
-from ..errors import (RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError,
-                      StartTimeoutError, failures_in)
+from ..errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError, failures_in
 from ..spec import SPILLED, TaskSpec
 from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory
@@ -32,6 +26,7 @@ from .interrupts import Interrupts
 from .server import (Closed, DriverServer, Event, Failed, Hello, Interrupted, JobDone, Output, Progress, Refused,
                      Stacks)
 from .stalls import StallWatch, collect_stacks, user_frames
+from . import supervision as core
 
 log = logging.getLogger("sparktrain")
 
@@ -82,13 +77,14 @@ def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str,
         if number > 1:
             before_retry()
         try:
-            value = Attempt(info, dataclasses.replace(spec, attempt=number, max_attempts=max_attempts), max_attempts, make_job, host).supervise()
+            value = Attempt(info, dataclasses.replace(spec, attempt=number, max_attempts=max_attempts), max_attempts,
+                            make_job, host).supervise()
         except SparkTrainError as e:
             out_of_time = info.timeout is not None and info.elapsed() >= info.timeout
-            if number == max_attempts or out_of_time or not e.retryable:
+            if not core.retry(e, number, max_attempts, out_of_time):
                 if number == 1:
                     raise
-                raise _with_attempts(e, number, earlier) from e
+                raise core.with_attempts(e, number, earlier) from e
             earlier.append(_first_line(str(e)))
             log.warning("sparktrain: run %s attempt %d of %d failed: %s; starting all %d ranks again",
                         info.run_id, number, max_attempts, earlier[-1], spec.size)
@@ -100,38 +96,25 @@ def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str,
     raise AssertionError("unreachable")
 
 
-def _with_attempts(e: SparkTrainError, attempts: int, earlier: list[str]) -> SparkTrainError:
-    if isinstance(e, RankFailedError):
-        return RankFailedError(e.failures, attempts=attempts, earlier=earlier, stall=e.stall)
-    history = "; ".join(f"attempt {i}: {why}" for i, why in enumerate(earlier, 1))
-    return type(e)(f"{e} (attempt {attempts} of {attempts}; earlier attempts failed: {history})")
-
-
-class Phase(enum.Enum):
-    STARTING = "ranks are checking in"
-    RUNNING = "every rank checked in"
-    STOPPING = "every rank was told to stop"
-    ENDED = "the job is done"
-
-
 class Attempt:
     """One attempt: its own secret, channel and job, supervised until the job ends."""
 
     def __init__(self, info: RunInfo, spec: TaskSpec, max_attempts: int, make_job: JobFactory, host: str):
         self.info = info
         self.max_attempts = max_attempts
-        self.started = time.monotonic()
+        started = time.monotonic()
         remaining = None if info.timeout is None else info.timeout - info.elapsed()
-        #: When this attempt must stop (the run's timeout less what earlier attempts took); None: never.
-        self.deadline = None if remaining is None else self.started + remaining
-        self.phase = Phase.STARTING
+        self.limits = core.Limits(spec.size, started, spec.start_timeout,
+                                  None if remaining is None else started + remaining,
+                                  f"run {info.run_id} of {info.fn_name}", info.timeout)
+        self.state: core.State = core.Starting()
         self.server: DriverServer | None = None
         if spec.driver_address is not None:
             secret = channel.new_secret()
             self.server = DriverServer(secret, spec.size, host, heartbeat_timeout=spec.heartbeat_timeout)
             spec = dataclasses.replace(spec, secret=secret, driver_address=self.server.address)
         else:
-            self.phase = Phase.RUNNING  # ranks rendezvous through Spark; nothing tells the driver
+            self.state = core.Running(core.Seen())  # ranks rendezvous through Spark; nothing tells the driver
         self.spec = spec
         self.events: queue.SimpleQueue[Event] | None = self.server.events if self.server else None
         # The job wakes the loop the moment it ends, through the same queue as the ranks' events.
@@ -141,14 +124,10 @@ class Attempt:
             if self.server is not None:
                 self.server.close()
             raise
+        #: Where each rank checked in, kept as the core's state says (the stall watch reads it).
         self.hosts: dict[int, str] = {}
-        #: Each barrier task's rank by its partition: ranks are numbered by host, not by partition.
-        self.ranks_by_partition: dict[int, int] = {}
-        self.failures: dict[int, RankFailure] = {}
         self.disconnected: set[int] = set()
-        self.start_seconds: float | None = None
-        #: Why this attempt is stopping: the error it raises unless ranks reported a failure.
-        self.stopping: SparkTrainError | None = None
+        self._job_seen_done = False
         # Ctrl-C (a notebook's stop button) is raised at the top of a turn of the supervision loop,
         # never inside one of its waits (see sparktrain.driver.interrupts).
         self.interrupts = Interrupts((lambda: self.events.put(Interrupted())) if self.events else (lambda: None))
@@ -175,7 +154,7 @@ class Attempt:
             of = f" (attempt {self.spec.attempt} of {self.max_attempts})" if self.max_attempts > 1 else ""
             log.info("sparktrain: launching %d rank(s) of %s, run %s%s", self.spec.size, self.info.fn_name,
                      self.info.run_id, of)
-            while self.phase is not Phase.ENDED:
+            while not isinstance(self.state, core.Ended):
                 self.interrupts.check()
                 self._handle(self._next_event(TICK))
                 self._step()
@@ -203,42 +182,24 @@ class Attempt:
         write = lambda rank, stream, line, at: self.info.write(Output(rank, stream, line, at))  # noqa: E731
         return DriverTail(url, options, self.info.run_id, write).start()
 
-    def _step(self) -> None:
-        """The transitions that the clocks and the job decide."""
-        if self.job.done():
-            if self.phase is not Phase.STOPPING and self.job.error is not None:
-                # The Spark job ended under the ranks (cancelled, or a task lost): tell the ranks
-                # now, so their processes end at once.
-                self._stop("the run's Spark job ended")
-            self.phase = Phase.ENDED
-        elif self.phase is not Phase.STOPPING:
-            report = self.stalls.check(time.monotonic()) if self.phase is Phase.RUNNING else None
+    def _step(self, event: core.Event = None) -> None:
+        """Feed the core ``event`` (None: the clock's tick; the job's end is noticed here), then
+        do what it asks."""
+        if event is None and not self._job_seen_done and self.job.done():
+            self._job_seen_done = True
+            event = core.JobEnded(self.job.error is not None)
+        self.state, actions = core.step(self.state, event, time.monotonic(), self.limits)
+        self.hosts.update(self.state.seen.hosts)
+        for action in actions:
+            if isinstance(action, core.Started):
+                log.info("sparktrain: all %d rank(s) started in %.2f s on %s", self.spec.size, action.seconds,
+                         placement(self.hosts))
+            elif isinstance(action, core.Stop):
+                self._stop(action.reason)
+        if isinstance(self.state, core.Running):
+            report = self.stalls.check(time.monotonic())
             if report:
                 log.warning("sparktrain: run %s: %s", self.info.run_id, report)
-            why = self._reason_to_stop()
-            if why is not None:
-                self.stopping, reason = why
-                self._stop(reason)
-
-    def _reason_to_stop(self) -> tuple[SparkTrainError, str] | None:
-        now = time.monotonic()
-        if self.failures:
-            error = RankFailedError(self.failures, stall=self.stalls.last_report or "")
-            return error, f"rank {error.root_cause.rank} failed"
-        if self.phase is Phase.STARTING and now - self.started > self.spec.start_timeout:
-            missing = self.server.missing_ranks() if self.server else []
-            size = self.spec.size
-            return StartTimeoutError(
-                f"timed out after {self.spec.start_timeout:.0f} s waiting for rank(s) {missing} to start "
-                f"({size - len(missing)} of {size} checked in). Each rank needs one task slot at the "
-                "same time; check the Spark UI for stuck tasks, or raise start_timeout"), "start_timeout expired"
-        if self.deadline is not None and now > self.deadline:
-            stall = f"\n\nThe last stall report before the timeout:\n{self.stalls.last_report}" \
-                if self.stalls.last_report else ""
-            return RunTimeoutError(
-                f"run {self.info.run_id} of {self.info.fn_name} took longer than timeout={self.info.timeout:g} s and "
-                f"was stopped; raise timeout or pass timeout=None for no limit{stall}"), "timeout expired"
-        return None
 
     def _next_event(self, timeout: float) -> Event | None:
         if self.events is None:
@@ -254,16 +215,9 @@ class Attempt:
         if isinstance(event, Output):
             self.info.write(event)
         elif isinstance(event, Failed):
-            f = RankFailure.from_dict(event.failure)
-            self.failures.setdefault(f.rank, f)
+            self._step(core.RankFailed(RankFailure.from_dict(event.failure)))
         elif isinstance(event, Hello):
-            self.hosts[event.rank] = event.host
-            self.ranks_by_partition[event.partition] = event.rank
-            if self.phase is Phase.STARTING and len(self.hosts) == self.spec.size:
-                self.phase = Phase.RUNNING
-                self.start_seconds = time.monotonic() - self.started
-                log.info("sparktrain: all %d rank(s) started in %.2f s on %s", self.spec.size, self.start_seconds,
-                         placement(self.hosts))
+            self._step(core.CheckedIn(event.rank, event.host, event.partition))
         elif isinstance(event, Progress):
             self.stalls.progress(event.rank, event.at, event.time)
         elif isinstance(event, Stacks):
@@ -277,7 +231,7 @@ class Attempt:
 
     def _print_stacks(self) -> None:
         """Every running rank's Python stacks, printed where the run prints (on an interrupt)."""
-        if self.server is None or self.phase is not Phase.RUNNING:
+        if self.server is None or not isinstance(self.state, core.Running):
             return
 
         def next_stacks(timeout: float):
@@ -311,7 +265,8 @@ class Attempt:
 
     def _stop(self, reason: str) -> None:
         """Stop every rank: ask them (they terminate their process groups), then cancel the job."""
-        self.phase = Phase.STOPPING
+        if not isinstance(self.state, (core.Stopping, core.Ended)):
+            self.state = core.Stopping(self.state.seen, None, reason)
         if self.server is not None:
             self.server.abort(reason)
             # Ranks stop their process groups within the grace period, then disconnect and end
@@ -333,10 +288,14 @@ class Attempt:
 
     # -- the outcome -------------------------------------------------------------------------------
     def _outcome(self) -> Any:
-        if self.failures:
-            raise RankFailedError(self.failures, stall=self.stalls.last_report or "")
-        if self.stopping is not None:
-            raise self.stopping
+        seen = self.state.seen
+        if seen.failures:
+            raise RankFailedError(seen.failures, stall=self.stalls.last_report or "")
+        error = self.state.error if isinstance(self.state, (core.Stopping, core.Ended)) else None
+        if isinstance(error, RunTimeoutError) and self.stalls.last_report:
+            error = RunTimeoutError(f"{error}\n\nThe last stall report before the timeout:\n{self.stalls.last_report}")
+        if error is not None:
+            raise error
         if self.job.error is not None:
             raise self._spark_failure(self.job.error) from self.job.error
         data = self.job.result_bytes()
@@ -347,7 +306,8 @@ class Attempt:
         else:
             returned = (f"{byte_size(len(data))} pickled" if data and not data.startswith(SPILLED) else
                         "a value spilled to storage" if data else "nothing")
-        started = (f"ranks started in {self.start_seconds:.2f} s" if self.start_seconds is not None
+        start_seconds = getattr(self.state, "start_seconds", None)
+        started = (f"ranks started in {start_seconds:.2f} s" if start_seconds is not None
                    else "ranks rendezvoused through Spark")
         log.info("sparktrain: run %s of %s finished in %.2f s (%s); rank 0 returned %s", self.info.run_id,
                  self.info.fn_name, self.info.elapsed(), started, returned)
@@ -374,7 +334,7 @@ class Attempt:
             return RunCancelledError(f"{run} was cancelled (Spark job group sparktrain-{self.info.run_id})")
         # Lead with the executor's own Python exception, where Spark carried one, then Spark's context.
         failure = read_spark_failure(error)
-        rank = self.ranks_by_partition.get(failure.partition) if failure.partition is not None else None
+        rank = self.state.seen.partitions.get(failure.partition) if failure.partition is not None else None
         if rank is not None and rank in self.hosts:
             # The rank's task died under it (its Python worker or executor was killed) before
             # sparktrain could report anything: name the rank, and what Spark saw.

@@ -210,15 +210,13 @@ def capacity(sc, conf: Mapping[str, str], task: rules.TaskResources | None = Non
     run's own task resources instead of the application's default task profile.
     """
     jsc = sc._jsc.sc()
-    task_cpus = int(conf.get("spark.task.cpus", "1"))
-    task_gpus = rules.gpu_amount(conf, "task")
     spark_slots = None
     try:
         spark_slots = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
     except Exception:  # noqa: BLE001 - an internal API; fall back to arithmetic from the conf
         pass
     if task is not None:
-        cap = _default_capacity(sc, conf, task_cpus, task_gpus, spark_slots)
+        cap = _default_capacity(sc, conf, spark_slots)
         slots = None
         jprofile = getattr(profile, "_java_resource_profile", None)
         if jprofile is not None:
@@ -228,18 +226,34 @@ def capacity(sc, conf: Mapping[str, str], task: rules.TaskResources | None = Non
                 pass
         return dataclasses.replace(cap, task_cpus=task.cpus, task_gpus=task.gpus or 0.0, spark_slots=slots,
                                    profile=True)
-    return _default_capacity(sc, conf, task_cpus, task_gpus, spark_slots)
+    return _default_capacity(sc, conf, spark_slots)
 
 
-def _default_capacity(sc, conf: Mapping[str, str], task_cpus: int, task_gpus: float,
-                      spark_slots: int | None) -> Capacity:
-    jsc = sc._jsc.sc()
-    master = sc.master
+def _default_capacity(sc, conf: Mapping[str, str], spark_slots: int | None) -> Capacity:
+    """The registered executors' slots (the driver, listed among them, is not counted)."""
+    executors = None if local_cores(sc.master) else max(0, sc._jsc.sc().getExecutorMemoryStatus().size() - 1)
+    return counted_capacity({**conf, "spark.master": sc.master}, executors, spark_slots)
+
+
+def counted_capacity(conf: Mapping[str, str], executors: int | None = None,
+                     spark_slots: int | None = None) -> Capacity | None:
+    """The slots of the conf's master: a local master's cores; else ``executors`` (those registered,
+    where they can be listed) or, with ``executors=None``, the executors the conf promises, of
+    ``spark.executor.cores`` each (local-cluster's shape, where it says). None when the conf does
+    not say (dynamic allocation, or executors whose count is not configured)."""
+    master = conf.get("spark.master", "")
+    task_cpus = int(conf.get("spark.task.cpus", "1"))
+    task_gpus = rules.gpu_amount(conf, "task")
     cores = local_cores(master)
     if cores is not None:
         return Capacity(1, cores, task_cpus, rules.gpu_amount(conf, "driver"), task_gpus, spark_slots)
-    executors = max(0, jsc.getExecutorMemoryStatus().size() - 1)  # minus the driver
     shape = local_cluster_shape(master)
+    if executors is None:
+        dynamic = conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true"
+        instances = shape[0] if shape else conf.get("spark.executor.instances")
+        if not shape and (dynamic or not instances or not conf.get("spark.executor.cores")):
+            return None
+        executors = int(instances)
     cores = shape[1] if shape else int(conf.get("spark.executor.cores", "0") or 0)
     if not cores and executors:
         cores = max(1, (spark_slots or 0) * task_cpus // executors)

@@ -26,7 +26,7 @@ from .. import versions
 from ..errors import ClusterConfigError
 from . import cluster, jobs
 from . import probe as executor_probe
-from .capacity import Capacity, gpu_amount
+from .capacity import Capacity
 
 log = logging.getLogger("sparktrain")
 
@@ -58,20 +58,7 @@ def size_bytes(text: str) -> int:
 def capacity(conf: Mapping[str, str]) -> Capacity | None:
     """The task slots the conf promises, or None when the conf does not say (dynamic allocation,
     or executors whose count is not configured)."""
-    master = conf.get("spark.master", "")
-    task_cpus = int(conf.get("spark.task.cpus", "1"))
-    task_gpus = gpu_amount(conf, "task")
-    cores = cluster.local_cores(master)
-    if cores is not None:
-        return Capacity(1, cores, task_cpus, gpu_amount(conf, "driver"), task_gpus)
-    shape = cluster.local_cluster_shape(master)
-    if shape:
-        return Capacity(shape[0], shape[1], task_cpus, gpu_amount(conf, "executor"), task_gpus)
-    dynamic = conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true"
-    instances, cores = conf.get("spark.executor.instances"), conf.get("spark.executor.cores")
-    if dynamic or not instances or not cores:
-        return None
-    return Capacity(int(instances), int(cores), task_cpus, gpu_amount(conf, "executor"), task_gpus)
+    return cluster.counted_capacity(conf)
 
 
 def register_profile(spark, profile) -> None:

@@ -1,0 +1,226 @@
+"""The supervision core (``sparktrain.driver.supervision``) as table tests, and an attempt's shell
+(``sparktrain.driver.attempt``) driven by fake jobs: no Spark, no rank process.
+
+Each case here used to need a real Spark session; the end-to-end fault tests (tests/test_faults.py,
+test_retries.py, test_run_spark.py) keep proving the real thing.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sparktrain.driver import supervision as core
+from sparktrain.driver.attempt import RunInfo, run_attempts
+from sparktrain.errors import (RankError, RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError,
+                               RunTimeoutError, SparkTrainError, StartTimeoutError)
+from sparktrain.spec import TaskSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+LIMITS = core.Limits(size=3, started=100.0, start_timeout=10.0, deadline=200.0, run="run r of f", timeout=100.0)
+
+
+def failure(rank: int, retryable: bool = True, message: str = "boom") -> RankFailure:
+    return RankFailure(rank=rank, host="h", local_rank=rank, exc_type="builtins.ValueError", message=message,
+                       retryable=retryable)
+
+
+def drive(events, state=None, limits=LIMITS):
+    """Feed ``(now, event)`` pairs to the core; return the last state and every action, in order."""
+    state = state if state is not None else core.Starting()
+    actions = []
+    for now, event in events:
+        state, done = core.step(state, event, now, limits)
+        actions += done
+    return state, actions
+
+
+HELLOS = [(101.0, core.CheckedIn(0, "a", 2)), (101.5, core.CheckedIn(1, "a", 0)), (102.0, core.CheckedIn(2, "b", 1))]
+
+CASES = {
+    "every rank checks in": (
+        HELLOS, core.Running, [core.Started(2.0)], None),
+    "the start timeout names the missing ranks": (
+        [HELLOS[0], (110.5, None)], core.Stopping, [core.Stop("start_timeout expired")],
+        (StartTimeoutError, "waiting for rank(s) [1, 2] to start (1 of 3 checked in)")),
+    "the start timeout does not apply once every rank is in": (
+        HELLOS + [(150.0, None)], core.Running, [core.Started(2.0)], None),
+    "a rank's failure stops the others": (
+        HELLOS + [(120.0, core.RankFailed(failure(1)))], core.Stopping,
+        [core.Started(2.0), core.Stop("rank 1 failed")], None),
+    "the run's deadline stops it": (
+        HELLOS + [(200.5, None)], core.Stopping, [core.Started(2.0), core.Stop("timeout expired")],
+        (RunTimeoutError, "run r of f took longer than timeout=100 s")),
+    "the job ending under running ranks stops them": (
+        HELLOS + [(130.0, core.JobEnded(failed=True))], core.Ended,
+        [core.Started(2.0), core.Stop("the run's Spark job ended")], None),
+    "the job ending while starting stops the ranks that came": (
+        [HELLOS[0], (103.0, core.JobEnded(failed=True))], core.Ended, [core.Stop("the run's Spark job ended")],
+        None),
+    "a job that succeeds ends the attempt quietly": (
+        HELLOS + [(130.0, core.JobEnded(failed=False))], core.Ended, [core.Started(2.0)], None),
+    "failures while stopping are kept, and stop nothing again": (
+        HELLOS + [(120.0, core.RankFailed(failure(1))), (120.1, core.RankFailed(failure(0))),
+                  (200.5, None), (121.0, core.JobEnded(failed=True))],
+        core.Ended, [core.Started(2.0), core.Stop("rank 1 failed")], None),
+    "a failure report after the job ended still counts": (
+        HELLOS + [(130.0, core.JobEnded(failed=False)), (130.1, core.RankFailed(failure(2)))], core.Ended,
+        [core.Started(2.0)], None),
+    "a start timeout keeps its error through the job's end": (
+        [(110.5, None), (111.0, core.JobEnded(failed=True))], core.Ended, [core.Stop("start_timeout expired")],
+        (StartTimeoutError, "rank(s) [0, 1, 2]")),
+}
+
+
+@pytest.mark.parametrize("events, kind, actions, error", CASES.values(), ids=CASES.keys())
+def test_the_core_steps(events, kind, actions, error):
+    state, done = drive(events)
+    assert type(state) is kind
+    assert done == actions
+    got = getattr(state, "error", None)
+    if error is None:
+        assert got is None
+    else:
+        assert isinstance(got, error[0]) and error[1] in str(got), got
+
+
+def test_the_core_keeps_each_ranks_first_failure_and_where_each_partition_checked_in():
+    state, _ = drive(HELLOS + [(120.0, core.RankFailed(failure(1, message="first"))),
+                               (120.1, core.RankFailed(failure(1, message="second")))])
+    assert state.seen.failures[1].message == "first"
+    assert dict(state.seen.partitions) == {2: 0, 0: 1, 1: 2}
+    assert dict(state.seen.hosts) == {0: "a", 1: "a", 2: "b"}
+
+
+RETRIES = {
+    "a retryable failure with attempts left": (SparkTrainError("x"), 1, 3, False, True),
+    "the last attempt": (SparkTrainError("x"), 3, 3, False, False),
+    "the run's time is spent": (SparkTrainError("x"), 1, 3, True, False),
+    "a cancellation": (RunCancelledError("x"), 1, 3, False, False),
+    "a timeout": (RunTimeoutError("x"), 1, 3, False, False),
+    "a result too large": (ResultTooLargeError("x"), 1, 3, False, False),
+    "a rank's failure that would recur": (RankFailedError([failure(0, retryable=False)]), 1, 3, False, False),
+    "a rank's failure": (RankFailedError([failure(0)]), 1, 3, False, True),
+}
+
+
+@pytest.mark.parametrize("error, number, most, out_of_time, again", RETRIES.values(), ids=RETRIES.keys())
+def test_the_retry_policy(error, number, most, out_of_time, again):
+    assert core.retry(error, number, most, out_of_time) is again
+
+
+# -- an attempt's shell, driven by fake jobs --------------------------------------------------------
+
+class FakeJob:
+    """A job of the Job protocol whose end the test scripts: it fails with ``error`` or returns
+    ``result``; with ``hang``, it runs until cancelled."""
+
+    def __init__(self, on_done, error=None, result=None, hang=False):
+        self._on_done, self._error, self._result, self._hang = on_done, error, result, hang
+        self._done = threading.Event()
+        self.error = None
+        self.cancelled = 0
+
+    def start(self):
+        if not self._hang:
+            self._finish(self._error)
+
+    def _finish(self, error):
+        self.error = error
+        self._done.set()
+        self._on_done()
+
+    def done(self):
+        return self._done.is_set()
+
+    def wait(self, timeout):
+        return self._done.wait(timeout)
+
+    def cancel(self):
+        self.cancelled += 1
+        if not self._done.is_set():
+            self._finish(Exception("Job 3 cancelled part of cancelled job group sparktrain-r"))
+
+    def result_bytes(self):
+        return self._result
+
+
+def spec(channel: bool, start_timeout: float = 600.0) -> TaskSpec:
+    return TaskSpec(run_id="r", size=2, payload=b"", secret=b"", driver_address=("127.0.0.1", 0) if channel else None,
+                    use_gpu=False, output_ranks=None, max_result_bytes=0, start_timeout=start_timeout,
+                    grace_period=0.1, user_env={})
+
+
+def info(timeout=None) -> RunInfo:
+    return RunInfo(run_id="r", fn_name="f", stdout=None, stderr=None, timestamps=False, timeout=timeout, verbose=0)
+
+
+def jobs_of(script):
+    """A job factory that makes one FakeJob per attempt, as ``script`` says, and keeps them."""
+    made = []
+
+    def make(spec, on_done):
+        made.append(FakeJob(on_done, **script[len(made)]))
+        return made[-1]
+
+    return make, made
+
+
+def spark_error(rank: int, message: str, retryable: bool = True) -> Exception:
+    """A task failure as Spark reports it: the rank's RankError text inside Spark's own."""
+    return Exception(f"Job aborted due to stage failure: Task {rank} failed: {RankError(failure(rank, retryable, message))}")
+
+
+def test_a_failed_attempt_is_retried_and_every_attempt_is_counted_in_the_error():
+    make, made = jobs_of([{"error": spark_error(1, f"attempt {n} failed")} for n in (1, 2, 3)])
+    with pytest.raises(RankFailedError) as e:
+        run_attempts(info(), spec(channel=False), make, "127.0.0.1", 3)
+    assert len(made) == 3
+    text = str(e.value)
+    assert e.value.attempts == 3 and text.startswith("attempt 3 of 3: ")
+    assert "Earlier attempts:\n  attempt 1: " in text and "attempt 2 failed" in text
+
+
+def test_a_retried_attempt_that_succeeds_returns_its_value():
+    import cloudpickle
+
+    make, made = jobs_of([{"error": spark_error(0, "transient")}, {"result": cloudpickle.dumps("second")}])
+    before = []
+    assert run_attempts(info(), spec(channel=False), make, "127.0.0.1", 2, lambda: before.append(1)) == "second"
+    assert len(made) == 2 and before == [1]  # the capacity wait ran before the retry only
+
+
+def test_a_failure_that_would_recur_is_not_retried():
+    make, made = jobs_of([{"error": spark_error(0, "too big", retryable=False)}, {}])
+    with pytest.raises(RankFailedError):
+        run_attempts(info(), spec(channel=False), make, "127.0.0.1", 3)
+    assert len(made) == 1
+
+
+def test_a_cancelled_job_is_a_cancelled_run_and_not_retried():
+    make, made = jobs_of([{"error": Exception("Job 1 cancelled part of cancelled job group sparktrain-r")}, {}])
+    with pytest.raises(RunCancelledError, match="run r of f was cancelled"):
+        run_attempts(info(), spec(channel=False), make, "127.0.0.1", 2)
+    assert len(made) == 1
+
+
+def test_a_run_timeout_stops_a_hanging_job_and_is_not_retried():
+    make, made = jobs_of([{"hang": True}, {"hang": True}])
+    with pytest.raises(RunTimeoutError, match="took longer than timeout=0.3 s"):
+        run_attempts(info(timeout=0.3), spec(channel=False), make, "127.0.0.1", 3)
+    assert len(made) == 1 and made[0].cancelled >= 1
+
+
+def test_a_start_timeout_on_the_channel_names_every_missing_rank_and_cancels_the_job():
+    make, made = jobs_of([{"hang": True}])
+    with pytest.raises(StartTimeoutError, match=r"rank\(s\) \[0, 1\] to start \(0 of 2 checked in\)"):
+        run_attempts(info(), spec(channel=True, start_timeout=0.3), make, "127.0.0.1", 1)
+    assert made[0].cancelled >= 1
+
+
+def test_a_job_that_ends_in_error_under_ranks_that_said_nothing_names_what_spark_said():
+    make, _ = jobs_of([{"error": Exception("Job aborted due to stage failure: ExecutorLostFailure (executor 1 "
+                                           "exited caused by one of the running tasks)")}])
+    with pytest.raises(SparkTrainError, match="ExecutorLostFailure"):
+        run_attempts(info(), spec(channel=True), make, "127.0.0.1", 1)
