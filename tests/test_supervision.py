@@ -224,3 +224,37 @@ def test_a_job_that_ends_in_error_under_ranks_that_said_nothing_names_what_spark
                                            "exited caused by one of the running tasks)")}])
     with pytest.raises(SparkTrainError, match="ExecutorLostFailure"):
         run_attempts(info(), spec(channel=True), make, "127.0.0.1", 1)
+
+
+# -- an elastic run's restarts ----------------------------------------------------------------------
+
+def rank_failed(exc_type: str = "", traceback: str = "", exitcode=None) -> RankFailedError:
+    return RankFailedError([RankFailure(rank=1, host="h", local_rank=0, exc_type=exc_type, traceback=traceback,
+                                        exitcode=exitcode)])
+
+
+ELASTIC = {
+    "a lost rank restarts with the slots there are": (rank_failed(exitcode=-9), None, 1, None, core.Restart(None, False)),
+    "a peer gone from a collective restarts": (
+        rank_failed("sparktrain.engine.CollectiveError", "Traceback ..."), None, 1, None, core.Restart(None, False)),
+    "an executor Spark lost restarts": (SparkTrainError("ExecutorLostFailure"), None, 1, None, core.Restart(None, False)),
+    "the ranks ended the attempt for a resize": (
+        rank_failed("sparktrain.tensorflow.HostsUpdatedInterrupt", "Traceback ..."), 4, 1, None, core.Restart(4, True)),
+    "train_fn's own exception ends the run": (rank_failed("builtins.ValueError", "Traceback ..."), None, 1, None, "same"),
+    "a resize nobody asked for is train_fn's own": (
+        rank_failed("sparktrain.tensorflow.HostsUpdatedInterrupt", "Traceback ..."), None, 1, None, "same"),
+    "the reset limit is spent": (rank_failed(exitcode=-9), None, 2, 1, "gave up after reset_limit=1 restart(s)"),
+}
+
+
+@pytest.mark.parametrize("error, resized_to, resets, limit, expected", ELASTIC.values(), ids=ELASTIC.keys())
+def test_an_elastic_runs_restarts(error, resized_to, resets, limit, expected):
+    if isinstance(expected, core.Restart):
+        assert core.elastic_restart(error, resized_to, resets, limit) == expected
+        return
+    with pytest.raises(SparkTrainError) as e:
+        core.elastic_restart(error, resized_to, resets, limit)
+    if expected == "same":
+        assert e.value is error
+    else:
+        assert expected in str(e.value) and e.value.__cause__ is error

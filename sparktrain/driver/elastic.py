@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 from .. import settings, worker_env
 from ..errors import InsufficientResourcesError, InvalidArgumentError, RankFailedError, SparkTrainError, UnsupportedError
+from . import supervision as core
 
 log = logging.getLogger("sparktrain")
 
@@ -51,28 +52,12 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
     setting (``SPARKTRAIN_ELASTIC_URL`` in ``env=`` or the driver's environment, or
     ``spark.sparktrain.elasticUrl``) says where the commits go.
     """
-    from . import cluster, views
+    from . import cluster
     from .run import run
 
-    if "max_attempts" in run_kwargs:
-        raise InvalidArgumentError("run_elastic does not take max_attempts: it restarts as long as at least min_num_proc "
-                                   "ranks can run; bound the restarts with reset_limit=")
-    if run_kwargs.get("local_mode") or (isinstance(num_proc, int) and num_proc < 0):
-        raise InvalidArgumentError("run_elastic runs on a Spark cluster; local mode has no executors to lose")
     env = dict(env or {})
-    spark = cluster.active_session()
-    view = views.of(spark) if spark is not None else None
-    if view is None or not view.lists_executors:
-        raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
-                               "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
+    view, elastic_url = _check(num_proc, env, run_kwargs)
     sc, conf = view.sc, view.conf
-    elastic_url = settings.resolve("elastic_url", environ={**os.environ, **env}, conf=conf)
-    if not elastic_url:
-        raise InvalidArgumentError(
-            "run_elastic resumes each attempt from the last state.commit(), which needs a place every attempt can read: "
-            "set the elastic_url setting to an fsspec URL, e.g. env={'SPARKTRAIN_ELASTIC_URL': "
-            "'abfss://container@account.dfs.core.windows.net/elastic'} (or the driver's SPARKTRAIN_ELASTIC_URL, or "
-            "spark.sparktrain.elasticUrl)")
     use_gpu = bool(run_kwargs.get("use_gpu"))
     slots = cluster.capacity(sc, conf).slots(use_gpu)
     low, first, high = sizes(num_proc, min_num_proc, max_num_proc, slots)
@@ -105,24 +90,41 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
             size = low
             continue
         except SparkTrainError as e:
-            resized = isinstance(e, RankFailedError) and e.failures and \
-                e.root_cause.exc_type.endswith("HostsUpdatedInterrupt") and resizer.resized
-            if not resized and not _lost_ranks(e):
-                raise  # it would fail the same way again
             resets += 1
-            if reset_limit is not None and resets > reset_limit:
-                raise SparkTrainError(f"run_elastic gave up after reset_limit={reset_limit} restart(s); the last attempt "
-                                      f"failed: {e}") from e
-            if resized:
-                reason = resizer.why + _last_commit(state, options)
-                size = resizer.resized
+            restart = core.elastic_restart(e, resizer.resized, resets, reset_limit)
+            if restart.resized:
+                reason, size = resizer.why + _last_commit(state, options), restart.size
             else:
-                reason = _lost(e) + _last_commit(state, options)
-                size = high
+                reason, size = _lost(e) + _last_commit(state, options), high
                 _settle(sc, conf, use_gpu)
         finally:
             resizer.stop.set()
             resizer.join()
+
+
+def _check(num_proc, env: Mapping[str, str], run_kwargs: Mapping[str, Any]):
+    """Refuse what run_elastic cannot do, before anything launches; return the cluster's view and
+    the elastic_url setting."""
+    from . import cluster, views
+
+    if "max_attempts" in run_kwargs:
+        raise InvalidArgumentError("run_elastic does not take max_attempts: it restarts as long as at least min_num_proc "
+                                   "ranks can run; bound the restarts with reset_limit=")
+    if run_kwargs.get("local_mode") or (isinstance(num_proc, int) and num_proc < 0):
+        raise InvalidArgumentError("run_elastic runs on a Spark cluster; local mode has no executors to lose")
+    spark = cluster.active_session()
+    view = views.of(spark) if spark is not None else None
+    if view is None or not view.lists_executors:
+        raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
+                               "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
+    elastic_url = settings.resolve("elastic_url", environ={**os.environ, **env}, conf=view.conf)
+    if not elastic_url:
+        raise InvalidArgumentError(
+            "run_elastic resumes each attempt from the last state.commit(), which needs a place every attempt can read: "
+            "set the elastic_url setting to an fsspec URL, e.g. env={'SPARKTRAIN_ELASTIC_URL': "
+            "'abfss://container@account.dfs.core.windows.net/elastic'} (or the driver's SPARKTRAIN_ELASTIC_URL, or "
+            "spark.sparktrain.elasticUrl)")
+    return view, elastic_url
 
 
 class _Resizer(threading.Thread):
@@ -174,20 +176,6 @@ class _Resizer(threading.Thread):
             log.info("sparktrain: %s: the ranks end this attempt at their next commit, and the next one starts with "
                      "%d rank(s)", self.why, self.resized)
             return
-
-
-def _lost_ranks(e: SparkTrainError) -> bool:
-    """Whether a rank or host was lost (a restart can help), not only exceptions of ``train_fn``'s own.
-
-    A rank that exited without an exception, a task Spark lost, an unreachable host, or a
-    collective that failed because a peer went away: Horovod's ``HorovodInternalError``."""
-    if not isinstance(e, RankFailedError):
-        return e.retryable
-    return any(not f.traceback or f.exc_type.rsplit(".", 1)[-1] in _PEER_ERRORS for f in e.failures.values())
-
-
-#: Exceptions a rank raises when a peer goes away: the native engine's, and TensorFlow's.
-_PEER_ERRORS = ("CollectiveError", "UnavailableError", "AbortedError", "DeadlineExceededError", "InternalError")
 
 
 def sizes(num_proc, min_num_proc, max_num_proc, slots: int) -> tuple[int, int, int]:

@@ -200,3 +200,44 @@ def with_attempts(error: SparkTrainError, attempts: int, earlier: list[str]) -> 
         return RankFailedError(error.failures, attempts=attempts, earlier=earlier, stall=error.stall)
     history = "; ".join(f"attempt {i}: {why}" for i, why in enumerate(earlier, 1))
     return type(error)(f"{error} (attempt {attempts} of {attempts}; earlier attempts failed: {history})")
+
+
+# -- an elastic run's attempts --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """How an elastic run goes on after a failed attempt: at ``size`` ranks (None: as many slots as
+    there are, up to the most), because of a resize (``resized``) or a loss."""
+
+    size: int | None
+    resized: bool
+
+
+#: Exceptions a rank raises when a peer goes away: the native engine's, and TensorFlow's.
+PEER_ERRORS = ("CollectiveError", "UnavailableError", "AbortedError", "DeadlineExceededError", "InternalError")
+
+
+def lost_ranks(error: SparkTrainError) -> bool:
+    """Whether a rank or host was lost (a restart can help), not only exceptions of ``train_fn``'s own.
+
+    A rank that exited without an exception, a task Spark lost, an unreachable host, or a
+    collective that failed because a peer went away: Horovod's ``HorovodInternalError``."""
+    if not isinstance(error, RankFailedError):
+        return error.retryable
+    return any(not f.traceback or f.exc_type.rsplit(".", 1)[-1] in PEER_ERRORS for f in error.failures.values())
+
+
+def elastic_restart(error: SparkTrainError, resized_to: int | None, resets: int,
+                    reset_limit: int | None) -> Restart:
+    """What an elastic run does after attempt ``error``, its ``resets``-th restart: raise ``error``
+    when a restart cannot help (``train_fn``'s own exception), raise when ``reset_limit`` is spent,
+    else restart: at ``resized_to`` ranks when the ranks ended the attempt for a resize, or with
+    the slots there are after a loss."""
+    resized = bool(resized_to) and isinstance(error, RankFailedError) and bool(error.failures) and \
+        error.root_cause.exc_type.endswith("HostsUpdatedInterrupt")
+    if not resized and not lost_ranks(error):
+        raise error  # it would fail the same way again
+    if reset_limit is not None and resets > reset_limit:
+        raise SparkTrainError(f"run_elastic gave up after reset_limit={reset_limit} restart(s); the last attempt "
+                              f"failed: {error}") from error
+    return Restart(resized_to if resized else None, resized)
