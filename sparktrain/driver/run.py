@@ -62,86 +62,36 @@ def run(
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
-    Each rank runs in a fresh Python process started by one task of a single barrier-mode
-    Spark stage, with its rank, size and collective addresses in its environment (see the
-    env contract in docs/env-contract.md). Output from every rank streams to this process as it happens.
+    Each rank is a fresh Python process started by one task of one barrier-mode Spark stage, with
+    its rank, size and collective addresses in its environment (docs/env-contract.md); every rank's
+    output streams here as it happens. docs/run.md gives every parameter in full, and the
+    settings that also come from the environment or the Spark conf.
 
     Parameters
     ----------
-    train_fn : the function each rank runs. It and its arguments are pickled with cloudpickle.
-    args, kwargs : positional and keyword arguments for ``train_fn``.
-    num_proc : the number of ranks. None uses every task slot of the cluster. Negative runs
-        ``-num_proc`` processes on the driver without Spark (local mode), as with HorovodRunner.
-    start_timeout : seconds for every rank to start and check in (default 600; also
-        ``SPARKTRAIN_START_TIMEOUT`` or ``spark.sparktrain.startTimeout``).
-    env : extra environment variables for every rank. When the driver has an active MLflow run (or
-        ``MLFLOW_TRACKING_URI``/``MLFLOW_RUN_ID``), rank 0 also gets what it needs to log into that
-        run, and the other ranks a throwaway store (``sparktrain.tracking``; see
-        docs/tracking.md).
-    stdout, stderr : where ranks' output lines go (default ``sys.stdout``/``sys.stderr``).
-    verbose : 0 warnings only, 1 progress (default), 2 debug.
-    prefix_output_with_timestamp : put the time before each rank's output line.
-    use_gpu : give each rank one GPU (pinned through ``CUDA_VISIBLE_DEVICES``). None (default)
-        uses GPUs when ``spark.task.resource.gpu.amount`` is set (or ``resources`` asks for GPUs).
-        On an application whose tasks ask for no GPU but whose executors have GPUs
-        (``spark.executor.resource.gpu.amount``), ``use_gpu=True`` asks for one GPU per rank
-        for this run's stage alone, as ``resources={"gpus": 1}`` does.
+    train_fn, args, kwargs : the function each rank runs, and its arguments (pickled with cloudpickle).
+    num_proc : ranks; None: every task slot; negative: that many processes here, without Spark.
+    start_timeout : seconds for every rank to check in (default 600). timeout : for the whole run.
+    env : extra environment variables for every rank (rank 0 also gets the driver's MLflow run).
+    stdout, stderr, verbose, prefix_output_with_timestamp, output_ranks : where ranks' output goes,
+        how much the run says (0, 1, 2), a time before each line, which ranks' output to show.
+    use_gpu : one GPU per rank; None: as ``spark.task.resource.gpu.amount`` (or ``resources``) says.
     local_mode : run on the driver without Spark, like a negative ``num_proc``.
-    timeout : seconds the whole run may take; None (default) is no limit.
-    output_ranks : which ranks' output to show: None or "all" (default), a rank, or a list.
-    checkpoint_url : send rank 0's value straight from its executor to this fsspec URL (abfs://,
-        s3://, file://, ...), atomically and with a checksum, and return the URL. Rank 0 must return
-        bytes or the path of a local file or directory. Use it for checkpoints larger than
-        ``spark.driver.maxResultSize`` allows through Spark.
-    storage_options : credentials and options for ``checkpoint_url``'s backend (see
-        ``sparktrain.storage``); never logged.
-    max_attempts : how many times to start the whole gang when an attempt fails (default 1;
-        also ``SPARKTRAIN_MAX_ATTEMPTS`` or ``spark.sparktrain.maxAttempts``). Ranks read the
-        attempt number with ``sparktrain.attempt()``; with ``sparktrain.keras.restore`` and
-        ``RemoteCheckpoint`` a retried run resumes from its latest checkpoint. A cancelled or
-        timed-out run, and failures that would recur (a result too large, mismatched versions),
-        are not retried.
-    data : a Spark DataFrame, or a dict of them by name (``{"train": df, "val": val_df}``; a bare
-        DataFrame is "train"), fed to the ranks: the rows travel through the run's barrier stage,
-        each task spools its share to the executor's local disk, and ``train_fn`` reads it with
-        ``sparktrain.data.dataset(...)``. Needs Spark ranks (not local mode). See docs/dataframes.md.
-    log_url : an fsspec URL (a prefix) where every rank also writes its output, under
-        ``sparktrain-<run id>/`` (also ``SPARKTRAIN_LOG_URL`` or ``spark.sparktrain.logUrl``);
-        ``storage_options`` apply. When the ranks cannot reach this process (Spark Connect) the
-        output is printed from there, about 2 s behind. See docs/connect.md.
-    resources : what each rank's Spark task holds, for this run only: ``{"cpus": 4, "gpus": 1}``.
-        ``cpus`` is a whole number of cores per rank, ``gpus`` GPUs per rank (a whole number, a
-        fraction of at most 0.5 to share one, or 0). A key left out keeps the application's
-        default (``spark.task.cpus``, ``spark.task.resource.gpu.amount``). The barrier stage asks
-        for them through a Spark ResourceProfile (pyspark 4.0 or later; a standalone, YARN or
-        Kubernetes cluster with dynamic allocation off), so the application's other stages keep
-        their own resources. Each rank's compute threads (``OMP_NUM_THREADS``,
-        ``TF_NUM_INTRAOP_THREADS``) follow its cpus unless ``env`` sets them. See docs/resources.md.
-    nics : the network for the driver's channel and the ranks' ring, as Horovod's ``nics``:
-        interface names or subnets (``"eth1"``, ``["10.1.0.0/16"]``); each host, the driver's
-        included, uses its first address that matches (also ``SPARKTRAIN_NICS`` or
-        ``spark.sparktrain.nics``). None: the addresses Spark knows the hosts by. See docs/run.md.
+    checkpoint_url, storage_options : send rank 0's bytes or files straight to this fsspec URL and
+        return the URL; the backend's credentials (never logged).
+    max_attempts : how many times to start the whole gang when an attempt fails (default 1).
+    data : a DataFrame, or a dict of them by name, fed to the ranks (docs/dataframes.md).
+    log_url : an fsspec URL where every rank also writes its output (docs/connect.md).
+    resources : what each rank's task holds for this run only, ``{"cpus": 4, "gpus": 1}``.
+    nics : the network for the driver's channel and the ranks' ring, as Horovod's ``nics``.
 
-    Returns
-    -------
-    Whatever ``train_fn`` returned on rank 0, or ``checkpoint_url`` when it is given. (``horovod.spark.run`` returns a list of every
-    rank's value; the other ranks' values are discarded here.)
+    Returns rank 0's value, or ``checkpoint_url``. Raises InvalidArgumentError,
+    PicklingFailedError, ClusterConfigError or InsufficientResourcesError before anything
+    launches; RankFailedError (keyed by rank, root cause first, with remote tracebacks),
+    StartTimeoutError, RunTimeoutError, RunCancelledError or ResultTooLargeError after.
 
-    Raises
-    ------
-    InvalidArgumentError, PicklingFailedError, ClusterConfigError, InsufficientResourcesError
-        before anything launches.
-    RankFailedError
-        when any rank fails; keyed by rank, root cause first, with remote tracebacks.
-    StartTimeoutError, RunTimeoutError, RunCancelledError, ResultTooLargeError
-
-    Examples
-    --------
-    >>> def train(lr, epochs=3):
-    ...     import sparktrain
-    ...     return f"rank {sparktrain.rank()} trained at {lr}"
-    >>> sparktrain.run(train, args=(0.1,), kwargs={"epochs": 2}, num_proc=3)  # doctest: +SKIP
-    'rank 0 trained at 0.1'
+    >>> sparktrain.run(lambda lr: f"rank {sparktrain.rank()} at {lr}", args=(0.1,), num_proc=3)  # doctest: +SKIP
+    'rank 0 at 0.1'
     """
     a = config.check_arguments(train_fn, args, kwargs, num_proc, local_mode, start_timeout, timeout, env, stdout,
                                stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
