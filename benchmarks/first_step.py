@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Time to the first training step: a Keras job under ``sparktrain.run`` against the same job in
+one process.
+
+The job imports Keras (TensorFlow backend), builds a small CNN for 8x8 digits, compiles it and
+trains one batch (``train_on_batch``); it writes the wall-clock time at which that first step
+ended. The contenders, timed from the moment the driver starts them:
+
+- one process: ``python -c`` running the job with a plain optimizer, as a user would on one machine;
+- ``sparktrain.run(job, num_proc=N)`` on a warm ``local[N]`` SparkSession, each rank with
+  ``DistributedOptimizer`` and the broadcast of rank 0's weights, as in the seed notebooks; the
+  time is the last rank's first step (the first step is a collective, so they end together).
+
+With ``N`` at most the machine's cores, the ranks import in parallel; the ratio is what a user
+feels of the launch on top of the job's own start. The two alternate, so that a busy moment is
+charged to both; ratios are medians of paired ratios.
+
+    python benchmarks/first_step.py --repeats 5 [--num-proc 2] [--write benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import machine_line, settle, text_table, write_section
+
+SECTION_BEGIN = "<!-- first_step:begin -->"
+SECTION_END = "<!-- first_step:end -->"
+TARGET_RATIO = 1.1
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def job(outdir: str, distributed: bool) -> int:
+    """Import, build, compile, one batch; record when the first step ended."""
+    import numpy as np
+
+    if distributed:
+        import sparktrain.keras as hvd
+
+        hvd.init()
+        rank = hvd.rank()
+    else:
+        rank = 0
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
+                              keras.layers.Flatten(), keras.layers.Dense(10, activation="softmax")])
+    optimizer = keras.optimizers.Adam(0.01)
+    if distributed:
+        optimizer = hvd.DistributedOptimizer(optimizer)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(rank)
+    x, y = rng.random((32, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 32)
+    if distributed:
+        model.build((None, 8, 8, 1))
+        hvd.broadcast_variables(model.variables, root_rank=0)
+    model.train_on_batch(x, y)
+    ended = time.time()
+    with open(os.path.join(outdir, f"rank{rank}"), "w") as f:
+        f.write(repr(ended))
+    return 0
+
+
+def one_process(outdir: str) -> float:
+    started = time.time()
+    code = f"import sys; sys.path.insert(0, {HERE!r}); import first_step; first_step.job({outdir!r}, False)"
+    subprocess.run([sys.executable, "-c", code], check=True, stderr=subprocess.DEVNULL)
+    return _first_step(outdir) - started
+
+
+def under_run(outdir: str, n: int) -> float:
+    import sparktrain
+
+    started = time.time()
+    sparktrain.run(job, args=(outdir, True), num_proc=n, verbose=0)
+    return _first_step(outdir) - started
+
+
+def _first_step(outdir: str) -> float:
+    ends = [float(open(p).read()) for p in glob.glob(os.path.join(outdir, "rank*"))]
+    if not ends:
+        raise RuntimeError(f"no rank wrote its first step's time under {outdir}")
+    return max(ends)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-proc", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--write", metavar="RESULTS.md")
+    args = parser.parse_args(argv)
+    n = args.num_proc
+    master = f"local[{n}]"
+    sys.path.insert(0, HERE)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the executors' Python is this one
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.master(master).config("spark.ui.enabled", "false") \
+        .config("spark.ui.showConsoleProgress", "false").getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    import cloudpickle
+
+    import first_step
+
+    cloudpickle.register_pickle_by_value(first_step)  # the ranks cannot import this script's module
+    runs: dict[str, list[float]] = {"one process": [], f"sparktrain.run, {n} ranks": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        def fresh(tag: str) -> str:
+            return tempfile.mkdtemp(dir=tmp, prefix=tag)
+
+        first_step.under_run(fresh("warm"), n)  # the session's first stage, and the first run, untimed
+        for i in range(args.repeats):
+            settle()
+            runs["one process"].append(first_step.one_process(fresh("one")))
+            settle()
+            runs[f"sparktrain.run, {n} ranks"].append(first_step.under_run(fresh("run"), n))
+            print(f"repeat {i + 1}: one process {runs['one process'][-1]:.2f} s, under run "
+                  f"{runs[f'sparktrain.run, {n} ranks'][-1]:.2f} s", flush=True)
+    spark.stop()
+    one, run = runs.values()
+    ratios = [r / o for o, r in zip(one, run)]
+    header = ["contender", "median s", "min s", "max s", "ratio to one process"]
+    rows = [[name, f"{statistics.median(v):.2f}", f"{min(v):.2f}", f"{max(v):.2f}",
+             "1.00x" if name == "one process" else f"{statistics.median(ratios):.2f}x"] for name, v in runs.items()]
+    verdict = (f"Target: time to the first step under run <= {TARGET_RATIO}x one process: "
+               f"{'yes' if statistics.median(ratios) <= TARGET_RATIO else 'no'} (median of paired ratios "
+               f"{statistics.median(ratios):.2f}x)")
+    print(text_table(header, rows))
+    print(verdict)
+    if args.write:
+        write_section(args.write, SECTION_BEGIN, SECTION_END, "Time to the first training step",
+                      "Wall time from starting a Keras job (import, build a small CNN, compile, one batch) to the "
+                      f"end of its first step: in one process, and under sparktrain.run with {n} ranks (each with "
+                      "DistributedOptimizer and rank 0's weights broadcast) on a warm SparkSession. The two "
+                      "alternate; the ratio is the median of paired ratios. Written by `benchmarks/first_step.py`.",
+                      machine_line(["sparktrain", "tensorflow", "keras"], master),
+                      " ".join(shlex.quote(a) for a in [sys.executable, "benchmarks/first_step.py", *sys.argv[1:]]),
+                      header, rows, after_table=[verdict])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
