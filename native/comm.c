@@ -98,6 +98,18 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
         }
     }
     if (cfg->num_nodes > 1 && cfg->local_rank == 0) link_adopt(c, cfg->next_fd, cfg->prev_fd);
+    snprintf(c->host, sizeof c->host, "%s", cfg->host ? cfg->host : "this host");
+    snprintf(c->next_host, sizeof c->next_host, "%s", cfg->next_host ? cfg->next_host : "the next host");
+    snprintf(c->prev_host, sizeof c->prev_host, "%s", cfg->prev_host ? cfg->prev_host : "the previous host");
+    c->cfg.host = c->cfg.next_host = c->cfg.prev_host = NULL;
+    c->cfg.ring_keys = NULL;
+    if (cfg->ring_keys && cfg->num_nodes > 1 && cfg->local_rank == 0) {
+        int rc = records_setup(c, cfg->ring_keys, err, errlen);
+        if (rc) {
+            stc_destroy(c);
+            return rc;
+        }
+    }
     if (cfg->progress_path) {
         int rc = progress_open(c, cfg->progress_path, err, errlen);
         if (rc) {
@@ -113,6 +125,7 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
 void stc_destroy(stc_comm *c) {
     if (!c) return;
     link_close(c);
+    records_free(c);
     shm_detach(c);
     progress_close(c);
     free(c->tmp);

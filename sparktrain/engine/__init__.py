@@ -34,11 +34,11 @@ import os
 from .. import settings, worker_env
 from .communicator import SPIN_S, Communicator, default_spin, split_rows
 from .loader import (_ABI_VERSION, BROKEN, DTYPES, KEY_FILE_ENV, LIBRARY_ENV, MISMATCH, OPS, PEER, TIMEOUT,  # noqa: F401
-                      CollectiveError, _library_path, available, library, unavailable_reason)
+                      CollectiveError, _library_path, available, crypto_unavailable, library, unavailable_reason)
 from .topology import layout, segment_name  # noqa: F401
 
 __all__ = ["BROKEN", "DTYPES", "MISMATCH", "OPS", "PEER", "SPIN_S", "TIMEOUT", "CollectiveError", "Communicator",
-           "available", "contract", "default_spin", "from_env", "layout", "library", "segment_name", "split_rows",
+           "available", "contract", "crypto_unavailable", "default_spin", "from_env", "layout", "library", "segment_name", "split_rows",
            "unavailable_reason"]
 
 
