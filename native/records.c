@@ -8,9 +8,10 @@
  *
  * Sending: the send stream is cut into records of at most REC_PLAIN bytes, sealed up to TX_SLOTS
  * ahead of the socket, so that the next record is sealed while the kernel still sends the one
- * before. Receiving: a record is read whole and opened into a buffer of its own; its bytes reach
- * the stream (and a reduction) only once its tag checked out, so nothing forged is ever reduced
- * or passed on. A record that fails fails the collective, naming the link's two hosts, and the
+ * before. Receiving: a record is read whole and opened, straight into where the stream wants it
+ * (the stage a reduction reads, or the bytes' place) when it fits there, else into a buffer of its
+ * own; the stream counts its bytes received, reduces them or passes them on only once its tag
+ * checked out, so nothing forged is ever reduced or passed on. A record that fails fails the collective, naming the link's two hosts, and the
  * abort record (itself sealed, on the backward direction) tells every other rank.
  *
  * Without keys every call here is the plain socket call.
@@ -127,9 +128,12 @@ ssize_t records_recv(stc_comm *c, char *dst, size_t room) {
             if (!len || len > REC_PLAIN) return -2;
             want = REC_OVERHEAD + len;
             if (s->rx_have == want) {
+                /* Straight into dst where the record fits (dst is a stage to reduce from, or where the
+                 * bytes land; either way nothing is reduced or passed on unless the tag checks out). */
+                int direct = room >= len;
                 s->rx_have = 0;
-                int r = aead_open_record(&s->rx, s->rxbuf, s->plain);
-                if (r) return -2;
+                if (aead_open_record(&s->rx, s->rxbuf, direct ? dst : s->plain)) return -2;
+                if (direct) return (ssize_t)len;
                 s->plain_at = 0;
                 s->plain_len = len;
                 continue;

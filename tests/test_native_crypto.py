@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from sparktrain import engine
+from sparktrain import crypto, engine
 from sparktrain.engine.loader import _ERRLEN
 
 import native_ranks as nr
@@ -64,6 +64,15 @@ def _open(lib, key, iv, aad, ct, tag):
 
 
 def test_hkdf_and_aes_gcm_give_the_published_answers_and_open_refuses_any_change():
+    """The engine's (native/crypto.c) and the channel's (sparktrain.crypto)."""
+    assert crypto.unavailable() is None
+    for salt, ikm, info, okm in HKDF_VECTORS:
+        assert crypto.hkdf_sha256(salt, ikm, info, len(okm)) == okm
+    for key, iv, aad, pt, ct, tag in GCM_VECTORS:
+        assert crypto.gcm_seal(key, iv, aad, pt) == ct + tag and crypto.gcm_open(key, iv, aad, ct + tag) == pt
+        for bad in ((key, iv, aad + b"x", ct + tag), (key, iv, aad, ct + bytes([tag[0] ^ 1]) + tag[1:])):
+            with pytest.raises(crypto.AuthenticationFailed):
+                crypto.gcm_open(*bad)
     lib = engine.library()
     name = ctypes.create_string_buffer(64)
     assert lib.stc_crypto_available(name, 64) == 0 and name.value.startswith(b"libcrypto.so.")

@@ -13,11 +13,11 @@ import sys
 import uuid
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from .. import payload, settings, tracking, versions
+from .. import payload, settings
 from ..errors import InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
-from ..spec import TaskSpec
 from . import capacity, cluster, connect, preflight
 from .attempt import RunInfo, run_attempts
+from .taskspec import task_spec as _task_spec
 from .jobs import LocalJob, SparkJob
 
 log = logging.getLogger("sparktrain")
@@ -61,6 +61,7 @@ def run(
     log_url: str | None = None,
     resources: Mapping[str, float] | None = None,
     nics: str | Iterable[str] | None = None,
+    encryption: str | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -123,6 +124,10 @@ def run(
         interface names or subnets (``"eth1"``, ``["10.1.0.0/16"]``); each host, the driver's
         included, uses its first address that matches (also ``SPARKTRAIN_NICS`` or
         ``spark.sparktrain.nics``). None: the addresses Spark knows the hosts by. See docs/run.md.
+    encryption : "auto", "on" or "off": AES-256-GCM on the driver's channel and the native engine's
+        ring between hosts, keys from the run's secret (also ``SPARKTRAIN_ENCRYPTION`` or
+        ``spark.sparktrain.encryption``). "auto" (default) is on where Spark's own encryption is.
+        See docs/security.md.
 
     Returns
     -------
@@ -157,6 +162,8 @@ def run(
         max_attempts = settings.resolve("max_attempts", max_attempts)
     if nics is not None:
         nics = settings.resolve("nics", nics)
+    if encryption is not None:
+        encryption = settings.resolve("encryption", encryption)
     _configure_logging(verbose)
     import cloudpickle
 
@@ -191,7 +198,7 @@ def run(
         spec = _task_spec(info, size=size, payload=preflight.pickle_payload(train_fn, args, kwargs, payload.dumps),
                           driver_address=("127.0.0.1", 0), use_gpu=bool(use_gpu), output_ranks=output, max_result_bytes=0,
                           env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
-                          task_cpus=asked.cpus if asked is not None else None)
+                          task_cpus=asked.cpus if asked is not None else None, encryption=encryption)
         gpus = cluster.local_gpus(size) if use_gpu else None
         return run_attempts(info, spec, lambda s, on_done: LocalJob(s, gpus, on_done), "127.0.0.1",
                             settings.resolve("max_attempts", max_attempts, conf=conf))
@@ -210,7 +217,8 @@ def run(
     sc = None if connected else spark.sparkContext  # a Connect client has no SparkContext
     conf = connect.conf_of(spark) if connected else cluster.spark_conf(sc)
     master = conf.get("spark.master", "")
-    preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
+    preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf), encryption,
+                                 {**os.environ, **env})
     rendezvous = settings.resolve("rendezvous", conf=conf)
     if sc is not None:
         cluster.check_executors_python(sc)
@@ -270,7 +278,7 @@ def run(
                       env=env, conf=conf, checkpoint=checkpoint, start_timeout=start_timeout,
                       spill_url=_spill_url(master, conf), feed=tuple(frames or ()),
                       return_output=connected and rendezvous == "barrier" and log_target is None,
-                      log_target=log_target, task_cpus=task_cpus, nics=nics)
+                      log_target=log_target, task_cpus=task_cpus, nics=nics, encryption=encryption)
     source = None
     if frames:
         from . import feed
@@ -350,36 +358,6 @@ def _check_connect_capacity(spark, conf: Mapping[str, str], size: int | None, us
     except InsufficientResourcesError as e:
         raise InsufficientResourcesError(f"{e} (slots {checked})") from None
     return size
-
-
-def _task_spec(info: RunInfo, *, size: int, payload: bytes, driver_address: tuple[str, int] | None, use_gpu: bool,
-               output_ranks: frozenset[int] | None, max_result_bytes: int, env: Mapping[str, str],
-               conf: Mapping[str, str], checkpoint: bytes | None, start_timeout: float | None,
-               spill_url: str | None = None, feed: tuple[str, ...] = (), return_output: bool = False,
-               log_target: bytes | None = None, task_cpus: int | None = None,
-               nics: tuple[str, ...] | None = None) -> TaskSpec:
-    """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
-    settings.warn_retired(conf, {**os.environ, **(env or {})})
-    return TaskSpec(
-        run_id=info.run_id, size=size, payload=payload, secret=b"", driver_address=driver_address,
-        use_gpu=use_gpu, output_ranks=output_ranks, max_result_bytes=max_result_bytes,
-        start_timeout=settings.resolve("start_timeout", start_timeout, conf=conf),
-        grace_period=settings.resolve("grace_period", conf=conf),
-        heartbeat_timeout=settings.resolve("heartbeat_timeout", conf=conf),
-        stall_warning=settings.resolve("stall_warning", environ={**os.environ, **(env or {})}, conf=conf),
-        user_env=settings.rank_env(env, conf), checkpoint=checkpoint,
-        spill_url=spill_url, versions=versions.collect(), tf_log_level=0 if info.verbose == 2 else 2, feed=feed,
-        return_output=return_output, log_target=log_target,
-        mlflow=_mlflow_handoff(info.run_id, env), task_cpus=task_cpus, nics=nics,
-    )
-
-
-def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
-    """What rank 0 needs to log into the driver's MLflow run (``sparktrain.tracking``); None without MLflow."""
-    handoff = tracking.mlflow_handoff(user_env=env)
-    if handoff:
-        log.debug("sparktrain: run %s: rank 0 logs to MLflow %s", run_id, tracking.describe(handoff))
-    return handoff or None
 
 
 def _spill_url(master: str, conf: Mapping[str, str]) -> str | None:
