@@ -272,15 +272,18 @@ def main() -> int:
     print()
     print(text_table(HEADER, rows))
     if args.write:
-        machine = machine_line(["torch"]).replace("local mode (no Spark)", "no Spark")
-        command = " ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])
-        if "gloo" in kinds:
-            write_section(args.write, SECTION_BEGIN, SECTION_END, "Across simulated hosts", INTRO, machine, command,
-                          HEADER, rows)
-        else:  # a run without Gloo keeps the section that has it, and writes its own
-            write_section(args.write, "<!-- multihost-aes:begin -->", "<!-- multihost-aes:end -->",
-                          "Encrypted ring across simulated hosts", INTRO + AES_NOTE, machine, command, HEADER, rows)
+        _write(args.write, kinds, rows)
     return 0
+
+
+def _write(path: str, kinds: list[str], rows: list[list[str]]) -> None:
+    machine = machine_line(["torch"]).replace("local mode (no Spark)", "no Spark")
+    command = " ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])
+    if "gloo" in kinds:
+        write_section(path, SECTION_BEGIN, SECTION_END, "Across simulated hosts", INTRO, machine, command, HEADER, rows)
+    else:  # a run without Gloo keeps the section that has it, and writes its own
+        write_section(path, "<!-- multihost-aes:begin -->", "<!-- multihost-aes:end -->",
+                      "Encrypted ring across simulated hosts", INTRO + AES_NOTE, machine, command, HEADER, rows)
 
 
 KERAS_BEGIN = "<!-- multihost-keras:begin -->"
