@@ -109,6 +109,10 @@ typedef struct header {
     uint64_t local_size, chunk, seg_bytes;
     _Atomic uint32_t attached;
     _Atomic int32_t failed; /* 1 + the global rank of a rank whose collective failed */
+    /* What happened, from the first rank that noted a failure with a reason: failed_why says it
+     * of rank why_of - 1 (a ring link's hosts, say), so the host's other ranks say it too. */
+    _Atomic int32_t why_claimed, why_of;
+    char failed_why[WHY_BYTES];
     /* Shares of large chunks, per buffer set: ranks claim them in turn, so ranks that have a core
      * do the work of one that does not; each share is still reduced in rank order. */
     _Alignas(CACHELINE) _Atomic uint32_t claimed[2];

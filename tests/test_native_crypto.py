@@ -199,18 +199,20 @@ def _allreduce_until_it_fails(comm):
     return {"code": 0, "msg": "no failure"}
 
 
-@pytest.mark.parametrize("how", ["flip", "replay", "reorder"])
-def test_a_record_altered_replayed_or_reordered_on_the_wire_fails_every_rank_naming_the_link(how):
+@pytest.mark.parametrize("how, hosts", [("flip", THREE_HOSTS), ("replay", THREE_HOSTS), ("reorder", THREE_HOSTS),
+                                       ("flip", TWO_HOSTS_OF_TWO)], ids=["flip", "replay", "reorder", "flip-2x2"])
+def test_a_record_altered_replayed_or_reordered_on_the_wire_fails_every_rank_naming_the_link(how, hosts):
+    n, nxt = len(hosts), hosts.index("127.0.0.2")  # rank 0's next leader, reached through the proxy
     proxy = _Proxy(how)
-    rank1 = socket.create_server(("127.0.0.2", 0))  # listening before anyone dials: the proxy connects at once
-    proxy.start(rank1.getsockname()[1])
-    results = nr.run_ranks(3, _allreduce_until_it_fails, hosts=THREE_HOSTS, encrypt=True, timeout=30,
-                           dial={0: {1: proxy.port}}, listeners={1: rank1})
-    rank1.close()
-    got = nr.all_ok(results, 3)
-    for r in range(3):
+    leader = socket.create_server(("127.0.0.2", 0))  # listening before anyone dials: the proxy connects at once
+    proxy.start(leader.getsockname()[1])
+    results = nr.run_ranks(n, _allreduce_until_it_fails, hosts=hosts, encrypt=True, timeout=30,
+                           dial={0: {nxt: proxy.port}}, listeners={nxt: leader})
+    leader.close()
+    got = nr.all_ok(results, n)
+    for r in range(n):  # leaders and the ranks that share their hosts alike
         assert got[r]["code"] == engine.PEER, (r, got[r])
         msg = got[r]["msg"]
         assert "failed authentication" in msg and "127.0.0.1" in msg and "127.0.0.2" in msg, (r, msg)
-    assert "on the ring link from 127.0.0.1 (rank 0) to 127.0.0.2 (rank 1) failed" in got[1]["msg"], got[1]["msg"]
+    assert f"on the ring link from 127.0.0.1 (rank 0) to 127.0.0.2 (rank {nxt}) failed" in got[nxt]["msg"], got
     proxy.listener.close()
