@@ -6,7 +6,7 @@
  * its authenticated data is its number and length (crypto.c), so a record that is altered,
  * replayed, reordered, dropped, cut short or sealed under another key fails its tag.
  *
- * Sending: the send stream is cut into records of at most REC_PLAIN bytes, sealed up to TX_SLOTS
+ * Sending: the send stream is cut into records of at most REC_PLAIN (256 KiB), sealed up to TX_SLOTS
  * ahead of the socket, so that the next record is sealed while the kernel still sends the one
  * before. Receiving: a record is read whole and opened, straight into where the stream wants it
  * (the stage a reduction reads, or the bytes' place) when it fits there, else into a buffer of its
