@@ -159,6 +159,19 @@ def test_sparks_encryption_turns_sparktrains_on_and_off_is_refused_unless_allowe
         settings.resolve("encryption", "yes")
 
 
+def test_encryption_on_where_no_libcrypto_loads_is_refused_saying_why(monkeypatch):
+    from sparktrain import crypto
+
+    monkeypatch.setattr(crypto, "_LIBS", ("libcrypto-absent.so.0",))
+    monkeypatch.setattr(crypto, "_lib", None)
+    monkeypatch.setattr(crypto, "_why", None)
+    assert crypto.unavailable().startswith("no OpenSSL libcrypto could be loaded (tried libcrypto-absent.so.0)")
+    with pytest.raises(ClusterConfigError, match="encryption is on .*, but this driver cannot encrypt: no OpenSSL "
+                                                 "libcrypto could be loaded .*or set spark.sparktrain.encryption=off"):
+        preflight.check_cluster_conf({}, False, "on", environ={})
+    preflight.check_cluster_conf({}, False, "off", environ={})
+
+
 def test_use_gpu_without_gpu_conf():
     with pytest.raises(ClusterConfigError, match="spark.task.resource.gpu.amount=1"):
         capacity.check_gpu_conf({}, True)
