@@ -39,7 +39,7 @@ setup(
             include_dirs=["native"],
             extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-pthread"],
             extra_link_args=["-pthread"],
-            libraries=["rt"],
+            libraries=["rt", "dl"],  # dl: libcrypto is loaded at run time (native/crypto.c)
             optional=True,
         )
     ]

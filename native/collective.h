@@ -21,8 +21,9 @@ extern "C" {
  * communicator usable); min, max and product; int8, int16, uint16 and bool; reduce-scatter and
  * alltoall. 3: the process's current communicator (stc_set_current, stc_current_acquire),
  * stc_comm_rank and stc_comm_size. 4: stc_config.spin_s. 5: stc_comm_traffic. 6: stc_config.progress_path
- * and the progress record (stc_progress). */
-#define STC_ABI_VERSION 6
+ * and the progress record (stc_progress). 7: the encrypted ring (stc_config.ring_keys, host names) and
+ * the cryptography's entry points (stc_crypto_available, stc_hkdf_sha256, stc_aead_seal/open). */
+#define STC_ABI_VERSION 7
 
 enum stc_dtype {
     STC_FLOAT16 = 0,
@@ -74,6 +75,13 @@ typedef struct stc_config {
                                    briefly (for ranks that outnumber their host's cores) */
     const char *progress_path;  /* NULL, or a file the communicator keeps an stc_progress record in, for
                                    another process to read (the rank's supervisor, to report stalls) */
+    const uint8_t *ring_keys;   /* leaders with num_nodes > 1: NULL, the ring in clear; else 4 x 44 bytes
+                                   (an AES-256 key, then a 12-byte nonce base, from HKDF), one per
+                                   direction: to the next leader, from it (abort records), from the
+                                   previous leader, to it (abort records). Every byte between hosts
+                                   then travels in AES-256-GCM records. Copied; not kept */
+    const char *host, *next_host, *prev_host; /* names for messages: this host, the next and previous
+                                   hosts of the ring; NULL: none */
 } stc_config;
 
 /* Where a rank's collectives stand: the file at stc_config.progress_path holds one record, kept
@@ -148,6 +156,19 @@ void stc_comm_traffic(const stc_comm *comm, uint64_t *sent, uint64_t *received);
 void stc_set_current(stc_comm *comm);
 stc_comm *stc_current_acquire(void);
 void stc_current_release(void);
+
+/* The cryptography the encrypted ring uses: OpenSSL's libcrypto, loaded at first use. 0 and its
+ * file name in name, or STC_E_SYS and why encryption is unavailable. */
+int stc_crypto_available(char *name, size_t namelen);
+/* HKDF-SHA256 (RFC 5869): outlen bytes of key material (info up to 1024 bytes). */
+int stc_hkdf_sha256(const uint8_t *salt, size_t saltlen, const uint8_t *ikm, size_t ikmlen, const uint8_t *info,
+                    size_t infolen, uint8_t *out, size_t outlen, char *err, size_t errlen);
+/* AES-256-GCM of one buffer: a 32-byte key, a 12-byte nonce (ivlen 12), a 16-byte tag. Open
+ * returns STC_E_PEER where the tag does not check out (out is then unspecified). */
+int stc_aead_seal(const uint8_t *key, const uint8_t *iv, size_t ivlen, const uint8_t *aad, size_t aadlen,
+                  const uint8_t *in, size_t len, uint8_t *out, uint8_t *tag, char *err, size_t errlen);
+int stc_aead_open(const uint8_t *key, const uint8_t *iv, size_t ivlen, const uint8_t *aad, size_t aadlen,
+                  const uint8_t *in, size_t len, uint8_t *out, const uint8_t *tag, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

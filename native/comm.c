@@ -35,6 +35,18 @@ stc_comm *stc_current_acquire(void) {
 
 void stc_current_release(void) { pthread_mutex_unlock(&current_lock); }
 
+/* A leader's ring connections, and their records where the ring is encrypted; the hosts' names. */
+static int adopt_ring(stc_comm *c, const stc_config *cfg, char *err, size_t errlen) {
+    snprintf(c->host, sizeof c->host, "%s", cfg->host ? cfg->host : "this host");
+    snprintf(c->next_host, sizeof c->next_host, "%s", cfg->next_host ? cfg->next_host : "the next host");
+    snprintf(c->prev_host, sizeof c->prev_host, "%s", cfg->prev_host ? cfg->prev_host : "the previous host");
+    c->cfg.host = c->cfg.next_host = c->cfg.prev_host = NULL;
+    c->cfg.ring_keys = NULL;
+    if (cfg->num_nodes < 2 || cfg->local_rank != 0) return STC_OK;
+    link_adopt(c, cfg->next_fd, cfg->prev_fd);
+    return cfg->ring_keys ? records_setup(c, cfg->ring_keys, err, errlen) : STC_OK;
+}
+
 int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) {
     if (!cfg || !out) return fail(err, errlen, STC_E_ARG, "no config");
     *out = NULL;
@@ -97,7 +109,11 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
             return rc;
         }
     }
-    if (cfg->num_nodes > 1 && cfg->local_rank == 0) link_adopt(c, cfg->next_fd, cfg->prev_fd);
+    int rc = adopt_ring(c, cfg, err, errlen);
+    if (rc) {
+        stc_destroy(c);
+        return rc;
+    }
     if (cfg->progress_path) {
         int rc = progress_open(c, cfg->progress_path, err, errlen);
         if (rc) {
@@ -113,6 +129,7 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
 void stc_destroy(stc_comm *c) {
     if (!c) return;
     link_close(c);
+    records_free(c);
     shm_detach(c);
     progress_close(c);
     free(c->tmp);

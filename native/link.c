@@ -66,13 +66,43 @@ void link_send_record(stc_comm *c, int code) {
     r.code = code;
     r.received = c->received_bytes;
     snprintf(r.why, sizeof r.why, "%s", !code ? "closed its communicator" : c->why[0] ? c->why : "failed");
+    if (c->sec) {
+        records_send_back(c, &r);
+        return;
+    }
     ssize_t n = send(c->cfg.prev_fd, &r, sizeof r, MSG_NOSIGNAL | MSG_DONTWAIT);
     (void)n; /* an upstream that is gone needs no record */
+}
+
+/* Downstream sent back something that is no abort record of it: never taken for data, nor believed. */
+static void not_a_record(stc_comm *c, const char *what) {
+    record *r = &c->rec_in;
+    r->culprit = link_next(c);
+    r->code = STC_E_PEER;
+    snprintf(r->why, sizeof r->why, "%s", what);
+    c->down = 1;
 }
 
 /* Reads what the downstream leader sent back: only ever one record. 1: a whole record; 0:
  * nothing yet; -1: downstream closed without one, so it died. Once known, the answer stays. */
 static int read_record(stc_comm *c) {
+    if (c->sec && !c->down) {
+        int how = records_read_back(c, &c->rec_in);
+        if (how == 1) {
+            record *r = &c->rec_in;
+            r->why[WHY_BYTES - 1] = 0;
+            c->down = 1;
+            if (r->magic != RECORD_MAGIC || r->culprit < 0 || r->culprit >= c->cfg.size || r->code > 0)
+                not_a_record(c, "sent back bytes that are no abort record");
+        } else if (how == -2) {
+            char why[WHY_BYTES];
+            snprintf(why, sizeof why, "sent back a record that failed authentication on the ring link from %s to %s",
+                     c->next_host, c->host);
+            not_a_record(c, why);
+        } else if (how < 0) {
+            c->down = -1;
+        }
+    }
     while (!c->down) {
         ssize_t n = recv(c->cfg.next_fd, (char *)&c->rec_in + c->rec_got, sizeof(record) - c->rec_got, MSG_DONTWAIT);
         if (n > 0) {
@@ -80,12 +110,9 @@ static int read_record(stc_comm *c) {
             if (c->rec_got < sizeof(record)) continue;
             record *r = &c->rec_in;
             r->why[WHY_BYTES - 1] = 0;
-            if (r->magic != RECORD_MAGIC || r->culprit < 0 || r->culprit >= c->cfg.size || r->code > 0) {
-                r->culprit = link_next(c); /* never taken for data, nor believed */
-                r->code = STC_E_PEER;
-                snprintf(r->why, sizeof r->why, "sent back bytes that are no abort record");
-            }
             c->down = 1;
+            if (r->magic != RECORD_MAGIC || r->culprit < 0 || r->culprit >= c->cfg.size || r->code > 0)
+                not_a_record(c, "sent back bytes that are no abort record");
         } else if (n < 0 && errno == EINTR) {
             continue;
         } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -167,7 +194,7 @@ int link_stream(stc_comm *c, const piece *sends, int ns, const piece *recvs, int
         }
     while (si < ns && !sends[si].len) si++;
     while (ri < nr && !recvs[ri].len) ri++;
-    while (si < ns || ri < nr) {
+    while (si < ns || ri < nr || records_pending(c)) {
         int moved = 0;
         if (ri < nr) {
             const piece *r = &recvs[ri];
@@ -182,7 +209,8 @@ int link_stream(stc_comm *c, const piece *sends, int ns, const piece *recvs, int
                 dst = r->p + got;
                 room = r->len - got;
             }
-            ssize_t n = recv(c->cfg.prev_fd, dst, room, MSG_DONTWAIT);
+            ssize_t n = records_recv(c, dst, room);
+            if (n == -2) return records_failed(c, err, errlen);
             if (n == 0) return upstream_closed(c, "end of stream", err, errlen);
             if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 return upstream_closed(c, strerror(errno), err, errlen);
@@ -209,13 +237,15 @@ int link_stream(stc_comm *c, const piece *sends, int ns, const piece *recvs, int
             }
         }
         size_t can = 0;
-        if (si < ns) {
-            const piece *s = &sends[si];
+        const piece *s = si < ns ? &sends[si] : NULL;
+        if (s) {
             size_t ready = ready_of(s, ri, done);
             can = ready > sent ? ready - sent : 0;
-            if (can) {
-                ssize_t n = send(c->cfg.next_fd, s->p + sent, can, MSG_NOSIGNAL | MSG_DONTWAIT);
-                if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        }
+        if (can || records_pending(c)) {
+            {
+                ssize_t n = records_send(c, s ? s->p + sent : NULL, can, &moved);
+                if (n < 0) {
                     int rc = downstream_fatal(c, 1, err, errlen);
                     if (rc) return rc;
                     blame(c, link_next(c), STC_E_PEER, "died");
@@ -223,7 +253,6 @@ int link_stream(stc_comm *c, const piece *sends, int ns, const piece *recvs, int
                                 c->what, c->culprit, strerror(errno));
                 }
                 if (n > 0) {
-                    moved = 1;
                     c->sent_bytes += (uint64_t)n;
                     sent += (size_t)n;
                     sent_total += (size_t)n;
@@ -251,7 +280,7 @@ int link_stream(stc_comm *c, const piece *sends, int ns, const piece *recvs, int
         int nf = 0;
         fds[nf].fd = c->cfg.next_fd;
         fds[nf].events = c->down ? 0 : POLLIN; /* downstream's record, or its death */
-        if (can) fds[nf].events |= POLLOUT;
+        if (can || records_pending(c)) fds[nf].events |= POLLOUT;
         if (fds[nf].events) nf++; /* a closed socket would wake poll for ever */
         if (ri < nr) {
             fds[nf].fd = c->cfg.prev_fd;

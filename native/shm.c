@@ -106,6 +106,11 @@ static int nms_stale(stc_comm *c, rank_state *st) {
 static int check_peer(stc_comm *c, rank_state *st, double t, char *err, size_t errlen) {
     int32_t failed = atomic_load(&c->hdr->failed);
     if (failed) {
+        if (atomic_load(&c->hdr->why_of) == failed) { /* its reason came with it */
+            blame(c, failed - 1, STC_E_PEER, c->hdr->failed_why);
+            return fail(err, errlen, STC_E_PEER, "%s: rank %d %s (another rank on this host saw it first)", c->what,
+                        failed - 1, c->hdr->failed_why);
+        }
         blame(c, failed - 1, STC_E_PEER, "died, failed or timed out");
         return fail(err, errlen, STC_E_PEER,
                     "%s: rank %d died, failed or timed out in this collective (another rank on this host saw it first)",
@@ -338,8 +343,13 @@ int shm_attach(stc_comm *c, char *err, size_t errlen) {
 /* The first failure on this host, for the local peers to name: 1 + the culprit's rank. */
 void shm_note_failure(stc_comm *c) {
     if (!c->hdr) return;
-    int32_t expected = 0;
-    atomic_compare_exchange_strong(&c->hdr->failed, &expected, (c->culprit >= 0 ? c->culprit : c->cfg.rank) + 1);
+    int32_t expected = 0, who = (c->culprit >= 0 ? c->culprit : c->cfg.rank) + 1;
+    if (c->why[0] && atomic_compare_exchange_strong(&c->hdr->why_claimed, &expected, 1)) {
+        snprintf(c->hdr->failed_why, sizeof c->hdr->failed_why, "%s", c->why);
+        atomic_store(&c->hdr->why_of, who); /* before failed: a rank that sees failed sees the reason */
+    }
+    expected = 0;
+    atomic_compare_exchange_strong(&c->hdr->failed, &expected, who);
 }
 
 /* Stops the heartbeat, unmaps the segment, and unlinks it if some rank never attached. */

@@ -9,11 +9,16 @@ rank's may carry ``at``, where its collectives stand), ``quiet`` (rank to driver
 ended, no more beats) and ``stacks`` (driver to rank: send your process's Python stacks; rank to
 driver: ``text``, those stacks). Nothing that travels on it is ever unpickled.
 
-Authentication: the driver opens each connection with a fresh random nonce. Both ends derive
-a connection key ``HMAC(secret, nonce)`` from the run's secret, and every frame carries
-``HMAC(key, direction || sequence number || body)``. The receiver checks that MAC with a
-constant-time compare before it parses anything, so a peer without the secret cannot inject,
-replay or reorder messages. A peer that fails the check is dropped and the run goes on.
+Authentication and encryption: the driver opens each connection with a fresh random nonce and
+says whether the channel is encrypted; the rank answers with a fresh nonce of its own. Both ends
+derive a key per direction with HKDF-SHA256 (``sparktrain.crypto``) from the run's secret (new
+for every attempt), salted with both nonces, with the mode and the direction as its info. In
+clear, every frame carries ``HMAC(key, sequence number || body)``; encrypted, every frame is
+AES-256-GCM under the direction's key, its nonce the key's nonce base XOR the sequence number,
+its sequence number and length authenticated. Either way the receiver checks the frame before
+it parses anything, so a peer without the secret cannot read (when encrypted), inject, replay
+or reorder messages, and a mode stripped or changed on the way gives different keys and fails
+the first frame. A peer that fails the check is dropped and the run goes on.
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ import struct
 import threading
 from typing import Any
 
+from . import crypto
 from .errors import SparkTrainError
 
-_MAGIC = b"SPKT1"
+_MAGIC = b"SPKT2"
+_CLEAR, _SEALED = b"C", b"E"
 _NONCE_BYTES = 16
 _MAC_BYTES = 32
 _HEADER = struct.Struct("!I")
@@ -62,29 +69,36 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 class Channel:
-    """One authenticated, framed connection. ``send`` is thread-safe; ``recv`` is for one reader."""
+    """One authenticated, framed connection, encrypted or not. ``send`` is thread-safe; ``recv``
+    is for one reader."""
 
-    def __init__(self, sock: socket.socket, key: bytes, *, is_server: bool):
+    def __init__(self, sock: socket.socket, out_key: bytes, in_key: bytes, *, encrypted: bool):
         self.sock = sock
-        self._key = key
-        self._out_dir = b"s" if is_server else b"c"
-        self._in_dir = b"c" if is_server else b"s"
+        self.encrypted = encrypted
+        self._out_key, self._in_key = out_key, in_key
+        self._out = crypto.Aead(out_key) if encrypted else None
+        self._in = crypto.Aead(in_key) if encrypted else None
         self._out_seq = 0
         self._in_seq = 0
         self._send_lock = threading.Lock()
         self.closed = False
 
-    def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
-        return hmac.new(self._key, direction + seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
+    @staticmethod
+    def _mac(key: bytes, seq: int, body: bytes) -> bytes:
+        return hmac.new(key, seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
 
     def send(self, msg: dict[str, Any]) -> None:
         body = json.dumps(msg, separators=(",", ":")).encode()
         if len(body) > MAX_FRAME:
             raise ValueError(f"message of {len(body)} bytes exceeds the channel's {MAX_FRAME} byte frame limit")
         with self._send_lock:
-            mac = self._mac(self._out_dir, self._out_seq, body)
+            if self._out is not None:
+                header = _HEADER.pack(len(body))
+                frame = header + self._out.seal(header, body)
+            else:
+                frame = _HEADER.pack(len(body)) + self._mac(self._out_key, self._out_seq, body) + body
             self._out_seq += 1
-            self.sock.sendall(_HEADER.pack(len(body)) + mac + body)
+            self.sock.sendall(frame)
 
     def recv(self) -> dict[str, Any] | None:
         """The next message, or None when the peer closed. Raises AuthenticationError on a bad MAC."""
@@ -94,13 +108,22 @@ class Channel:
         (length,) = _HEADER.unpack(header)
         if length > MAX_FRAME:
             raise AuthenticationError(f"frame of {length} bytes is over the {MAX_FRAME} byte limit")
-        mac = _recv_exact(self.sock, _MAC_BYTES)
-        body = _recv_exact(self.sock, length) if mac is not None else None
-        if body is None:
-            return None
-        # Verify before parsing: nothing from an unauthenticated peer reaches json (or anything else).
-        if not hmac.compare_digest(mac, self._mac(self._in_dir, self._in_seq, body)):
-            raise AuthenticationError("message authentication failed")
+        if self._in is not None:
+            sealed = _recv_exact(self.sock, length + crypto.TAG_BYTES)
+            if sealed is None:
+                return None
+            try:  # opened before parsing: nothing unauthenticated reaches json (or anything else)
+                body = self._in.open(header, sealed)
+            except crypto.AuthenticationFailed:
+                raise AuthenticationError("message authentication failed") from None
+        else:
+            mac = _recv_exact(self.sock, _MAC_BYTES)
+            body = _recv_exact(self.sock, length) if mac is not None else None
+            if body is None:
+                return None
+            # Verify before parsing: nothing from an unauthenticated peer reaches json (or anything else).
+            if not hmac.compare_digest(mac, self._mac(self._in_key, self._in_seq, body)):
+                raise AuthenticationError("message authentication failed")
         self._in_seq += 1
         return json.loads(body)
 
@@ -113,28 +136,47 @@ class Channel:
         self.sock.close()
 
 
-def _connection_key(secret: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, b"sparktrain-connection" + nonce, hashlib.sha256).digest()
+def _keys(secret: bytes, mode: bytes, nonce_s: bytes, nonce_c: bytes) -> tuple[bytes, bytes]:
+    """The driver-to-rank and rank-to-driver keys (an AES-256 key and nonce base when encrypted)."""
+    n = crypto.KEY_BYTES + crypto.IV_BYTES if mode == _SEALED else 32
+    return tuple(crypto.hkdf_sha256(nonce_s + nonce_c, secret, b"sparktrain channel 2|" + mode + b"|" + d, n)
+                 for d in (b"s>c", b"c>s"))  # type: ignore[return-value]
 
 
-def connect(address: tuple[str, int], secret: bytes, timeout: float) -> Channel:
-    """Open a channel to the driver (rank side). Raises OSError when it cannot be reached."""
+def connect(address: tuple[str, int], secret: bytes, timeout: float, encrypted: bool | None = None) -> Channel:
+    """Open a channel to the driver (rank side). Raises OSError when it cannot be reached.
+    ``encrypted``: what the run asked for (a driver that says otherwise is refused); None: as the
+    driver says."""
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        greeting = _recv_exact(sock, len(_MAGIC) + _NONCE_BYTES)
-        if greeting is None or not greeting.startswith(_MAGIC):
+        greeting = _recv_exact(sock, len(_MAGIC) + 1 + _NONCE_BYTES)
+        mode = greeting[len(_MAGIC):len(_MAGIC) + 1] if greeting else b""
+        if greeting is None or not greeting.startswith(_MAGIC) or mode not in (_CLEAR, _SEALED):
             raise ConnectionError(f"{address[0]}:{address[1]} is not a sparktrain driver channel")
+        if encrypted is not None and (mode == _SEALED) != encrypted:
+            raise ConnectionError(f"the driver channel at {address[0]}:{address[1]} says it is "
+                                  f"{'encrypted' if mode == _SEALED else 'in clear'}; this run asked otherwise")
+        nonce_c = os.urandom(_NONCE_BYTES)
+        sock.sendall(nonce_c)
         sock.settimeout(None)
-        return Channel(sock, _connection_key(secret, greeting[len(_MAGIC):]), is_server=False)
+        to_rank, to_driver = _keys(secret, mode, greeting[len(_MAGIC) + 1:], nonce_c)
+        return Channel(sock, to_driver, to_rank, encrypted=mode == _SEALED)
     except BaseException:
         sock.close()
         raise
 
 
-def accept(sock: socket.socket, secret: bytes) -> Channel:
-    """Open the driver's end of a new connection: greet it with a fresh nonce (driver side)."""
+def accept(sock: socket.socket, secret: bytes, encrypted: bool = False) -> Channel:
+    """Open the driver's end of a new connection: greet it with a fresh nonce and the mode, read
+    the rank's nonce (driver side)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(AUTH_TIMEOUT)
     nonce = os.urandom(_NONCE_BYTES)
-    sock.sendall(_MAGIC + nonce)
-    return Channel(sock, _connection_key(secret, nonce), is_server=True)
+    mode = _SEALED if encrypted else _CLEAR
+    sock.sendall(_MAGIC + mode + nonce)
+    nonce_c = _recv_exact(sock, _NONCE_BYTES)
+    if nonce_c is None:
+        raise AuthenticationError("the peer closed before it sent its nonce")
+    to_rank, to_driver = _keys(secret, mode, nonce, nonce_c)
+    return Channel(sock, to_rank, to_driver, encrypted=encrypted)

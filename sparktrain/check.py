@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Callable, Mapping, TextIO
 
-from . import __version__, nics, settings, versions
+from . import __version__, check_capabilities as capabilities, nics, settings, versions
 from .driver import capacity, cluster, preflight, probe, spark_errors, views
 from .errors import ClusterConfigError, InsufficientResourcesError
 
@@ -168,7 +168,8 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
         tasks = _probe(report, view, size, use_gpu, timeout)
     _versions(report, driver, tasks)
     _hosts(report, driver, tasks, conf)
-    _engines(report, driver, tasks)
+    capabilities.engines(report, driver, tasks)
+    capabilities.encryption(report, driver, tasks, conf)
     _backends(report, driver, tasks)
 
 
@@ -331,9 +332,7 @@ def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
                     "'sparktrain[tensorflow]' there")
 
 
-def _where(tasks: list[dict]) -> str:
-    names = [f"task {t['task']} at {t['address']}" for t in tasks]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+_where = capabilities.where
 
 
 def _hosts(report: Report, driver: dict, tasks: list[dict], conf: Mapping[str, str]) -> None:
@@ -358,24 +357,6 @@ def _hosts(report: Report, driver: dict, tasks: list[dict], conf: Mapping[str, s
             if picked is None:
                 report.fail(nics.no_match(chosen, host if t is driver else f"executor host {host}", networks))
         report.field(label, line, width)
-
-
-def _engines(report: Report, driver: dict, tasks: list[dict]) -> None:
-    """Which engine CPU collectives run on, per executor: native where it was built, else TensorFlow's ring."""
-    report.line()
-    report.line("Collectives on CPU (spark.sparktrain.cpuCollectives)")
-    engines = [t.get("cpu_engine") or "unknown" for t in tasks]
-    native_there = sum(1 for e in engines if e == "native")
-    here = driver.get("cpu_engine") or "unknown"
-    report.field("engine", f"driver: {here.split(' (')[0]}" +
-                 (f"; executors: native on {native_there} of {len(tasks)}" if tasks else ""))
-    others: dict[str, list[dict]] = {}
-    for t, e in zip(tasks, engines):
-        if e != "native":
-            others.setdefault(e, []).append(t)
-    for e, ts in others.items():
-        report.warn(f"{_where(ts)}: CPU collectives fall back to {e}; reinstall sparktrain there where gcc is "
-                    "available so that its native engine is built")
 
 
 def _backends(report: Report, driver: dict, tasks: list[dict]) -> None:

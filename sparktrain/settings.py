@@ -106,7 +106,14 @@ SETTINGS = {
                 "how ranks exchange addresses: 'driver' (through the driver's channel, milliseconds), "
                 "'barrier' (one Spark allGather, when executors cannot reach the driver), 'auto'"),
         Setting("allow_unencrypted", "SPARKTRAIN_ALLOW_UNENCRYPTED", "spark.sparktrain.allowUnencrypted", False,
-                parse_bool, "run even though spark.ssl.enabled is set; training traffic is not encrypted"),
+                parse_bool, "run with encryption off although Spark's encryption is on (spark.network.crypto.enabled, "
+                "spark.ssl.enabled or spark.io.encryption.enabled), or with training traffic that sparktrain does "
+                "not encrypt (TensorFlow's ring, cpu_collectives='tensorflow')"),
+        Setting("encryption", "SPARKTRAIN_ENCRYPTION", "spark.sparktrain.encryption", "auto",
+                lambda n, v: _choice(n, v, ("auto", "on", "off")),
+                "AES-256-GCM on the driver's channel and on the native engine's ring between hosts, with keys "
+                "derived from the run's secret (docs/security.md): 'auto' (on when any of spark.network.crypto."
+                "enabled, spark.ssl.enabled or spark.io.encryption.enabled is true), 'on' or 'off'"),
         Setting("max_attempts", "SPARKTRAIN_MAX_ATTEMPTS", "spark.sparktrain.maxAttempts", 1,
                 parse_positive_int, "how many times a failed run is started again, whole gang, before it fails"),
         Setting("spill_url", "SPARKTRAIN_SPILL_URL", "spark.sparktrain.spillUrl", None,
@@ -162,6 +169,30 @@ SETTINGS = {
                 "cores), 'on' (on clusters too) or 'off'"),
     ]
 }
+
+
+#: Spark's own encryption settings: with any of them true, ``encryption='auto'`` is on.
+SPARK_ENCRYPTION = ("spark.network.crypto.enabled", "spark.ssl.enabled", "spark.io.encryption.enabled")
+
+
+def spark_encryption(conf: Mapping[str, str]) -> list[str]:
+    """Which of Spark's encryption settings are on in ``conf``.
+
+    >>> spark_encryption({"spark.ssl.enabled": "true", "spark.io.encryption.enabled": "false"})
+    ['spark.ssl.enabled']
+    """
+    return [k for k in SPARK_ENCRYPTION if str(conf.get(k, "false")).strip().lower() == "true"]
+
+
+def encrypted(argument: Any = None, *, conf: Mapping[str, str] | None = None,
+              environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a run encrypts its channel and ring: the ``encryption`` setting, 'auto' following Spark's.
+
+    >>> encrypted(None, conf={"spark.network.crypto.enabled": "true"}, environ={})
+    True
+    """
+    value = resolve("encryption", argument, conf=conf, environ=environ)
+    return value == "on" or (value == "auto" and bool(spark_encryption(conf or {})))
 
 
 #: Settings the ranks read from their environment; ``run`` checks them first, on the driver.

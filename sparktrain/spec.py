@@ -61,6 +61,9 @@ class TaskSpec:
     #: The ``nics`` setting: the interfaces or subnets whose address each rank offers the others
     #: (``sparktrain.nics``); None: the executor's address as Spark knows it.
     nics: tuple[str, ...] | None = None
+    #: The driver's channel and the native engine's ring between hosts travel in AES-256-GCM (the
+    #: ``encryption`` setting, resolved on the driver; the ranks also get it as SPARKTRAIN_ENCRYPTION).
+    encrypted: bool = False
 
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.

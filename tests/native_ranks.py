@@ -60,10 +60,10 @@ def digest(a) -> str:
 SECRET = b"test-secret"
 
 
-def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners, spin):
+def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners, spin, encrypt=False):
     try:
         comm = engine.Communicator(rank, n, hosts, ports, SECRET, name, timeout=timeout, force_tcp=tcp,
-                                   listener=listeners.get(rank), spin=spin)
+                                   listener=listeners.get(rank), spin=spin, encrypt=encrypt)
         try:
             result = fn(comm, *args)
         finally:
@@ -74,8 +74,12 @@ def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, liste
 
 
 def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float = 60.0, name: str | None = None,
-              on_start=None, wait: float = 120.0, listeners=None, heartbeat=None, spin: float | None = None):
+              on_start=None, wait: float = 120.0, listeners=None, heartbeat=None, spin: float | None = None,
+              encrypt: bool = False, dial=None):
     """Run ``fn(comm, *args)`` on ``n`` forked ranks; {rank: ("ok", value) or ("error", text)}.
+
+    ``encrypt``: the ring in AES-256-GCM records. ``dial``: {rank: {peer: port}}, where that rank
+    connects to reach that peer instead of the peer's own port (a proxy between them).
 
     ``on_start(processes)`` runs once they are started (to kill one, say). Ranks that never
     report (killed ones) are missing from the answer.
@@ -88,8 +92,9 @@ def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float =
     for r, sock in listeners.items():
         ports[r] = sock.getsockname()[1]
     name = name or f"test-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=_rank_main, args=(r, n, hosts, ports, name, tcp, timeout, fn, args, queue,
-                                                       listeners, spin))
+    dial = dial or {}
+    procs = [ctx.Process(target=_rank_main, args=(r, n, hosts, [dial.get(r, {}).get(k, p) for k, p in enumerate(ports)],
+                                                  name, tcp, timeout, fn, args, queue, listeners, spin, encrypt))
              for r in range(n)]
     for p in procs:
         p.start()

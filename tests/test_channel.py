@@ -66,19 +66,29 @@ def test_raw_socket_garbage_and_huge_frames_are_refused(server):
     assert server.missing_ranks() == [0, 1]
 
 
-def test_replayed_frame_is_refused(server):
-    """A frame recorded on one connection does not authenticate on another (fresh nonce)."""
-    recorded = []
-    chan = channel.connect(server.address, server.secret, timeout=5)
-    chan.sock = _Recorder(chan.sock, recorded)
-    chan.send(_hello(0))
-    assert _event(server, Hello).rank == 0
-    with socket.create_connection(server.address, timeout=5) as raw:
-        raw.recv(64)
-        raw.sendall(recorded[0])
-        assert raw.recv(1) == b""
-    assert _event(server, Refused).reason == "message authentication failed"
-    chan.close()
+@pytest.mark.parametrize("encrypted", [False, True], ids=["clear", "encrypted"])
+def test_replayed_frame_is_refused(encrypted):
+    """A frame recorded on one connection does not authenticate on another (fresh nonces); an
+    encrypted channel shows nothing of what it carries, and refuses a rank that expects otherwise."""
+    server = DriverServer(channel.new_secret(), size=2, host="127.0.0.1", encrypted=encrypted)
+    try:
+        recorded = []
+        chan = channel.connect(server.address, server.secret, timeout=5)
+        assert chan.encrypted == encrypted
+        chan.sock = _Recorder(chan.sock, recorded)
+        chan.send(_hello(0))
+        assert _event(server, Hello).rank == 0
+        assert (b'"type":"hello"' in recorded[0]) != encrypted
+        with socket.create_connection(server.address, timeout=5) as raw:
+            raw.recv(64)
+            raw.sendall(b"\0" * 16 + recorded[0])  # a nonce of its own, then the recorded frame
+            assert raw.recv(1) == b""
+        assert _event(server, Refused).reason == "message authentication failed"
+        chan.close()
+        with pytest.raises(ConnectionError, match="says it is " + ("encrypted" if encrypted else "in clear")):
+            channel.connect(server.address, server.secret, timeout=5, encrypted=not encrypted)
+    finally:
+        server.close()
 
 
 class _Recorder:

@@ -46,6 +46,8 @@ def test_check_passes_on_local_3():
         assert r[-2:] == [version("tensorflow"), version("keras")], r
         assert not any(cell.endswith("*") for cell in r), r
     assert re.search(r"^  adlfs +driver: [\d.]+; executors: imports on 3 of 3$", out, re.M), out
+    assert re.search(r"^  encryption +auto: runs here are not encrypted; driver: can encrypt; executors: can "
+                     r"encrypt on 3 of 3$", out, re.M), out
     # One host: the driver's, with its 3 tasks, each process free to use every CPU of this machine.
     from sparktrain.cpus import usable_cpus
 

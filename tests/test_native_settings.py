@@ -84,7 +84,7 @@ def test_a_missing_library_falls_back_to_tensorflows_ring_with_one_warning(monke
 def test_the_library_is_found_and_speaks_this_abi():
     if engine.unavailable_reason() is not None:
         pytest.skip(engine.unavailable_reason())
-    assert engine.library().stc_abi_version() == engine._ABI_VERSION == 6
+    assert engine.library().stc_abi_version() == engine._ABI_VERSION == 7
 
 
 def test_the_progress_record_follows_each_collective_and_is_left_inactive_by_a_refused_one(tmp_path):

@@ -141,11 +141,35 @@ def test_dynamic_allocation_refused_with_fix():
         preflight.check_cluster_conf({"spark.dynamicAllocation.enabled": "true"}, False)
 
 
-def test_ssl_refused_unless_overridden():
-    conf = {"spark.ssl.enabled": "true"}
-    with pytest.raises(ClusterConfigError, match="spark.sparktrain.allowUnencrypted=true"):
-        preflight.check_cluster_conf(conf, False)
-    preflight.check_cluster_conf(conf, True)
+@pytest.mark.parametrize("key", settings.SPARK_ENCRYPTION)
+def test_sparks_encryption_turns_sparktrains_on_and_off_is_refused_unless_allowed(key):
+    conf, clear = {key: "true"}, {}
+    assert settings.encrypted(None, conf=conf, environ={}) and not settings.encrypted(None, conf=clear, environ={})
+    preflight.check_cluster_conf(conf, False, environ={})  # auto: encrypted, so no refusal
+    for off in ({"encryption": "off", "environ": {}}, {"environ": {"SPARKTRAIN_ENCRYPTION": "off"}}):
+        with pytest.raises(ClusterConfigError, match=f"{key}=true.*spark.sparktrain.encryption=auto or on.*"
+                                                     "spark.sparktrain.allowUnencrypted=true"):
+            preflight.check_cluster_conf(conf, False, **off)
+        preflight.check_cluster_conf(conf, True, **off)
+    assert settings.encrypted(None, conf={**conf, "spark.sparktrain.encryption": "off"}, environ={}) is False
+    assert settings.encrypted("on", conf=clear, environ={}) is True
+    with pytest.raises(ClusterConfigError, match="cpu_collectives='tensorflow'.*not encrypt"):
+        preflight.check_cluster_conf(conf, False, environ={"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"})
+    with pytest.raises(InvalidArgumentError, match="encryption must be one of auto, on, off; got 'yes'"):
+        settings.resolve("encryption", "yes")
+
+
+def test_encryption_on_where_no_libcrypto_loads_is_refused_saying_why(monkeypatch):
+    from sparktrain import crypto
+
+    monkeypatch.setattr(crypto, "_LIBS", ("libcrypto-absent.so.0",))
+    monkeypatch.setattr(crypto, "_lib", None)
+    monkeypatch.setattr(crypto, "_why", None)
+    assert crypto.unavailable().startswith("no OpenSSL libcrypto could be loaded (tried libcrypto-absent.so.0)")
+    with pytest.raises(ClusterConfigError, match="encryption is on .*, but this driver cannot encrypt: no OpenSSL "
+                                                 "libcrypto could be loaded .*or set spark.sparktrain.encryption=off"):
+        preflight.check_cluster_conf({}, False, "on", environ={})
+    preflight.check_cluster_conf({}, False, "off", environ={})
 
 
 def test_use_gpu_without_gpu_conf():

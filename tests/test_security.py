@@ -162,17 +162,18 @@ import sparktrain
 
 spark = (SparkSession.builder.master("local[2]").config("spark.ssl.enabled", "true")
          .config("spark.ui.enabled", "false").getOrCreate())
+print("ENCRYPTED:", sparktrain.run(lambda: os.environ["SPARKTRAIN_ENCRYPTION"], num_proc=2, verbose=0))
 try:
-    sparktrain.run(lambda: 1, num_proc=2, verbose=0)
+    sparktrain.run(lambda: 1, num_proc=2, verbose=0, encryption="off")
     print("NOT REFUSED")
 except sparktrain.ClusterConfigError as e:
     print("REFUSED:", e)
 os.environ["SPARKTRAIN_ALLOW_UNENCRYPTED"] = "true"
-print("OVERRIDDEN:", sparktrain.run(lambda: sparktrain.rank() + 41, num_proc=2, verbose=0))
+print("OVERRIDDEN:", sparktrain.run(lambda: sparktrain.rank() + 41, num_proc=2, verbose=0, encryption="off"))
 """
 
 
-def test_ssl_is_refused_unless_overridden_in_a_real_session(tmp_path):
+def test_ssl_turns_encryption_on_and_off_is_refused_unless_overridden_in_a_real_session(tmp_path):
     import subprocess
     import sys
 
@@ -182,6 +183,7 @@ def test_ssl_is_refused_unless_overridden_in_a_real_session(tmp_path):
     env["PYSPARK_PYTHON"] = sys.executable
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ENCRYPTED: on" in proc.stdout, proc.stdout  # auto follows spark.ssl.enabled; the channel is encrypted
     assert "REFUSED: spark.ssl.enabled=true" in proc.stdout, proc.stdout
     assert "spark.sparktrain.allowUnencrypted=true" in proc.stdout
     assert "OVERRIDDEN: 41" in proc.stdout

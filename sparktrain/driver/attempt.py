@@ -111,7 +111,8 @@ class Attempt:
         self.server: DriverServer | None = None
         if spec.driver_address is not None:
             secret = channel.new_secret()
-            self.server = DriverServer(secret, spec.size, host, heartbeat_timeout=spec.heartbeat_timeout)
+            self.server = DriverServer(secret, spec.size, host, heartbeat_timeout=spec.heartbeat_timeout,
+                                       encrypted=spec.encrypted)
             spec = dataclasses.replace(spec, secret=secret, driver_address=self.server.address)
         else:
             self.state = core.Running(core.Seen())  # ranks rendezvous through Spark; nothing tells the driver
@@ -152,8 +153,9 @@ class Attempt:
         try:
             self.job.start()
             of = f" (attempt {self.spec.attempt} of {self.max_attempts})" if self.max_attempts > 1 else ""
-            log.info("sparktrain: launching %d rank(s) of %s, run %s%s", self.spec.size, self.info.fn_name,
-                     self.info.run_id, of)
+            log.info("sparktrain: launching %d rank(s) of %s, run %s%s; %s", self.spec.size, self.info.fn_name,
+                     self.info.run_id, of, "encrypted (AES-256-GCM between hosts and on the driver's channel)"
+                     if self.spec.encrypted else "not encrypted")
             while not isinstance(self.state, core.Ended):
                 self.interrupts.check()
                 self._handle(self._next_event(TICK))

@@ -43,6 +43,8 @@ class Arguments:
     frames: dict[str, Any] | None
     log_url: str | None
     nics: tuple[str, ...] | None
+    #: The ``encryption`` argument, checked ("auto", "on", "off"), or None for the env and the conf.
+    encryption: str | None
     start_timeout: float | None
     timeout: float | None
     max_attempts: int | None
@@ -66,6 +68,8 @@ class RunConfig:
     max_attempts: int
     log_target: bytes | None
     spill_url: str | None
+    #: Whether the channel and the ring between hosts are encrypted (the ``encryption`` setting).
+    encrypted: bool = False
 
     @property
     def master(self) -> str:
@@ -74,7 +78,7 @@ class RunConfig:
 
 def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_mode, start_timeout, timeout, env,
                     stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
-                    storage_options, max_attempts, data, log_url, resources, nics) -> Arguments:
+                    storage_options, max_attempts, data, log_url, resources, nics, encryption=None) -> Arguments:
     """Check every argument of ``run``; a bad one raises, naming the value and the fix."""
     size, local = preflight.check_num_proc(num_proc, local_mode)
     args, kwargs, env = preflight.check_arguments(
@@ -88,6 +92,8 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         max_attempts = settings.resolve("max_attempts", max_attempts)
     if nics is not None:
         nics = settings.resolve("nics", nics)
+    if encryption is not None:
+        encryption = settings.resolve("encryption", encryption)
     if local and data is not None:
         raise InvalidArgumentError(
             "data= feeds a DataFrame through the run's Spark stage, and local mode runs without Spark. Use "
@@ -109,20 +115,22 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         payload=preflight.pickle_payload(train_fn, args, kwargs, payloads.dumps), size=size, local=local, env=env,
         stdout=stdout, stderr=stderr, verbose=verbose, timestamps=prefix_output_with_timestamp, use_gpu=use_gpu,
         asked=asked, output_ranks=output_ranks, checkpoint=checkpoint, storage_options=storage_options,
-        frames=frames, log_url=log_url, nics=nics, start_timeout=start_timeout, timeout=timeout,
-        max_attempts=max_attempts)
+        frames=frames, log_url=log_url, nics=nics, encryption=encryption, start_timeout=start_timeout,
+        timeout=timeout, max_attempts=max_attempts)
 
 
 def resolve(a: Arguments, view) -> RunConfig:
     """The run's settings against ``view``'s conf (``views.ClusterView``); refuses, before launch,
     what the cluster cannot do."""
     conf = view.conf
+    environ = {**os.environ, **a.env}
+    encrypted = settings.encrypted(a.encryption, conf=conf, environ=environ)
     if a.local:
         return RunConfig(args=a, conf=conf, driver_host="127.0.0.1", rendezvous="driver", use_gpu=bool(a.use_gpu),
                          stage=None, task_cpus=a.asked.cpus if a.asked is not None else None, capacity_wait=0.0,
                          max_attempts=settings.resolve("max_attempts", a.max_attempts, conf=conf), log_target=None,
-                         spill_url=None)
-    preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
+                         spill_url=None, encrypted=encrypted)
+    preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf), a.encryption, environ)
     rendezvous = settings.resolve("rendezvous", conf=conf)
     view.check_python(rendezvous)
     driver_host = view.driver_host()
@@ -148,7 +156,8 @@ def resolve(a: Arguments, view) -> RunConfig:
         rendezvous=view.default_rendezvous(rendezvous, driver_host, a.run_id), use_gpu=use_gpu, stage=stage,
         task_cpus=task_cpus, capacity_wait=settings.resolve("capacity_wait", conf=conf),
         max_attempts=settings.resolve("max_attempts", a.max_attempts, conf=conf),
-        log_target=_log_target(a.log_url, a.storage_options, conf), spill_url=_spill_url(view.master, conf))
+        log_target=_log_target(a.log_url, a.storage_options, conf), spill_url=_spill_url(view.master, conf),
+        encrypted=encrypted)
 
 
 def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:

@@ -11,7 +11,7 @@ import logging
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
-from .. import tracking, worker_env
+from .. import crypto, settings, tracking, worker_env
 from ..errors import (ClusterConfigError, InvalidArgumentError,
                      PicklingFailedError)
 
@@ -189,17 +189,33 @@ def _conf_true(conf: Mapping[str, str], key: str) -> bool:
     return str(conf.get(key, "false")).strip().lower() == "true"
 
 
-def check_cluster_conf(conf: Mapping[str, str], allow_unencrypted: bool) -> None:
-    """Refuse settings barrier-mode training cannot work with."""
+def check_cluster_conf(conf: Mapping[str, str], allow_unencrypted: bool, encryption: str | None = None,
+                       environ: Mapping[str, str] | None = None) -> None:
+    """Refuse settings barrier-mode training cannot work with, and training traffic in clear where
+    Spark's own is encrypted (``encryption``: the run's argument, or None for the env and conf)."""
     if _conf_true(conf, "spark.dynamicAllocation.enabled"):
         raise ClusterConfigError(
             "spark.dynamicAllocation.enabled=true: barrier mode needs every rank running at once on a fixed "
             "set of executors, and Spark refuses barrier stages under dynamic allocation. Set "
             "spark.dynamicAllocation.enabled=false with a fixed spark.executor.instances for training"
         )
-    if _conf_true(conf, "spark.ssl.enabled") and not allow_unencrypted:
+    spark_on = settings.spark_encryption(conf)
+    on = settings.encrypted(encryption, conf=conf, environ=environ)
+    if spark_on and not on and not allow_unencrypted:
         raise ClusterConfigError(
-            "spark.ssl.enabled=true, but sparktrain's training traffic (collectives and the output channel) "
-            "is not encrypted. Run on a trusted network and set spark.sparktrain.allowUnencrypted=true "
-            "(or SPARKTRAIN_ALLOW_UNENCRYPTED=1) to go ahead"
+            f"{spark_on[0]}=true, but sparktrain's encryption is off, so its training traffic (collectives and the "
+            "output channel) would cross the network in clear. Set spark.sparktrain.encryption=auto or on "
+            "(SPARKTRAIN_ENCRYPTION, run(encryption=...)), or, on a trusted network, "
+            "spark.sparktrain.allowUnencrypted=true (or SPARKTRAIN_ALLOW_UNENCRYPTED=1) to go ahead in clear"
         )
+    if on:
+        why = crypto.unavailable()
+        if why:
+            raise ClusterConfigError(f"encryption is on (spark.sparktrain.encryption), but this driver cannot "
+                                     f"encrypt: {why}; or set spark.sparktrain.encryption=off")
+        engine = settings.resolve("cpu_collectives", conf=conf, environ=environ)
+        if engine == "tensorflow" and not allow_unencrypted:
+            raise ClusterConfigError(
+                "encryption is on, but cpu_collectives='tensorflow' moves gradients over TensorFlow's own ring, "
+                "which sparktrain does not encrypt. Use cpu_collectives='native' (encrypted between hosts), or set "
+                "spark.sparktrain.allowUnencrypted=true to accept that")

@@ -59,6 +59,12 @@ def facts_function() -> Callable[[tuple, tuple], dict]:
             found["cpu_engine"] = "native" if engine.available() else f"tensorflow ({engine.unavailable_reason()})"
         except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
             found["cpu_engine"] = f"unknown ({type(e).__name__})"
+        try:  # whether the channel and the engine's ring could be encrypted here: None when they can
+            from sparktrain import crypto, engine
+
+            found["crypto"] = crypto.unavailable() or (engine.crypto_unavailable() if engine.available() else None)
+        except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
+            found["crypto"] = f"unknown ({type(e).__name__})"
         for name in packages:
             try:
                 found["versions"][name] = metadata.version(name)

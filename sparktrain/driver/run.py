@@ -13,10 +13,9 @@ import os
 import sys
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from .. import settings, tracking, versions
-from ..spec import TaskSpec
-from . import config, preflight, views
+from . import config, views
 from .attempt import RunInfo, run_attempts
+from .taskspec import task_spec
 
 log = logging.getLogger("sparktrain")
 
@@ -59,6 +58,7 @@ def run(
     log_url: str | None = None,
     resources: Mapping[str, float] | None = None,
     nics: str | Iterable[str] | None = None,
+    encryption: str | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -84,6 +84,8 @@ def run(
     log_url : an fsspec URL where every rank also writes its output (docs/connect.md).
     resources : what each rank's task holds for this run only, ``{"cpus": 4, "gpus": 1}``.
     nics : the network for the driver's channel and the ranks' ring, as Horovod's ``nics``.
+    encryption : "auto" (default: on where Spark's own encryption is), "on" or "off": AES-256-GCM
+        on the driver's channel and the ring between hosts, keyed from the run's secret (docs/security.md).
 
     Returns rank 0's value, or ``checkpoint_url``. Raises InvalidArgumentError,
     PicklingFailedError, ClusterConfigError or InsufficientResourcesError before anything
@@ -95,13 +97,13 @@ def run(
     """
     a = config.check_arguments(train_fn, args, kwargs, num_proc, local_mode, start_timeout, timeout, env, stdout,
                                stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
-                               storage_options, max_attempts, data, log_url, resources, nics)
+                               storage_options, max_attempts, data, log_url, resources, nics, encryption)
     _configure_logging(verbose)
     view = views.choose(a.local, a.size, a.use_gpu)
     cfg = config.resolve(a, view)
     profile = view.profile(cfg.stage) if cfg.stage is not None else None
     size = view.fit(a.size, cfg.use_gpu, cfg.stage, profile, cfg.capacity_wait)
-    spec = _task_spec(cfg, size, view)
+    spec = task_spec(cfg, size, view.max_result_bytes(), view.tails_without_channel)
     source = None
     if a.frames:
         from . import feed
@@ -114,39 +116,3 @@ def run(
     return run_attempts(info, spec, lambda s, on_done: view.job(s, a.fn_name, on_done, source, profile),
                         cfg.driver_host, cfg.max_attempts,
                         lambda: view.fit(size, cfg.use_gpu, cfg.stage, profile, retry_wait))
-
-
-def _task_spec(cfg: config.RunConfig, size: int, view) -> TaskSpec:
-    """The spec every rank of every attempt gets; each attempt adds its number and its channel's secret."""
-    a, conf = cfg.args, cfg.conf
-    env = {**os.environ, **a.env}
-    settings.warn_retired(conf, env)
-    spec = TaskSpec(
-        run_id=a.run_id, size=size, payload=a.payload, secret=b"",
-        driver_address=(cfg.driver_host, 0) if cfg.rendezvous != "barrier" else None,
-        use_gpu=cfg.use_gpu, output_ranks=preflight.normalize_output_ranks(a.output_ranks, size),
-        max_result_bytes=view.max_result_bytes(),
-        start_timeout=settings.resolve("start_timeout", a.start_timeout, conf=conf),
-        grace_period=settings.resolve("grace_period", conf=conf),
-        heartbeat_timeout=settings.resolve("heartbeat_timeout", conf=conf),
-        stall_warning=settings.resolve("stall_warning", environ=env, conf=conf),
-        user_env=settings.rank_env(a.env, conf), checkpoint=a.checkpoint,
-        spill_url=cfg.spill_url, versions=versions.collect(), tf_log_level=0 if a.verbose == 2 else 2,
-        feed=tuple(a.frames or ()), return_output=view.tails_without_channel and cfg.rendezvous == "barrier"
-        and cfg.log_target is None, log_target=cfg.log_target,
-        mlflow=_mlflow_handoff(a.run_id, a.env), task_cpus=cfg.task_cpus, nics=a.nics,
-    )
-    log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
-              "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s "
-              "task_resources=%s task_cpus=%s", a.run_id, size, cfg.use_gpu, spec.start_timeout, a.timeout,
-              cfg.rendezvous, spec.grace_period, spec.max_result_bytes, cfg.max_attempts, cfg.capacity_wait,
-              spec.spill_url, cfg.stage or "default profile", cfg.task_cpus)
-    return spec
-
-
-def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
-    """What rank 0 needs to log into the driver's MLflow run (``sparktrain.tracking``); None without MLflow."""
-    handoff = tracking.mlflow_handoff(user_env=env)
-    if handoff:
-        log.debug("sparktrain: run %s: rank 0 logs to MLflow %s", run_id, tracking.describe(handoff))
-    return handoff or None

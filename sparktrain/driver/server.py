@@ -104,8 +104,10 @@ class DriverServer:
     whose network went down sends no reset, and nothing else would tell.
     """
 
-    def __init__(self, secret: bytes, size: int, host: str, heartbeat_timeout: float = 0.0):
+    def __init__(self, secret: bytes, size: int, host: str, heartbeat_timeout: float = 0.0, encrypted: bool = False):
         self.secret = secret
+        #: Every channel in AES-256-GCM (``sparktrain.channel``); else authenticated only.
+        self.encrypted = encrypted
         self.size = size
         # A SimpleQueue: its put and get take no lock written in Python, so an interrupt in the
         # supervision loop cannot leave one held, and its put is safe in a signal handler.
@@ -155,7 +157,7 @@ class DriverServer:
         rank = None
         chan = None
         try:
-            chan = channel.accept(sock, self.secret)
+            chan = channel.accept(sock, self.secret, self.encrypted)
             sock.settimeout(channel.AUTH_TIMEOUT)
             hello = chan.recv()
             if hello is None or hello.get("type") != "hello":

@@ -34,11 +34,11 @@ import os
 from .. import settings, worker_env
 from .communicator import SPIN_S, Communicator, default_spin, split_rows
 from .loader import (_ABI_VERSION, BROKEN, DTYPES, KEY_FILE_ENV, LIBRARY_ENV, MISMATCH, OPS, PEER, TIMEOUT,  # noqa: F401
-                      CollectiveError, _library_path, available, library, unavailable_reason)
+                      CollectiveError, _library_path, available, crypto_unavailable, library, unavailable_reason)
 from .topology import layout, segment_name  # noqa: F401
 
 __all__ = ["BROKEN", "DTYPES", "MISMATCH", "OPS", "PEER", "SPIN_S", "TIMEOUT", "CollectiveError", "Communicator",
-           "available", "contract", "default_spin", "from_env", "layout", "library", "segment_name", "split_rows",
+           "available", "contract", "crypto_unavailable", "default_spin", "from_env", "layout", "library", "segment_name", "split_rows",
            "unavailable_reason"]
 
 
@@ -50,13 +50,15 @@ def from_env(timeout: float | None = None, environ=None) -> Communicator:
     """
     c = contract(timeout, environ)
     return Communicator(c["rank"], c["size"], c["hosts"], c["ports"], c["secret"], c["name"], timeout=c["timeout"],
-                        force_tcp=c["force_tcp"], spin=c["spin"], progress=c["progress"])
+                        force_tcp=c["force_tcp"], spin=c["spin"], progress=c["progress"], encrypt=c["encrypt"])
 
 
 def contract(timeout: float | None = None, environ=None) -> dict:
     """What a rank of ``sparktrain.run`` needs for a communicator, from its env: ``rank``, ``size``,
-    ``hosts``, ``ports``, ``secret``, ``name``, ``timeout``, ``force_tcp``, ``spin`` and ``progress``
-    (the arguments of :class:`Communicator`; a process set's communicator uses them too)."""
+    ``hosts``, ``ports``, ``secret``, ``name``, ``timeout``, ``force_tcp``, ``spin``, ``progress`` and
+    ``encrypt`` (the arguments of :class:`Communicator`; a process set's communicator uses them too).
+    ``encrypt`` follows SPARKTRAIN_ENCRYPTION, which ``run`` sets to what it resolved ("auto" here,
+    where no Spark conf is at hand, is off)."""
     environ = os.environ if environ is None else environ
     timeout = settings.resolve("collective_timeout", timeout, environ=environ)
     try:
@@ -76,4 +78,5 @@ def contract(timeout: float | None = None, environ=None) -> dict:
                 ports=[int(w.rsplit(":", 1)[1]) for w in cluster], secret=key,
                 name=f"{environ.get('SPARKTRAIN_RUN_ID', 'run')}-a{environ.get('SPARKTRAIN_ATTEMPT', '1')}",
                 timeout=timeout, force_tcp=settings.resolve("cpu_transport", environ=environ) == "tcp",
-                spin=None if spin == "auto" else spin, progress=environ.get(worker_env.PROGRESS_FILE))
+                spin=None if spin == "auto" else spin, progress=environ.get(worker_env.PROGRESS_FILE),
+                encrypt=settings.resolve("encryption", environ=environ) == "on")

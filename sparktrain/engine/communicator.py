@@ -9,9 +9,9 @@ import time
 from typing import Sequence
 
 from .. import cpus, worker_env
-from .handshake import _connect_ring
+from .handshake import MODE_AEAD, MODE_CLEAR, _connect_ring, ring_keys
 from .ragged import check_ragged, meta_of, sent_rows, split_problem, splits_refused
-from .loader import (CollectiveError, DTYPES, OPS, _Config, _DTYPE_CODES, _ERRLEN, _OP_CODES, library,
+from .loader import (CollectiveError, crypto_unavailable, DTYPES, OPS, _Config, _DTYPE_CODES, _ERRLEN, _OP_CODES, library,
                      move_code, unavailable_reason)
 from .topology import layout, segment_name
 
@@ -91,12 +91,15 @@ class Communicator:
         at once, leaving the cores to the ranks that still compute).
     progress : a file where the engine keeps the record of which collective this rank is in and
         since when (``stc_progress``), which the rank's task reads to report stalls; None: none.
+    encrypt : every byte between hosts travels in AES-256-GCM records, under keys derived from
+        ``secret`` for each connection and direction (``sparktrain.engine.handshake``); shared
+        memory within a host stays in clear. Fails where libcrypto cannot be loaded.
     """
 
     def __init__(self, rank: int, size: int, hosts: Sequence[str], ports: Sequence[int], secret: bytes, name: str,
                  timeout: float = 600.0, force_tcp: bool = False, bind_host: str | None = None,
                  chunk_bytes: int = 0, heartbeat: float | None = None, listener: socket.socket | None = None,
-                 spin: float | None = None, progress: str | None = None):
+                 spin: float | None = None, progress: str | None = None, encrypt: bool = False):
         lib = library()
         if lib is None:
             raise CollectiveError(unavailable_reason() or "the native engine is not available")
@@ -114,6 +117,12 @@ class Communicator:
         leaders = [r for r in range(size) if locals_[r] == 0]
         deadline = time.monotonic() + self.timeout
         next_sock = prev_sock = None
+        keys = None
+        self.encrypted = bool(encrypt) and self.num_nodes > 1
+        if self.encrypted and self.local_rank == 0:
+            why = crypto_unavailable(lib)
+            if why:
+                raise CollectiveError(f"rank {rank}: encryption is on, but {why}")
         if self.num_nodes > 1 and self.local_rank == 0:
             nxt, prv = leaders[(self.node + 1) % self.num_nodes], leaders[(self.node - 1) % self.num_nodes]
             own = listener
@@ -122,9 +131,17 @@ class Communicator:
                 own.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 own.bind((bind_host or hosts[rank], int(ports[rank])))  # the executor's address, not 0.0.0.0
                 own.listen(8)
+            mode = MODE_AEAD if self.encrypted else MODE_CLEAR
             try:
-                next_sock, prev_sock = _connect_ring(own, (hosts[nxt], int(ports[nxt])), secret, name.encode(), rank,
-                                                     nxt, prv, deadline)
+                next_sock, prev_sock, next_salt, prev_salt = _connect_ring(
+                    own, (hosts[nxt], int(ports[nxt])), secret, name.encode(), rank, nxt, prv, deadline, mode)
+                if self.encrypted:
+                    keys = ring_keys(lib, secret, name.encode(), rank, nxt, prv, next_salt, prev_salt)
+            except BaseException:
+                for s in (next_sock, prev_sock):
+                    if s is not None:
+                        s.close()
+                raise
             finally:
                 own.close()  # no listening socket outlives the set-up
             for s in (next_sock, prev_sock):
@@ -138,7 +155,9 @@ class Communicator:
                       heartbeat_s=float(heartbeat if heartbeat is not None else min(30.0, self.timeout)),
                       next_fd=next_sock.fileno() if next_sock else -1, prev_fd=prev_sock.fileno() if prev_sock else -1,
                       rank_node=node_arr, rank_local=local_arr, spin_s=self.spin,
-                      progress_path=progress.encode() if progress else None)
+                      progress_path=progress.encode() if progress else None, ring_keys=keys,
+                      host=hosts[rank].encode(), next_host=hosts[leaders[(self.node + 1) % self.num_nodes]].encode(),
+                      prev_host=hosts[leaders[(self.node - 1) % self.num_nodes]].encode())
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERRLEN)
         rc = lib.stc_create(ctypes.byref(cfg), ctypes.byref(handle), err, _ERRLEN)

@@ -1,7 +1,14 @@
 """The ring's connections between hosts: each side proves it holds the run's key (HMAC-SHA256 over
-a fresh challenge) before the library sees the socket."""
+fresh nonces from both ends, and whether the ring is encrypted) before the library sees the socket.
+
+Where the ring is encrypted, each direction of each connection gets its own AES-256-GCM key and
+nonce base (:func:`ring_keys`): HKDF-SHA256 (the engine's, over libcrypto) of the run's secret,
+salted with both ends' nonces, with the run and attempt (``name``) and the direction (sender and
+receiver ranks) as its info. No two connections or directions share a key, nor two attempts.
+"""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import secrets
@@ -10,7 +17,12 @@ import struct
 import threading
 import time
 
-from .loader import CollectiveError, _HELLO
+from .loader import _ERRLEN, CollectiveError, _HELLO
+
+#: What the handshake's MACs bind besides the nonces: the ring's protection, so that ends that
+#: disagree (or a stripped flag) fail the handshake instead of reading records as data.
+MODE_CLEAR, MODE_AEAD = b"clear", b"aes-256-gcm"
+_KEY_IV = 44  # an AES-256 key and a 12-byte nonce base
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -27,32 +39,55 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def _authenticate_client(sock: socket.socket, key: bytes, name: bytes, rank: int) -> None:
+def _hkdf(lib, salt: bytes, ikm: bytes, info: bytes, n: int) -> bytes:
+    out = ctypes.create_string_buffer(n)
+    err = ctypes.create_string_buffer(_ERRLEN)
+    if lib.stc_hkdf_sha256(salt, len(salt), ikm, len(ikm), info, len(info), out, n, err, _ERRLEN) != 0:
+        raise CollectiveError(err.value.decode(errors="replace"))
+    return out.raw
+
+
+def ring_keys(lib, secret: bytes, name: bytes, rank: int, nxt: int, prv: int, next_salt: bytes,
+              prev_salt: bytes) -> bytes:
+    """The four directions' key material of a leader's two connections, in the engine's order
+    (``stc_config.ring_keys``): to the next leader, from it, from the previous one, to it."""
+    def one(salt: bytes, sender: int, receiver: int) -> bytes:
+        return _hkdf(lib, salt, secret, b"sparktrain ring 1|%s|%d>%d" % (name, sender, receiver), _KEY_IV)
+    return (one(next_salt, rank, nxt) + one(next_salt, nxt, rank) + one(prev_salt, prv, rank) +
+            one(prev_salt, rank, prv))
+
+
+def _authenticate_client(sock: socket.socket, key: bytes, name: bytes, rank: int, mode: bytes) -> bytes:
+    """Proves this end holds the key; returns the connection's salt (both ends' nonces)."""
     hello = _recv_exact(sock, len(_HELLO) + 32)
     if hello[:len(_HELLO)] != _HELLO:
         raise ConnectionError("the peer is not a sparktrain collective endpoint")
     nonce_s, nonce_c = hello[len(_HELLO):], secrets.token_bytes(32)
     r = struct.pack("!i", rank)
-    sock.sendall(r + nonce_c + _mac(key, b"client", name, nonce_s, nonce_c, r))
-    if not hmac.compare_digest(_recv_exact(sock, 32), _mac(key, b"server", name, nonce_s, nonce_c, r)):
-        raise ConnectionError("the peer does not hold the run's secret")
+    sock.sendall(r + nonce_c + _mac(key, b"client", name, nonce_s, nonce_c, r, mode))
+    if not hmac.compare_digest(_recv_exact(sock, 32), _mac(key, b"server", name, nonce_s, nonce_c, r, mode)):
+        raise ConnectionError("the peer does not hold the run's secret, or does not agree on encryption")
+    return nonce_s + nonce_c
 
 
-def _authenticate_server(sock: socket.socket, key: bytes, name: bytes, expected_rank: int) -> None:
+def _authenticate_server(sock: socket.socket, key: bytes, name: bytes, expected_rank: int, mode: bytes) -> bytes:
     nonce_s = secrets.token_bytes(32)
     sock.sendall(_HELLO + nonce_s)
     reply = _recv_exact(sock, 4 + 32 + 32)
     r, nonce_c, mac = reply[:4], reply[4:36], reply[36:]
-    if not hmac.compare_digest(mac, _mac(key, b"client", name, nonce_s, nonce_c, r)):
-        raise ConnectionError("refused a connection that does not hold the run's secret")
+    if not hmac.compare_digest(mac, _mac(key, b"client", name, nonce_s, nonce_c, r, mode)):
+        raise ConnectionError("refused a connection that does not hold the run's secret or does not agree on "
+                              "encryption")
     if struct.unpack("!i", r)[0] != expected_rank:
         raise ConnectionError(f"rank {struct.unpack('!i', r)[0]} connected where rank {expected_rank} was expected")
-    sock.sendall(_mac(key, b"server", name, nonce_s, nonce_c, r))
+    sock.sendall(_mac(key, b"server", name, nonce_s, nonce_c, r, mode))
+    return nonce_s + nonce_c
 
 
 def _connect_ring(listener: socket.socket, next_addr: tuple[str, int], key: bytes, name: bytes, rank: int,
-                  next_rank: int, prev_rank: int, deadline: float) -> tuple[socket.socket, socket.socket]:
-    """Connect to the next leader and accept the previous one, both authenticated."""
+                  next_rank: int, prev_rank: int, deadline: float, mode: bytes = MODE_CLEAR):
+    """Connect to the next leader and accept the previous one, both authenticated: (next socket,
+    previous socket, the next connection's salt, the previous one's)."""
     out: dict[str, object] = {}
 
     def dial():
@@ -62,7 +97,7 @@ def _connect_ring(listener: socket.socket, next_addr: tuple[str, int], key: byte
             try:
                 s.settimeout(max(0.1, deadline - time.monotonic()))
                 s.connect(next_addr)
-                _authenticate_client(s, key, name, rank)
+                out["salt"] = _authenticate_client(s, key, name, rank, mode)
                 s.settimeout(None)
                 out["next"] = s
                 return
@@ -90,7 +125,7 @@ def _connect_ring(listener: socket.socket, next_addr: tuple[str, int], key: byte
                 continue
             s.settimeout(min(5.0, max(0.1, deadline - time.monotonic())))  # a silent stranger cannot stall us long
             try:
-                _authenticate_server(s, key, name, prev_rank)
+                prev_salt = _authenticate_server(s, key, name, prev_rank, mode)
                 s.settimeout(None)
                 prev = s
             except (OSError, ConnectionError):
@@ -98,7 +133,7 @@ def _connect_ring(listener: socket.socket, next_addr: tuple[str, int], key: byte
         dialer.join(max(0.0, deadline - time.monotonic()) + 1.0)
         if "next" not in out:
             raise CollectiveError(str(out.get("error", f"rank {rank} timed out connecting to rank {next_rank}")))
-        return out["next"], prev  # type: ignore[return-value]
+        return out["next"], prev, out["salt"], prev_salt
     except BaseException:
         if prev is not None:
             prev.close()

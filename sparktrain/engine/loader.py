@@ -14,7 +14,7 @@ LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"
 #: The file holding the run's collective key; ``run`` writes it into the rank's work directory.
 KEY_FILE_ENV = worker_env.COLLECTIVE_KEY_FILE
 
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 _ERRLEN = 1024
 _HELLO = b"STC1"
 
@@ -59,6 +59,8 @@ class _Config(ctypes.Structure):
         ("next_fd", ctypes.c_int), ("prev_fd", ctypes.c_int),
         ("rank_node", ctypes.POINTER(ctypes.c_int32)), ("rank_local", ctypes.POINTER(ctypes.c_int32)),
         ("spin_s", ctypes.c_double), ("progress_path", ctypes.c_char_p),
+        ("ring_keys", ctypes.c_char_p),
+        ("host", ctypes.c_char_p), ("next_host", ctypes.c_char_p), ("prev_host", ctypes.c_char_p),
     ]
 
 
@@ -130,6 +132,11 @@ def library():
         lib.stc_current_acquire.restype = ctypes.c_void_p
         lib.stc_current_release.argtypes = []
         lib.stc_current_release.restype = None
+        cp, sz = ctypes.c_char_p, ctypes.c_size_t
+        lib.stc_crypto_available.argtypes = [err, sz]
+        lib.stc_hkdf_sha256.argtypes = [cp, sz, cp, sz, cp, sz, cp, sz, err, sz]
+        lib.stc_aead_seal.argtypes = [cp, cp, sz, cp, sz, cp, sz, cp, cp, err, sz]
+        lib.stc_aead_open.argtypes = [cp, cp, sz, cp, sz, cp, sz, cp, cp, err, sz]
         _lib = lib
         return _lib
 
@@ -138,6 +145,15 @@ def unavailable_reason() -> str | None:
     """Why the engine cannot be used here, or None when it can."""
     library()
     return _lib_error
+
+
+def crypto_unavailable(lib=None) -> str | None:
+    """Why the engine cannot encrypt its ring here (no libcrypto, or no engine), or None when it can."""
+    lib = lib or library()
+    if lib is None:
+        return unavailable_reason()
+    msg = ctypes.create_string_buffer(_ERRLEN)
+    return None if lib.stc_crypto_available(msg, _ERRLEN) == 0 else msg.value.decode(errors="replace")
 
 
 def available() -> bool:

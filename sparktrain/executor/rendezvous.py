@@ -76,7 +76,8 @@ def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: d
                 [i["shard"] for i in infos])
     state.collective_key = collective_key(spec.secret, spec.run_id, spec.attempt)
     try:
-        state.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout))
+        state.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout),
+                                     encrypted=spec.encrypted)
     except OSError as e:
         raise SparkTrainError(
             f"rank {state.rank} on {state.host} cannot reach the driver's channel at "

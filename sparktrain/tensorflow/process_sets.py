@@ -264,7 +264,7 @@ def _connect(pid: int, ranks: tuple, refusal: str):
         if len(ranks) > 1:
             communicator = engine.Communicator(me, len(ranks), hosts, [int(every[r, 0]) for r in ranks], c["secret"],
                                                name, timeout=state.timeout, force_tcp=c["force_tcp"], spin=c["spin"],
-                                               listener=listener)
+                                               listener=listener, encrypt=c["encrypt"])
         return Channel(pid, communicator, name, ranks)
     finally:
         if listener is not None:

@@ -1,0 +1,48 @@
+"""``sparktrain check``'s findings about what each executor can do for a rank: which engine its
+CPU collectives run on, and whether it can encrypt (``sparktrain.check`` prints them)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from . import settings
+
+
+def where(tasks: list[dict]) -> str:
+    names = [f"task {t['task']} at {t['address']}" for t in tasks]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def engines(report: Report, driver: dict, tasks: list[dict]) -> None:
+    """Which engine CPU collectives run on, per executor: native where it was built, else TensorFlow's ring."""
+    report.line()
+    report.line("Collectives on CPU (spark.sparktrain.cpuCollectives)")
+    engines = [t.get("cpu_engine") or "unknown" for t in tasks]
+    native_there = sum(1 for e in engines if e == "native")
+    here = driver.get("cpu_engine") or "unknown"
+    report.field("engine", f"driver: {here.split(' (')[0]}" +
+                 (f"; executors: native on {native_there} of {len(tasks)}" if tasks else ""))
+    others: dict[str, list[dict]] = {}
+    for t, e in zip(tasks, engines):
+        if e != "native":
+            others.setdefault(e, []).append(t)
+    for e, ts in others.items():
+        report.warn(f"{where(ts)}: CPU collectives fall back to {e}; reinstall sparktrain there where gcc is "
+                    "available so that its native engine is built")
+
+
+def encryption(report, driver: dict, tasks: list[dict], conf: Mapping[str, str]) -> None:
+    """Whether the driver and each executor can encrypt (libcrypto for the channel and the native
+    ring), and whether this conf's runs would be encrypted."""
+    report.line()
+    report.line("Encryption (spark.sparktrain.encryption)")
+    on = settings.encrypted(None, conf=conf)
+    able = [t for t in tasks if not t.get("crypto")]
+    here = driver.get("crypto")
+    report.field("encryption", f"{settings.resolve('encryption', conf=conf)}: runs here are "
+                 f"{'encrypted' if on else 'not encrypted'}; driver: {'can encrypt' if not here else 'cannot'}"
+                 + (f"; executors: can encrypt on {len(able)} of {len(tasks)}" if tasks else ""))
+    cannot = [t for t in tasks if t.get("crypto")]
+    problems = ([f"the driver cannot encrypt: {here}"] if here else []) + \
+        ([f"{where(cannot)} cannot encrypt: {cannot[0]['crypto']}"] if cannot else [])
+    for text in problems:
+        (report.fail if on else report.warn)(text + ("" if on else " (encryption is off for runs here)"))
