@@ -9,7 +9,6 @@ is drawn in docs/architecture.md.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import IO, Any, Callable, Iterable, Mapping
 
