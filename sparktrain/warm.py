@@ -12,16 +12,16 @@ MODULES = ("pyspark.sql", "pyarrow", "pandas", "cloudpickle", "fsspec", "tensorf
 
 
 def main() -> int:
-    import os
+    from .tflog import filtered_stderr
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's start-up lines say nothing here
     found = []
-    for name in MODULES:
-        try:
-            importlib.import_module(name)
-            found.append(name)
-        except Exception:  # noqa: BLE001 - not installed, or fails here: the run says why when it needs it
-            pass
+    with filtered_stderr():  # TensorFlow's start-up lines, as a run hides them
+        for name in MODULES:
+            try:
+                importlib.import_module(name)
+                found.append(name)
+            except Exception:  # noqa: BLE001 - not installed, or fails here: the run says why when it needs it
+                pass
     print(f"sparktrain.warm: imported {', '.join(found)}", file=sys.stderr)
     return 0
 
