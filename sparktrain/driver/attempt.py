@@ -96,6 +96,30 @@ def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str,
     raise AssertionError("unreachable")
 
 
+class NoChannel:
+    """The driver's end where ranks meet through Spark's barrier allGather: no channel, nothing to
+    tell the ranks (Spark's cancellation ends them); the job's end and interrupts still arrive on
+    its queue, as they do on a channel's."""
+
+    def __init__(self):
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def abort(self, reason: str) -> None:
+        pass
+
+    def wait_disconnected(self, timeout: float) -> None:
+        pass
+
+    def request_stacks(self, ranks) -> None:
+        pass
+
+    def unreachable(self) -> set[int]:
+        return set()
+
+    def close(self) -> None:
+        pass
+
+
 class Attempt:
     """One attempt: its own secret, channel and job, supervised until the job ends."""
 
@@ -108,22 +132,23 @@ class Attempt:
                                   None if remaining is None else started + remaining,
                                   f"run {info.run_id} of {info.fn_name}", info.timeout)
         self.state: core.State = core.Starting()
-        self.server: DriverServer | None = None
+        self.server: DriverServer | NoChannel
         if spec.driver_address is not None:
             secret = channel.new_secret()
             self.server = DriverServer(secret, spec.size, host, heartbeat_timeout=spec.heartbeat_timeout,
                                        encrypted=spec.encrypted)
             spec = dataclasses.replace(spec, secret=secret, driver_address=self.server.address)
         else:
+            self.server = NoChannel()
             self.state = core.Running(core.Seen())  # ranks rendezvous through Spark; nothing tells the driver
         self.spec = spec
-        self.events: queue.SimpleQueue[Event] | None = self.server.events if self.server else None
-        # The job wakes the loop the moment it ends, through the same queue as the ranks' events.
+        #: The one source of events the loop reads, whichever way the ranks meet: the ranks' (on a
+        #: channel), the job's end and interrupts.
+        self.events: queue.SimpleQueue[Event] = self.server.events
         try:
-            self.job: Job = make_job(spec, (lambda: self.events.put(JobDone())) if self.events else (lambda: None))
+            self.job: Job = make_job(spec, lambda: self.events.put(JobDone()))
         except BaseException:
-            if self.server is not None:
-                self.server.close()
+            self.server.close()
             raise
         #: Where each rank checked in, kept as the core's state says (the stall watch reads it).
         self.hosts: dict[int, str] = {}
@@ -131,9 +156,8 @@ class Attempt:
         self._job_seen_done = False
         # Ctrl-C (a notebook's stop button) is raised at the top of a turn of the supervision loop,
         # never inside one of its waits (see sparktrain.driver.interrupts).
-        self.interrupts = Interrupts((lambda: self.events.put(Interrupted())) if self.events else (lambda: None))
-        self.stalls = StallWatch(spec.size, spec.stall_warning, self.hosts,
-                                 self.server.request_stacks if self.server else lambda ranks: None)
+        self.interrupts = Interrupts(lambda: self.events.put(Interrupted()))
+        self.stalls = StallWatch(spec.size, spec.stall_warning, self.hosts, self.server.request_stacks)
 
     # -- the loop ----------------------------------------------------------------------------------
     def supervise(self) -> Any:
@@ -143,8 +167,7 @@ class Attempt:
             with self.interrupts:
                 self._supervise()
         finally:
-            if self.server is not None:
-                self.server.close()
+            self.server.close()
             if tail is not None:
                 tail.stop()
         return self._outcome()
@@ -174,7 +197,7 @@ class Attempt:
 
     def _output_tail(self):
         """Without a channel, and with a log_url, the ranks' output comes here through storage."""
-        if self.spec.log_target is None or self.server is not None:
+        if self.spec.log_target is None or self.spec.driver_address is not None:
             return None
         import cloudpickle
 
@@ -204,9 +227,6 @@ class Attempt:
                 log.warning("sparktrain: run %s: %s", self.info.run_id, report)
 
     def _next_event(self, timeout: float) -> Event | None:
-        if self.events is None:
-            self.job.wait(timeout)
-            return None
         try:
             return self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
         except queue.Empty:
@@ -233,8 +253,8 @@ class Attempt:
 
     def _print_stacks(self) -> None:
         """Every running rank's Python stacks, printed where the run prints (on an interrupt)."""
-        if self.server is None or not isinstance(self.state, core.Running):
-            return
+        if not self.hosts or not isinstance(self.state, core.Running):
+            return  # no rank checked in on a channel
 
         def next_stacks(timeout: float):
             self.interrupts.check(allowed=1)
@@ -254,8 +274,6 @@ class Attempt:
     def _drain(self) -> None:
         """Handle what ranks sent before they disconnected (their last output, failure reports);
         ranks found unreachable send nothing more."""
-        if self.events is None:
-            return
         deadline = time.monotonic() + DRAIN_SECONDS
         while True:
             waiting = set(self.hosts) - self.disconnected - self.server.unreachable()
@@ -269,13 +287,12 @@ class Attempt:
         """Stop every rank: ask them (they terminate their process groups), then cancel the job."""
         if not isinstance(self.state, (core.Stopping, core.Ended)):
             self.state = core.Stopping(self.state.seen, None, reason)
-        if self.server is not None:
-            self.server.abort(reason)
-            # Ranks stop their process groups within the grace period, then disconnect and end
-            # their tasks; cancelling the Spark job first would kill them without that grace.
-            # Wait for that even when the Spark job has already ended (cancelled, or a task lost):
-            # Spark kills its tasks in its own time, and the ranks' processes may outlive that.
-            self.server.wait_disconnected(self.spec.grace_period + 2.0)
+        self.server.abort(reason)
+        # Ranks stop their process groups within the grace period, then disconnect and end
+        # their tasks; cancelling the Spark job first would kill them without that grace.
+        # Wait for that even when the Spark job has already ended (cancelled, or a task lost):
+        # Spark kills its tasks in its own time, and the ranks' processes may outlive that.
+        self.server.wait_disconnected(self.spec.grace_period + 2.0)
         # Cancel until the job ends: a cancel that lands before the job thread has submitted
         # its stage would otherwise be lost.
         deadline = time.monotonic() + CANCEL_SECONDS
