@@ -2,12 +2,9 @@
 
 Pure and shared: the driver's server (``sparktrain.driver.server``) and each rank
 (``sparktrain.executor.task``) speak it. It carries the rendezvous (ranks say hello, the driver
-answers with everyone's address), every rank's output lines, failure reports and stop orders.
-Messages are JSON dicts with a ``type``: ``hello``, ``out``, ``failed`` (rank to driver);
-``peers``, ``abort`` (driver to rank); ``beat`` (both ways, every second while a rank runs; a
-rank's may carry ``at``, where its collectives stand), ``quiet`` (rank to driver: its process
-ended, no more beats) and ``stacks`` (driver to rank: send your process's Python stacks; rank to
-driver: ``text``, those stacks). Nothing that travels on it is ever unpickled.
+answers with everyone's address), every rank's output lines, beats, failure reports and stop
+orders: the messages of ``sparktrain.protocol``, each encoded there as one JSON object. Nothing
+that travels on it is ever unpickled.
 
 Authentication: the driver opens each connection with a fresh random nonce. Both ends derive
 a connection key ``HMAC(secret, nonce)`` from the run's secret, and every frame carries
@@ -19,14 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import socket
 import struct
 import threading
-from typing import Any
-
+from . import protocol
 from .errors import SparkTrainError
 
 _MAGIC = b"SPKT1"
@@ -62,13 +57,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 class Channel:
-    """One authenticated, framed connection. ``send`` is thread-safe; ``recv`` is for one reader."""
+    """One authenticated, framed connection. ``send`` is thread-safe; ``recv`` is for one reader.
+
+    The driver's end (``is_server``) reads what a rank sends, a rank's end what the driver sends."""
 
     def __init__(self, sock: socket.socket, key: bytes, *, is_server: bool):
         self.sock = sock
         self._key = key
         self._out_dir = b"s" if is_server else b"c"
         self._in_dir = b"c" if is_server else b"s"
+        self._sender = protocol.RANK if is_server else protocol.DRIVER
         self._out_seq = 0
         self._in_seq = 0
         self._send_lock = threading.Lock()
@@ -77,8 +75,8 @@ class Channel:
     def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
         return hmac.new(self._key, direction + seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
 
-    def send(self, msg: dict[str, Any]) -> None:
-        body = json.dumps(msg, separators=(",", ":")).encode()
+    def send(self, msg: protocol.Message) -> None:
+        body = protocol.encode(msg)
         if len(body) > MAX_FRAME:
             raise ValueError(f"message of {len(body)} bytes exceeds the channel's {MAX_FRAME} byte frame limit")
         with self._send_lock:
@@ -86,8 +84,9 @@ class Channel:
             self._out_seq += 1
             self.sock.sendall(_HEADER.pack(len(body)) + mac + body)
 
-    def recv(self) -> dict[str, Any] | None:
-        """The next message, or None when the peer closed. Raises AuthenticationError on a bad MAC."""
+    def recv(self) -> protocol.Message | None:
+        """The next message, or None when the peer closed. Raises AuthenticationError on a bad MAC,
+        ``protocol.ProtocolError`` on a signed message that is not one the peer may send."""
         header = _recv_exact(self.sock, _HEADER.size)
         if header is None:
             return None
@@ -102,7 +101,7 @@ class Channel:
         if not hmac.compare_digest(mac, self._mac(self._in_dir, self._in_seq, body)):
             raise AuthenticationError("message authentication failed")
         self._in_seq += 1
-        return json.loads(body)
+        return protocol.decode(body, self._sender)
 
     def close(self) -> None:
         self.closed = True

@@ -23,7 +23,8 @@ from typing import IO, Any, Callable
 
 from .. import channel
 from ..errors import (RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError,
-                      StartTimeoutError, failures_in)
+                      StartTimeoutError)
+from ..protocol import failures_in
 from ..spec import SPILLED, TaskSpec
 from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory
@@ -254,8 +255,7 @@ class Attempt:
         if isinstance(event, Output):
             self.info.write(event)
         elif isinstance(event, Failed):
-            f = RankFailure.from_dict(event.failure)
-            self.failures.setdefault(f.rank, f)
+            self.failures.setdefault(event.failure.rank, event.failure)
         elif isinstance(event, Hello):
             self.hosts[event.rank] = event.host
             self.ranks_by_partition[event.partition] = event.rank

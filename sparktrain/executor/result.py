@@ -6,8 +6,10 @@ import json
 import os
 from typing import Iterator
 
-from ..errors import RankError, RankFailure, ResultTooLargeError, type_name
+from .. import protocol
+from ..errors import RankFailure, ResultTooLargeError, type_name
 from ..localfiles import file_chunks
+from ..protocol import RankError
 from ..spec import SPILLED
 from .child import EXIT_NOT_LET_GO
 from .output import RankIO
@@ -41,7 +43,9 @@ def outcome(state: RankIO, code: int, workdir: str) -> RankError | None:
 
 
 def failed(state: RankIO, failure: RankFailure) -> RankError:
-    delivered = state.send({"type": "failed", "failure": failure.to_dict()})
+    """The rank's one report of its failure: the channel's ``failed`` message, or, where the
+    channel cannot carry it, the same message inside the task's error (``protocol.RankError``)."""
+    delivered = state.send(protocol.Failed(failure))
     # The report travels inside Spark's exception text only when the channel could not carry
     # it: otherwise Spark's own log lines would repeat it, traceback and all, for every rank.
     return RankError(failure, carry_report=not delivered)
