@@ -143,44 +143,40 @@ def peers(hellos: Iterable[Message]) -> Peers:
 
 # -- the encoding --------------------------------------------------------------------------------------
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _number(v: Any) -> float:
+    if type(v) not in (float, int):
+        raise TypeError("a number")
+    return float(v)
 
 
 def _failure(v: Any) -> RankFailure:
-    if not isinstance(v, dict) or not _is_int(v.get("rank")) or not isinstance(v.get("host"), str) \
-            or not _is_int(v.get("local_rank")):
+    if type(v) is not dict or type(v.get("rank")) is not int or type(v.get("host")) is not str \
+            or type(v.get("local_rank")) is not int:
         raise TypeError("a failure report with an int rank, a str host and an int local_rank")
     return RankFailure.from_dict(v)
 
 
-def _items(check: Callable[[Any], bool], what: str) -> Callable[[Any], tuple]:
+def _items(item: type, what: str) -> Callable[[Any], tuple]:
     def read(v: Any) -> tuple:
-        if not isinstance(v, list) or not all(check(x) for x in v):
+        if type(v) is not list or not all(type(x) is item for x in v):
             raise TypeError(f"a list of {what}")
         return tuple(v)
     return read
 
 
-def _plain(check: Callable[[Any], bool], what: str, convert: Callable[[Any], Any] = lambda v: v):
-    def read(v: Any) -> Any:
-        if not check(v):
-            raise TypeError(what)
-        return convert(v)
-    return read
-
-
-#: How each annotation a message may use is read from JSON: (read, or raise TypeError naming what it needs).
-_READ: dict[str, Callable[[Any], Any]] = {
-    "int": _plain(_is_int, "an int"),
-    "str": _plain(lambda v: isinstance(v, str), "a str"),
-    "float": _plain(lambda v: _is_int(v) or isinstance(v, float), "a number", float),
-    "dict": _plain(lambda v: isinstance(v, dict), "an object"),
-    "dict | None": _plain(lambda v: isinstance(v, dict), "an object"),
-    "str | None": _plain(lambda v: isinstance(v, str), "a str"),
-    "tuple[str, ...]": _items(lambda x: isinstance(x, str), "str"),
-    "tuple[int, ...]": _items(_is_int, "int"),
-    "tuple[dict, ...]": _items(lambda x: isinstance(x, dict), "objects"),
+#: How JSON carries each annotation a message may use: the one type its value has (json.loads makes
+#: exact types; a bool is not an int), or a reader that converts it and raises TypeError naming
+#: what it needs.
+_READ: dict[str, tuple[type, str] | Callable[[Any], Any]] = {
+    "int": (int, "an int"),
+    "str": (str, "a str"),
+    "str | None": (str, "a str"),
+    "dict": (dict, "an object"),
+    "dict | None": (dict, "an object"),
+    "float": _number,
+    "tuple[str, ...]": _items(str, "str"),
+    "tuple[int, ...]": _items(int, "int"),
+    "tuple[dict, ...]": _items(dict, "objects"),
     "RankFailure": _failure,
 }
 
@@ -188,8 +184,8 @@ _READ: dict[str, Callable[[Any], Any]] = {
 @dataclasses.dataclass(frozen=True)
 class _Kind:
     cls: type
-    #: (name, read, required) per field, in order.
-    fields: tuple[tuple[str, Callable[[Any], Any], bool], ...]
+    #: (name, read, required) per field, in order; read as in _READ.
+    fields: tuple[tuple[str, Any, bool], ...]
 
 
 def _kind(cls: type) -> _Kind:
@@ -206,20 +202,17 @@ _SENT_BY: dict[str, dict[str, _Kind]] = {
     RANK: {c.TYPE: _kind(c) for c in (Hello, Output, Beat, Quiet, Stacks, Failed)},
     DRIVER: {c.TYPE: _kind(c) for c in (Peers, Beat, AskStacks, Abort)},
 }
-_NAMES: dict[type, tuple[str, ...]] = {k.cls: tuple(f[0] for f in k.fields)
-                                       for kinds in _SENT_BY.values() for k in kinds.values()}
 
 
 def encode(msg: Message) -> bytes:
     """The message as the channel carries it: compact JSON, ``{"type": ..., field: value, ...}``."""
     if isinstance(msg, Failed):
         wire: dict[str, Any] = {"type": "failed", "failure": msg.failure.to_dict()}
-    else:
-        wire = {"type": msg.TYPE}
-        for name in _NAMES[type(msg)]:
-            value = getattr(msg, name)
-            if value is not None:
-                wire[name] = value
+    else:  # a dataclass's __dict__ holds its fields, in their order
+        fields = msg.__dict__
+        wire = {"type": msg.TYPE, **fields}
+        if None in fields.values():
+            wire = {k: v for k, v in wire.items() if v is not None}
     return json.dumps(wire, separators=(",", ":")).encode()
 
 
@@ -243,11 +236,17 @@ def decode(body: bytes | str, sender: str) -> Message:
             if required:
                 raise ProtocolError(f"a {sender}'s {kind.cls.TYPE!r} message lacks its field {name!r}")
             continue
+        value = wire[name]
         try:
-            values[name] = read(wire[name])
+            if type(read) is tuple:
+                if type(value) is not read[0]:
+                    raise TypeError(read[1])
+            else:
+                value = read(value)
         except (TypeError, ValueError) as e:
-            raise ProtocolError(f"a {sender}'s {kind.cls.TYPE!r} message has {name}={str(wire[name])[:80]!r}; "
+            raise ProtocolError(f"a {sender}'s {kind.cls.TYPE!r} message has {name}={str(value)[:80]!r}; "
                                 f"it must be {e}") from None
+        values[name] = value
     return kind.cls(**values)
 
 
