@@ -106,6 +106,8 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                 child = ChildProcess(workdir, env)
                 watcher.watch_rank(child.pidfd)
         except SparkTrainError as e:
+            if state.abort_reason is not None:
+                raise  # stopped by the driver before it started: not a failure of this rank, nothing to report
             raise failed(state, state.failure(exc_type=type_name(e), message=str(e), retryable=e.retryable)) from None
         except Exception as e:
             import traceback
