@@ -2,12 +2,9 @@
 
 Pure and shared: the driver's server (``sparktrain.driver.server``) and each rank
 (``sparktrain.executor.task``) speak it. It carries the rendezvous (ranks say hello, the driver
-answers with everyone's address), every rank's output lines, failure reports and stop orders.
-Messages are JSON dicts with a ``type``: ``hello``, ``out``, ``failed`` (rank to driver);
-``peers``, ``abort`` (driver to rank); ``beat`` (both ways, every second while a rank runs; a
-rank's may carry ``at``, where its collectives stand), ``quiet`` (rank to driver: its process
-ended, no more beats) and ``stacks`` (driver to rank: send your process's Python stacks; rank to
-driver: ``text``, those stacks). Nothing that travels on it is ever unpickled.
+answers with everyone's address), every rank's output lines, beats, failure reports and stop
+orders: the messages of ``sparktrain.protocol``, each encoded there as one JSON object. Nothing
+that travels on it is ever unpickled.
 
 Authentication and encryption: the driver opens each connection with a fresh random nonce and
 says whether the channel is encrypted; the rank answers with a fresh nonce of its own. Both ends
@@ -24,15 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import socket
 import struct
 import threading
-from typing import Any
-
-from . import crypto
+from . import crypto, protocol
 from .errors import SparkTrainError
 
 _MAGIC = b"SPKT2"
@@ -70,14 +64,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 class Channel:
     """One authenticated, framed connection, encrypted or not. ``send`` is thread-safe; ``recv``
-    is for one reader."""
+    is for one reader. The driver's end (``is_server``) reads what a rank sends, a rank's end what
+    the driver sends."""
 
-    def __init__(self, sock: socket.socket, out_key: bytes, in_key: bytes, *, encrypted: bool):
+    def __init__(self, sock: socket.socket, out_key: bytes, in_key: bytes, *, encrypted: bool, is_server: bool):
         self.sock = sock
         self.encrypted = encrypted
         self._out_key, self._in_key = out_key, in_key
         self._out = crypto.Aead(out_key) if encrypted else None
         self._in = crypto.Aead(in_key) if encrypted else None
+        self._sender = protocol.RANK if is_server else protocol.DRIVER
         self._out_seq = 0
         self._in_seq = 0
         self._send_lock = threading.Lock()
@@ -87,8 +83,8 @@ class Channel:
     def _mac(key: bytes, seq: int, body: bytes) -> bytes:
         return hmac.new(key, seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
 
-    def send(self, msg: dict[str, Any]) -> None:
-        body = json.dumps(msg, separators=(",", ":")).encode()
+    def send(self, msg: protocol.Message) -> None:
+        body = protocol.encode(msg)
         if len(body) > MAX_FRAME:
             raise ValueError(f"message of {len(body)} bytes exceeds the channel's {MAX_FRAME} byte frame limit")
         with self._send_lock:
@@ -100,8 +96,9 @@ class Channel:
             self._out_seq += 1
             self.sock.sendall(frame)
 
-    def recv(self) -> dict[str, Any] | None:
-        """The next message, or None when the peer closed. Raises AuthenticationError on a bad MAC."""
+    def recv(self) -> protocol.Message | None:
+        """The next message, or None when the peer closed. Raises AuthenticationError on a bad MAC,
+        ``protocol.ProtocolError`` on a signed message that is not one the peer may send."""
         header = _recv_exact(self.sock, _HEADER.size)
         if header is None:
             return None
@@ -125,7 +122,7 @@ class Channel:
             if not hmac.compare_digest(mac, self._mac(self._in_key, self._in_seq, body)):
                 raise AuthenticationError("message authentication failed")
         self._in_seq += 1
-        return json.loads(body)
+        return protocol.decode(body, self._sender)
 
     def close(self) -> None:
         self.closed = True
@@ -161,7 +158,7 @@ def connect(address: tuple[str, int], secret: bytes, timeout: float, encrypted: 
         sock.sendall(nonce_c)
         sock.settimeout(None)
         to_rank, to_driver = _keys(secret, mode, greeting[len(_MAGIC) + 1:], nonce_c)
-        return Channel(sock, to_driver, to_rank, encrypted=mode == _SEALED)
+        return Channel(sock, to_driver, to_rank, encrypted=mode == _SEALED, is_server=False)
     except BaseException:
         sock.close()
         raise
@@ -179,4 +176,4 @@ def accept(sock: socket.socket, secret: bytes, encrypted: bool = False) -> Chann
     if nonce_c is None:
         raise AuthenticationError("the peer closed before it sent its nonce")
     to_rank, to_driver = _keys(secret, mode, nonce, nonce_c)
-    return Channel(sock, to_rank, to_driver, encrypted=encrypted)
+    return Channel(sock, to_rank, to_driver, encrypted=encrypted, is_server=True)

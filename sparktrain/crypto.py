@@ -14,6 +14,8 @@ import hashlib
 import hmac
 import threading
 
+from .errors import SparkTrainError
+
 KEY_BYTES, IV_BYTES, TAG_BYTES = 32, 12, 16
 _LIBS = ("libcrypto.so.3", "libcrypto.so.1.1")
 _CTRL_GCM_GET_TAG, _CTRL_GCM_SET_TAG = 0x10, 0x11
@@ -23,7 +25,7 @@ _why: str | None = None
 _lock = threading.Lock()
 
 
-class AuthenticationFailed(Exception):
+class AuthenticationFailed(SparkTrainError):
     """A sealed message that does not open: altered, replayed, reordered, or under another key."""
 
 

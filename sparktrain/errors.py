@@ -5,10 +5,7 @@ boundaries (for example a notebook kernel that pickles exceptions, or a job sche
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
-import re
 import signal
 from typing import Mapping, Sequence
 
@@ -243,35 +240,3 @@ class RankFailedError(SparkTrainError):
     def __reduce__(self):
         return (type(self), (list(self.failures.values()), self.attempts, self.earlier, self.stall))
 
-
-_FAILURE_MARK = "SPARKTRAIN-FAILURE:"
-_FAILURE_RE = re.compile(_FAILURE_MARK + r"([A-Za-z0-9+/=]+):END")
-
-
-class RankError(SparkTrainError):
-    """Raised in a task so Spark fails the stage.
-
-    With ``carry_report`` the structured failure rides in the message, for the paths where the
-    driver learns of it only through Spark's exception text.
-    """
-
-    def __init__(self, failure: RankFailure, carry_report: bool = True):
-        self.failure = failure
-        self.carry_report = carry_report
-        text = f"sparktrain {failure.headline()}"
-        if carry_report:
-            encoded = base64.b64encode(json.dumps(failure.to_dict()).encode()).decode()
-            text += f"\n{_FAILURE_MARK}{encoded}:END"
-        super().__init__(text)
-
-    def __reduce__(self):
-        return (type(self), (self.failure, self.carry_report))
-
-
-def failures_in(text: str) -> list[RankFailure]:
-    """The failure reports carried in an exception text (Spark wraps task errors in its own)."""
-    out = {}
-    for m in _FAILURE_RE.finditer(text):
-        f = RankFailure.from_dict(json.loads(base64.b64decode(m.group(1))))
-        out.setdefault(f.rank, f)
-    return list(out.values())

@@ -4,7 +4,8 @@ import socket
 
 import pytest
 
-from sparktrain import channel
+from sparktrain import channel, protocol
+from sparktrain.errors import RankFailure
 from sparktrain.driver.server import DriverServer, Hello, Output, Refused
 
 
@@ -22,8 +23,8 @@ def server():
     s.close()
 
 
-def _hello(rank, port=1000):
-    return {"type": "hello", "rank": rank, "host": "127.0.0.1", "port": port, "master_port": 9, "pid": 1}
+def _hello(rank, port=1000, host="127.0.0.1"):
+    return protocol.Hello(rank=rank, host=host, port=port, master_port=9, pid=1)
 
 
 def test_rendezvous_and_output(server):
@@ -33,13 +34,12 @@ def test_rendezvous_and_output(server):
     b.send(_hello(0, 1000))
     peers = a.recv()
     # No rank was fed a DataFrame, so each rank's row counts ("shards") are empty.
-    assert peers == {"type": "peers", "hosts": ["127.0.0.1"] * 2, "ports": [1000, 1001], "master_port": 9,
-                     "shards": [{}, {}]}
+    assert peers == protocol.Peers(("127.0.0.1",) * 2, (1000, 1001), 9, ({}, {}))
     assert b.recv() == peers
-    a.send({"type": "out", "stream": "stdout", "line": "hi", "time": 1.0})
+    a.send(protocol.Output("stdout", "hi", 1.0))
     assert _event(server, Output) == Output(1, "stdout", "hi", 1.0)
     server.abort("test stop")
-    assert a.recv() == {"type": "abort", "reason": "test stop"}
+    assert a.recv() == protocol.Abort("test stop")
     a.close()
     b.close()
 
@@ -103,6 +103,33 @@ class _Recorder:
         return getattr(self._sock, name)
 
 
+def test_signed_messages_that_break_the_protocol_are_refused_and_the_run_goes_on(server, caplog):
+    """A peer holding the secret whose first message is not a hello is refused before it counts as a
+    rank; a rank that later sends what a rank may not (here the driver's ``abort``) is dropped,
+    named; a well-formed rank's events are untouched."""
+    from sparktrain.driver.server import Closed, Failed
+
+    stranger = channel.connect(server.address, server.secret, timeout=5)
+    stranger.send(protocol.Beat())
+    assert _event(server, Refused).reason == "the first message was not a hello"
+    assert server.missing_ranks() == [0, 1]
+    rogue = channel.connect(server.address, server.secret, timeout=5)
+    rogue.send(_hello(1, 1001))
+    assert _event(server, Hello).rank == 1
+    rogue.send(protocol.Abort("not a rank's to send"))
+    assert _event(server, Closed).rank == 1
+    assert "dropped rank 1's connection: a rank sent a message of type 'abort'" in caplog.text
+    good = channel.connect(server.address, server.secret, timeout=5)
+    good.send(_hello(0))
+    assert _event(server, Hello).rank == 0
+    failure = RankFailure(rank=0, host="127.0.0.1", local_rank=0, exc_type="ValueError", message="m",
+                                   output_tail=("a", "b"), time=2.0)
+    good.send(protocol.Failed(failure))
+    assert _event(server, Failed) == Failed(0, failure)
+    for c in (stranger, rogue, good):
+        c.close()
+
+
 def test_close_is_prompt_and_idempotent_with_idle_connections(server):
     idle = socket.create_connection(server.address, timeout=5)
     server.close()
@@ -123,18 +150,18 @@ def test_a_rank_that_goes_silent_is_reported_unreachable_but_one_that_said_quiet
     try:
         a = channel.connect(server.address, server.secret, timeout=5)
         b = channel.connect(server.address, server.secret, timeout=5)
-        a.send({**_hello(0, 1000), "host": "10.9.0.1"})
-        b.send({**_hello(1, 1001), "host": "10.9.0.2"})
+        a.send(_hello(0, 1000, "10.9.0.1"))
+        b.send(_hello(1, 1001, "10.9.0.2"))
         kinds = set()
-        while "peers" not in kinds or "beat" not in kinds:  # the server beats while ranks run
-            kinds.add(b.recv()["type"])
-        a.send({"type": "beat"})
-        b.send({"type": "beat"})
-        b.send({"type": "quiet"})
+        while {protocol.Peers, protocol.Beat} - kinds:  # the server beats while ranks run
+            kinds.add(type(b.recv()))
+        a.send(protocol.Beat())
+        b.send(protocol.Beat())
+        b.send(protocol.Quiet())
         failed = _event(server, Failed, timeout=15)
-        assert failed.rank == 0 and failed.failure["exc_type"] == "HostUnreachable", failed
-        assert "host 10.9.0.1 became unreachable: no word from rank 0" in failed.failure["message"]
-        assert failed.failure["host"] == "10.9.0.1"
+        assert failed.rank == 0 and failed.failure.exc_type == "HostUnreachable", failed
+        assert "host 10.9.0.1 became unreachable: no word from rank 0" in failed.failure.message
+        assert failed.failure.host == "10.9.0.1"
         with pytest.raises(queue.Empty):  # rank 1 is never reported, nor rank 0 twice
             _event(server, Failed, timeout=3)
         assert server.wait_disconnected(0.5) is False  # rank 1 is still connected...

@@ -2,7 +2,7 @@
 import pickle
 
 import sparktrain
-from sparktrain.errors import RankError, RankFailure, failures_in
+from sparktrain.errors import RankFailure
 
 
 def _failure(rank, t, **kw):
@@ -28,13 +28,6 @@ def test_simple_errors_pickle():
     for cls in (sparktrain.InvalidArgumentError, sparktrain.StartTimeoutError, sparktrain.InsufficientResourcesError):
         err = pickle.loads(pickle.dumps(cls("num_proc must be positive, got 0")))
         assert type(err) is cls and "got 0" in str(err)
-
-
-def test_failure_marker_round_trips_through_foreign_text():
-    f = _failure(3, 1.0, exitcode=3, message="x")
-    wrapped = f"py4j error: blah\n{RankError(f)}\n  at org.apache.spark..."
-    assert failures_in(wrapped) == [f]
-    assert failures_in("no marker here") == []
 
 
 def test_every_exception_sparktrain_defines_is_a_sparktrainerror():

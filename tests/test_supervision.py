@@ -12,7 +12,8 @@ import pytest
 
 from sparktrain.driver import supervision as core
 from sparktrain.driver.attempt import RunInfo, run_attempts
-from sparktrain.errors import (RankError, RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError,
+from sparktrain.protocol import RankError
+from sparktrain.errors import (RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError,
                                RunTimeoutError, SparkTrainError, StartTimeoutError)
 from sparktrain.spec import TaskSpec
 

@@ -17,7 +17,8 @@ import time
 from typing import IO, Any, Callable
 
 from .. import channel
-from ..errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError, failures_in
+from ..errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError
+from ..protocol import failures_in
 from ..spec import SPILLED, TaskSpec
 from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory
@@ -237,7 +238,7 @@ class Attempt:
         if isinstance(event, Output):
             self.info.write(event)
         elif isinstance(event, Failed):
-            self._step(core.RankFailed(RankFailure.from_dict(event.failure)))
+            self._step(core.RankFailed(event.failure))
         elif isinstance(event, Hello):
             self._step(core.CheckedIn(event.rank, event.host, event.partition))
         elif isinstance(event, Progress):

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Union
 
-from .. import channel
+from .. import channel, protocol
 from ..channel import AuthenticationError, Channel
 from ..errors import RankFailure
 
@@ -43,10 +43,11 @@ class Output:
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
-    """A rank's failure report (a ``RankFailure.to_dict()``)."""
+    """A rank's failure report: its task's ``protocol.Failed``, or the driver's own for a rank
+    found unreachable."""
 
     rank: int
-    failure: dict
+    failure: RankFailure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ class DriverServer:
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
-        self._hellos: dict[int, dict] = {}
+        self._hellos: dict[int, protocol.Hello] = {}
         self._closing = False
         self._abort_reason: str | None = None
         self._threads: list[threading.Thread] = []
@@ -160,25 +161,24 @@ class DriverServer:
             chan = channel.accept(sock, self.secret, self.encrypted)
             sock.settimeout(channel.AUTH_TIMEOUT)
             hello = chan.recv()
-            if hello is None or hello.get("type") != "hello":
+            if not isinstance(hello, protocol.Hello):
                 raise AuthenticationError("the first message was not a hello")
             sock.settimeout(None)
-            rank = int(hello["rank"])
+            rank = hello.rank
             if not self._register(rank, chan, hello):
                 return
             while True:
                 msg = chan.recv()
                 if msg is None:
                     break
-                kind = msg.get("type")
-                if kind in ("beat", "quiet") or rank in self._heard:
+                if isinstance(msg, (protocol.Beat, protocol.Quiet)) or rank in self._heard:
                     with self._lock:
-                        if kind == "quiet":
+                        if isinstance(msg, protocol.Quiet):
                             self._heard.pop(rank, None)  # its process has ended; the result follows
                         else:
                             self._heard[rank] = time.monotonic()
                 self._dispatch(rank, msg)
-        except (AuthenticationError, socket.timeout, ValueError, KeyError) as e:
+        except (AuthenticationError, socket.timeout, ValueError) as e:  # ValueError: a ProtocolError
             if rank is None:
                 self.events.put(Refused(peer[0], str(e)))  # the attempt logs it, once
             else:
@@ -197,7 +197,7 @@ class DriverServer:
             if rank is not None:
                 self.events.put(Closed(rank))
 
-    def _register(self, rank: int, chan: Channel, hello: dict) -> bool:
+    def _register(self, rank: int, chan: Channel, hello: protocol.Hello) -> bool:
         with self._lock:
             if not 0 <= rank < self.size or rank in self._hellos or self._closing or self._abort_reason:
                 # A second hello for a rank is a retried Spark task; sparktrain does not retry
@@ -205,26 +205,19 @@ class DriverServer:
                 # after the run was stopped is told so too.
                 why = ("duplicate rank" if rank in self._hellos else "unknown rank") + \
                     f" {rank}: this run does not accept it"
-                self._send_quietly(chan, {"type": "abort", "reason": self._abort_reason or why})
+                self._send_quietly(chan, protocol.Abort(self._abort_reason or why))
                 return False
             self._channels[rank] = chan
             self._hellos[rank] = hello
             complete = len(self._hellos) == self.size
-        self.events.put(Hello(rank, str(hello.get("host", "?")), int(hello.get("partition", -1))))
+        self.events.put(Hello(rank, hello.host, hello.partition))
         if complete:
             self._send_peers()
         return True
 
     def _send_peers(self) -> None:
         with self._lock:
-            ordered = [self._hellos[r] for r in range(self.size)]
-            peers = {
-                "type": "peers",
-                "hosts": [h["host"] for h in ordered],
-                "ports": [int(h["port"]) for h in ordered],
-                "master_port": int(ordered[0]["master_port"]),
-                "shards": [h.get("shard") or {} for h in ordered],
-            }
+            peers = protocol.peers(self._hellos.values())
             channels = list(self._channels.values())
             if self.heartbeat_timeout:  # from now on every rank starts its process and beats
                 now = time.monotonic()
@@ -233,16 +226,15 @@ class DriverServer:
         for chan in channels:
             self._send_quietly(chan, peers)
 
-    def _dispatch(self, rank: int, msg: dict) -> None:
-        kind = msg.get("type")
-        if kind == "out":
-            self.events.put(Output(rank, msg["stream"], msg["line"], msg["time"]))
-        elif kind == "failed":
-            self.events.put(Failed(rank, msg["failure"]))
-        elif kind == "beat" and isinstance(msg.get("at"), dict):
-            self.events.put(Progress(rank, msg["at"], time.monotonic()))
-        elif kind == "stacks":
-            self.events.put(Stacks(rank, str(msg.get("text", ""))))
+    def _dispatch(self, rank: int, msg: protocol.FromRank) -> None:
+        if isinstance(msg, protocol.Output):
+            self.events.put(Output(rank, msg.stream, msg.line, msg.time))
+        elif isinstance(msg, protocol.Failed):
+            self.events.put(Failed(rank, msg.failure))
+        elif isinstance(msg, protocol.Beat) and msg.at is not None:
+            self.events.put(Progress(rank, msg.at, time.monotonic()))
+        elif isinstance(msg, protocol.Stacks):
+            self.events.put(Stacks(rank, msg.text))
 
     def _beat_loop(self) -> None:
         while not self._beats.wait(channel.BEAT_SECONDS):
@@ -254,21 +246,21 @@ class DriverServer:
                 for r, _ in silent:
                     del self._heard[r]  # reported once
                     self._unreachable.add(r)
-                hosts = {r: str(self._hellos[r].get("host", "?")) for r, _ in silent}
-                local = {r: sum(1 for k in range(r) if str(self._hellos.get(k, {}).get("host")) == hosts[r])
+                hosts = {r: self._hellos[r].host for r, _ in silent}
+                local = {r: sum(1 for k in range(r) if k in self._hellos and self._hellos[k].host == hosts[r])
                          for r, _ in silent}
             for chan in channels:
-                self._send_quietly(chan, {"type": "beat"})
+                self._send_quietly(chan, protocol.Beat())
             for r, quiet in silent:
                 self.events.put(Failed(r, RankFailure(
                     rank=r, host=hosts[r], local_rank=local[r],
                     exc_type="HostUnreachable",
                     message=f"host {hosts[r]} became unreachable: no word from rank {r} for {quiet:.0f} s "
                             f"(heartbeat_timeout {self.heartbeat_timeout:g} s). Its network went down or the host "
-                            "stopped; ranks elsewhere were stopped", time=time.time()).to_dict()))
+                            "stopped; ranks elsewhere were stopped", time=time.time())))
 
     @staticmethod
-    def _send_quietly(chan: Channel, msg: dict) -> None:
+    def _send_quietly(chan: Channel, msg: protocol.FromDriver) -> None:
         try:
             chan.send(msg)
         except OSError:
@@ -301,7 +293,7 @@ class DriverServer:
         with self._lock:
             channels = [self._channels[r] for r in ranks if r in self._channels]
         for chan in channels:
-            self._send_quietly(chan, {"type": "stacks"})
+            self._send_quietly(chan, protocol.AskStacks())
 
     def abort(self, reason: str) -> None:
         """Tell every connected rank to stop its processes now, and every later one not to start."""
@@ -309,7 +301,7 @@ class DriverServer:
             self._abort_reason = self._abort_reason or reason
             channels = list(self._channels.values())
         for chan in channels:
-            self._send_quietly(chan, {"type": "abort", "reason": reason})
+            self._send_quietly(chan, protocol.Abort(reason))
 
     def close(self) -> None:
         self._beats.set()

@@ -13,7 +13,7 @@ import selectors
 import sys
 import time
 
-from .. import channel
+from .. import channel, protocol
 from ..tflog import StartupFilter
 from ..errors import RankFailure
 from ..spec import TaskSpec
@@ -73,7 +73,7 @@ class RankIO:
             self.log = None
 
     # -- channel -----------------------------------------------------------------------------
-    def send(self, msg: dict) -> bool:
+    def send(self, msg: protocol.FromRank) -> bool:
         """Send to the driver; False if there is no channel. If streaming fails, training does not:
         the channel is dropped."""
         if self.chan is None:
@@ -103,7 +103,7 @@ class RankIO:
         if self.log is not None:
             self.log.add(stream, line, time.time())
         if self.chan is not None:
-            self.send({"type": "out", "stream": stream, "line": line, "time": time.time()})
+            self.send(protocol.Output(stream, line, time.time()))
         if self.chan is None:
             print(f"[{self.rank}]<{stream}>:{line}", file=sys.stderr if stream == "stderr" else sys.stdout)
 
@@ -136,7 +136,7 @@ class RankIO:
                 self._check_driver(child, now)
                 stacks = self.stacks.done(now)
                 if stacks is not None:
-                    self.send({"type": "stacks", "text": stacks})
+                    self.send(protocol.Stacks(stacks))
                 for key, _ in sel.select(timeout=0.5 if self.stacks.asked is None else 0.1):
                     if key.data == "driver" and self.chan is None:
                         continue
@@ -169,7 +169,7 @@ class RankIO:
             sel.close()
             self.flush_log(force=True)
             if self.spec.heartbeat_timeout:
-                self.send({"type": "quiet"})  # no more beats: the result may take a while to go up
+                self.send(protocol.Quiet())  # no more beats: the result may take a while to go up
 
     def _check_driver(self, child: ChildProcess, now: float) -> None:
         """Stop the rank when the driver has said nothing (not even a beat) for heartbeat_timeout:
@@ -193,17 +193,17 @@ class RankIO:
     def _on_driver_message(self, child: ChildProcess) -> None:
         try:
             msg = self.chan.recv()
-        except (OSError, channel.AuthenticationError):
+        except (OSError, channel.AuthenticationError, protocol.ProtocolError):
             msg = None
         if msg is None:
             self.chan.close()
             self.chan = None  # pump() unregisters the socket
             return
         self.heard = time.monotonic()
-        if msg.get("type") == "stacks" and not self.stacks.ask(child, self.heard):
-            self.send({"type": "stacks", "text": ""})  # it has exited: nothing to wait for
-        if msg.get("type") == "abort" and self.abort_reason is None:
-            self.abort_reason = msg.get("reason", "stopped by the driver")
+        if isinstance(msg, protocol.AskStacks) and not self.stacks.ask(child, self.heard):
+            self.send(protocol.Stacks(""))  # it has exited: nothing to wait for
+        if isinstance(msg, protocol.Abort) and self.abort_reason is None:
+            self.abort_reason = msg.reason
             child.stop(self.spec.grace_period)
 
 

@@ -5,17 +5,17 @@ cannot reach the driver (Spark Connect), through one Spark barrier ``allGather``
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import socket
 import time
 from typing import Callable
 
-from .. import channel, versions
+from .. import channel, protocol, versions
 from ..errors import SparkTrainError, VersionMismatchError
 from .output import RankIO
 
@@ -58,8 +58,7 @@ def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: d
 
     ``checked_in`` is called once this rank has said hello and its versions match, before it
     waits for the others (the task starts the rank's process there, held)."""
-    me = {"type": "hello", "rank": state.rank, "partition": state.partition, "host": state.host, "port": port,
-          "master_port": master_port, "pid": os.getpid(), "shard": shard}
+    me = protocol.Hello(state.rank, state.host, port, master_port, os.getpid(), state.partition, shard)
     spec = state.spec
     if spec.driver_address is None:
         # One Spark barrier sync (about a second): the path for executors that cannot reach
@@ -68,12 +67,11 @@ def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: d
         check_versions(state)
         checked_in()
         if state.rank == 0:
-            me["collective_key"] = secrets.token_hex(32)
-        infos = [json.loads(m) for m in barrier_ctx.allGather(json.dumps(me))]
-        infos.sort(key=lambda i: i["rank"])
-        state.collective_key = bytes.fromhex(infos[0]["collective_key"])
-        return ([i["host"] for i in infos], [int(i["port"]) for i in infos], int(infos[0]["master_port"]),
-                [i["shard"] for i in infos])
+            me = dataclasses.replace(me, collective_key=secrets.token_hex(32))
+        hellos = [protocol.decode(m, protocol.RANK) for m in barrier_ctx.allGather(protocol.encode(me).decode())]
+        peers = protocol.peers(hellos)
+        state.collective_key = bytes.fromhex(next(h.collective_key for h in hellos if h.rank == 0))
+        return list(peers.hosts), list(peers.ports), peers.master_port, list(peers.shards)
     state.collective_key = collective_key(spec.secret, spec.run_id, spec.attempt)
     try:
         state.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout),
@@ -92,7 +90,7 @@ def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: d
         while True:  # the driver's beats come every second until the peers do
             state.chan.sock.settimeout(max(0.001, deadline - time.monotonic()))
             msg = state.chan.recv()
-            if msg is None or msg.get("type") != "beat":
+            if not isinstance(msg, protocol.Beat):
                 break
     except socket.timeout:
         raise SparkTrainError(
@@ -104,11 +102,13 @@ def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: d
     state.chan.sock.settimeout(30.0)
     if msg is None:
         raise SparkTrainError(f"rank {state.rank}: the driver closed the channel during rendezvous")
-    if msg["type"] == "abort":
-        state.abort_reason = msg.get("reason", "stopped by the driver")
+    if isinstance(msg, protocol.Abort):
+        state.abort_reason = msg.reason
         raise SparkTrainError(f"rank {state.rank} was stopped before it started: {state.abort_reason}")
-    return (msg["hosts"], [int(p) for p in msg["ports"]], int(msg["master_port"]),
-            msg.get("shards") or [{}] * len(msg["hosts"]))
+    if not isinstance(msg, protocol.Peers):
+        raise SparkTrainError(f"rank {state.rank}: the driver answered its hello with a {msg.TYPE!r} message, "
+                              "not the peers")
+    return list(msg.hosts), list(msg.ports), msg.master_port, list(msg.shards)
 
 
 def collective_key(secret: bytes, run_id: str, attempt: int) -> bytes:

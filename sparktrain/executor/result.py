@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
 from typing import Iterator
 
-from ..errors import RankError, RankFailure, ResultTooLargeError, type_name
+from .. import protocol
+from ..errors import RankFailure, ResultTooLargeError, SparkTrainError, type_name
 from ..localfiles import file_chunks
+from ..protocol import RankError
 from ..spec import SPILLED
 from .child import EXIT_NOT_LET_GO
 from .output import RankIO
@@ -41,10 +44,25 @@ def outcome(state: RankIO, code: int, workdir: str) -> RankError | None:
 
 
 def failed(state: RankIO, failure: RankFailure) -> RankError:
-    delivered = state.send({"type": "failed", "failure": failure.to_dict()})
+    """The rank's one report of its failure: the channel's ``failed`` message, or, where the
+    channel cannot carry it, the same message inside the task's error (``protocol.RankError``)."""
+    delivered = state.send(protocol.Failed(failure))
     # The report travels inside Spark's exception text only when the channel could not carry
     # it: otherwise Spark's own log lines would repeat it, traceback and all, for every rank.
     return RankError(failure, carry_report=not delivered)
+
+
+def start_failure(state: RankIO, error: Exception) -> Exception:
+    """What the task raises when its rank could not start: the rank's report of ``error`` (sent as
+    by :func:`failed`), or, when the driver stopped the rank while the ranks met, ``error`` alone:
+    a rank stopped because of another is not a root cause, and reports nothing."""
+    if isinstance(error, SparkTrainError) and state.abort_reason is not None:
+        return error
+    if isinstance(error, SparkTrainError):
+        return failed(state, state.failure(exc_type=type_name(error), message=str(error),
+                                           retryable=error.retryable))
+    return failed(state, state.failure(exc_type=type_name(error), message=str(error),
+                                       traceback=traceback.format_exc()))
 
 
 def result_chunks(state: RankIO, path: str) -> Iterator[bytes]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from .. import protocol
 from ..engine import progress
 
 #: Once the dump began, this much quiet on the pipe means it is complete.
@@ -20,10 +21,9 @@ ANSWER_SECONDS = 3.0
 MAX_BYTES = 256 * 1024
 
 
-def beat(progress_path: str | None) -> dict:
+def beat(progress_path: str | None) -> protocol.Beat:
     """The beat message: with the rank's progress when there is one to read."""
-    at = progress.read(progress_path) if progress_path else None
-    return {"type": "beat", "at": at} if at is not None else {"type": "beat"}
+    return protocol.Beat(progress.read(progress_path) if progress_path else None)
 
 
 class StackDump:

@@ -24,12 +24,12 @@ from typing import Iterator, Sequence
 
 from .. import nics, tflog, worker_env
 from ..data import layout
-from ..errors import InvalidArgumentError, SparkTrainError, type_name
+from ..errors import InvalidArgumentError, SparkTrainError
 from ..spec import OUTPUT_SEQ, RESULT_FIELDS, TaskSpec
 from . import rankenv
 from .output import RankIO
 from .rendezvous import rendezvous, reserve_port
-from .result import failed, outcome, result_chunks
+from .result import outcome, result_chunks, start_failure
 from .spool import Spool, local_dir
 from .supervisor import ChildProcess
 from .watcher import Watcher
@@ -105,12 +105,8 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
                     child.close()
                 child = ChildProcess(workdir, env)
                 watcher.watch_rank(child.pidfd)
-        except SparkTrainError as e:
-            raise failed(state, state.failure(exc_type=type_name(e), message=str(e), retryable=e.retryable)) from None
         except Exception as e:
-            import traceback
-            raise failed(state, state.failure(exc_type=type_name(e), message=str(e),
-                                              traceback=traceback.format_exc())) from None
+            raise start_failure(state, e) from None
 
         state.pump(child)
         # Stopped by the driver: already terminated. Otherwise let it exit, then end any
