@@ -69,13 +69,13 @@ def run(
     Parameters
     ----------
     train_fn, args, kwargs : the function each rank runs, and its arguments (pickled with cloudpickle).
-    num_proc : ranks; None: every task slot; negative: that many processes here, without Spark.
+    num_proc, local_mode : ranks (None: every task slot); negative, or ``local_mode=True``: that many
+        processes here, without Spark.
     start_timeout : seconds for every rank to check in (default 600). timeout : for the whole run.
     env : extra environment variables for every rank (rank 0 also gets the driver's MLflow run).
     stdout, stderr, verbose, prefix_output_with_timestamp, output_ranks : where ranks' output goes,
         how much the run says (0, 1, 2), a time before each line, which ranks' output to show.
     use_gpu : one GPU per rank; None: as ``spark.task.resource.gpu.amount`` (or ``resources``) says.
-    local_mode : run on the driver without Spark, like a negative ``num_proc``.
     checkpoint_url, storage_options : send rank 0's bytes or files straight to this fsspec URL and
         return the URL; the backend's credentials (never logged).
     max_attempts : how many times to start the whole gang when an attempt fails (default 1).

@@ -75,29 +75,11 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             port = reserved[0].getsockname()[1]
             master_port = reserved[1].getsockname()[1] if rank == 0 else 0
             try:
-                hosts, ports, master_port, shards = rendezvous(
-                    state, port, master_port, barrier_ctx, spool.rows if spool else {}, start_held)
+                met = rendezvous(state, port, master_port, barrier_ctx, spool.rows if spool else {}, start_held)
             finally:
                 for s in reserved:  # hand the ports over: the child binds them next
                     s.close()
-            topo = worker_env.topology(hosts, rank)
-            state.local_rank = topo["local_rank"]
-            state.open_log()
-            env = rankenv.rank_env(spec, rank, hosts, ports, master_port, topo, gpu_addresses, workdir,
-                                   state.collective_key, data_dir)
-            state.progress_path = env[worker_env.PROGRESS_FILE]
-            if spool is not None:
-                empty = [n for n in spec.feed if not sum(int(s.get(n, 0)) for s in shards)]
-                if empty:  # every rank sees the same counts, so every rank stops here alike
-                    raise InvalidArgumentError(layout.no_rows(empty[0]))
-                state.emit("stderr", spool.describe(rank))
-                layout.write_manifest(data_dir, rank, {n: [int(s.get(n, 0)) for s in shards] for n in spec.feed})
-            state.startup = tflog.StartupFilter(tflog.level_from_env(env), no_gpu=not spec.use_gpu)
-            with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
-                f.write(spec.payload)
-            if spec.checkpoint is not None and rank == 0:
-                with open(os.path.join(workdir, "checkpoint.pkl"), "wb") as f:
-                    f.write(spec.checkpoint)
+            env = _prepare(state, met, gpu_addresses, workdir, data_dir, spool)
             if child is None or not child.go(env):
                 # Not started (the barrier rendezvous failed first), or it died while the ranks met.
                 if child is not None:
@@ -132,6 +114,33 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         for d in owned:  # first: a task killed while its watcher finishes must leave nothing behind
             d.close()
         watcher.finish()
+
+
+def _prepare(state: RankIO, met, gpu_addresses: Sequence[str] | None, workdir: str, data_dir: str | None,
+             spool: Spool | None) -> dict[str, str]:
+    """Once the ranks met (``met``: every rank's host and port, rank 0's master port, every task's
+    row counts): the rank's environment, its share of the data, its payload on disk."""
+    spec, rank = state.spec, state.rank
+    hosts, ports, master_port, shards = met
+    topo = worker_env.topology(hosts, rank)
+    state.local_rank = topo["local_rank"]
+    state.open_log()
+    env = rankenv.rank_env(spec, rank, hosts, ports, master_port, topo, gpu_addresses, workdir,
+                           state.collective_key, data_dir)
+    state.progress_path = env[worker_env.PROGRESS_FILE]
+    if spool is not None:
+        empty = [n for n in spec.feed if not sum(int(s.get(n, 0)) for s in shards)]
+        if empty:  # every rank sees the same counts, so every rank stops here alike
+            raise InvalidArgumentError(layout.no_rows(empty[0]))
+        state.emit("stderr", spool.describe(rank))
+        layout.write_manifest(data_dir, rank, {n: [int(s.get(n, 0)) for s in shards] for n in spec.feed})
+    state.startup = tflog.StartupFilter(tflog.level_from_env(env), no_gpu=not spec.use_gpu)
+    with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
+        f.write(spec.payload)
+    if spec.checkpoint is not None and rank == 0:
+        with open(os.path.join(workdir, "checkpoint.pkl"), "wb") as f:
+            f.write(spec.checkpoint)
+    return env
 
 
 def barrier_task(spec: TaskSpec):
