@@ -61,10 +61,9 @@ def run(
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
-    Each rank is a fresh Python process started by one task of one barrier-mode Spark stage, with
-    its rank, size and collective addresses in its environment (docs/env-contract.md); every rank's
-    output streams here as it happens. docs/run.md gives every parameter in full, and the
-    settings that also come from the environment or the Spark conf.
+    Each rank is a fresh Python process started by one task of one barrier-mode Spark stage, its rank,
+    size and collective addresses in its environment (docs/env-contract.md); its output streams here
+    live. docs/run.md gives every parameter in full, and the settings that also come from the conf.
 
     Parameters
     ----------
