@@ -1,5 +1,6 @@
 """The layout's rules hold: import-linter's contracts in setup.cfg pass on the package, and fail on
-a copy of it with a forbidden import added (so the contracts can fail at all)."""
+a copy of it with a forbidden import added (so the contracts can fail at all); no room is over 400
+lines, no function over 80."""
 from __future__ import annotations
 
 import os
@@ -60,3 +61,19 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path, module, line, contract
     for contract in contracts:
         assert f"{contract} BROKEN" in proc.stdout, proc.stdout
     assert f"Contracts: {7 - len(contracts)} kept, {len(contracts)} broken." in proc.stdout, proc.stdout
+
+
+def test_every_room_is_at_most_400_lines_and_every_function_at_most_80():
+    """The house's sizes (docs/architecture.md): a file is one subject, a function one step."""
+    import ast
+    import pathlib
+
+    over = []
+    for path in sorted(pathlib.Path(ROOT, "sparktrain").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            over.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert over == []
