@@ -31,6 +31,7 @@ def test_the_import_contracts_hold():
 
 CIRCLES = "No import circles, at any depth of the package"
 LAYERS = "Layers: ml over keras over tensorflow over engine"
+JAX_APART = "JAX stays out of the launch and the TensorFlow path"
 
 
 @pytest.mark.parametrize("module, line, contracts", [
@@ -46,6 +47,8 @@ LAYERS = "Layers: ml over keras over tensorflow over engine"
     ("engine/topology.py", "from ..tensorflow import runtime", ["The pure modules import neither side", LAYERS, CIRCLES]),
     ("driver/feed.py", "from . import run", [CIRCLES]),
     ("tensorflow/kernels.py", "from . import timeline", [CIRCLES]),
+    ("tensorflow/ops.py", "import jax", [JAX_APART]),
+    ("executor/rankenv.py", "from .. import jax", [JAX_APART]),
     # ml imports the driver side (model.py: cluster.without_pyspark_warnings), so this is a circle too.
     ("driver/run.py", "from ..ml import estimator", ["The Spark ML stages build on run; neither side of a run imports them",
                                                      CIRCLES]),

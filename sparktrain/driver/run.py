@@ -58,6 +58,7 @@ def run(
     resources: Mapping[str, float] | None = None,
     nics: str | Iterable[str] | None = None,
     encryption: str | None = None,
+    backend: str | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -84,6 +85,8 @@ def run(
     nics : the network for the driver's channel and the ranks' ring, as Horovod's ``nics``.
     encryption : "auto" (default: on where Spark's own encryption is), "on" or "off": AES-256-GCM
         on the driver's channel and the ring between hosts, keyed from the run's secret (docs/security.md).
+    backend : the ranks' Keras backend; "jax" hands each rank JAX's coordinator for
+        ``keras.distribution.initialize()`` (docs/jax.md). None: the driver's ``KERAS_BACKEND``.
 
     Returns rank 0's value, or ``checkpoint_url``. Raises InvalidArgumentError,
     PicklingFailedError, ClusterConfigError or InsufficientResourcesError before anything
@@ -95,7 +98,7 @@ def run(
     """
     a = config.check_arguments(train_fn, args, kwargs, num_proc, local_mode, start_timeout, timeout, env, stdout,
                                stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
-                               storage_options, max_attempts, data, log_url, resources, nics, encryption)
+                               storage_options, max_attempts, data, log_url, resources, nics, encryption, backend)
     _configure_logging(verbose)
     view = views.choose(a.local, a.size, a.use_gpu)
     cfg = config.resolve(a, view)

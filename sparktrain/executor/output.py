@@ -95,7 +95,7 @@ class RankIO:
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, stream: str, line: str) -> None:
-        if stream == "stderr" and self.startup.drops(line):
+        if self.startup.drops(line, stream):
             return
         self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
         if not self.show:

@@ -1,0 +1,180 @@
+"""Keras 3 on JAX across 3 real ranks of a local[3] Spark (``run(..., backend="jax")``).
+
+One run (module-scoped) feeds the digits as a DataFrame and fits a ``DataParallel`` model with
+``sparktrain.data.pydataset``; the tests read what it recorded: the launch's environment, equal
+weights on every rank, accuracy against the same model trained in one process, every row fed,
+equal steps, no TensorFlow, quiet output. A second run has a rank raise while the others wait in
+a JAX collective.
+"""
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import numpy as np
+import pytest
+
+import sparktrain
+from conftest import module_spark
+from helpers import fault_time, mark_time, read_ranks, read_time, record_rank, wait_for_ranks, wait_pids_gone
+
+pytest.importorskip("jax", reason="the JAX tests need jax: pip install sparktrain[jax]")
+pytest.importorskip("keras", reason="the JAX tests need keras 3")
+pytestmark = pytest.mark.timeout(240)
+
+spark = module_spark("local[3]")
+#: Rows per rank per step: the global batch is 3 x 32.
+BATCH, EPOCHS, RANKS = 32, 8, 3
+
+
+def _mlp():
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.Adam(0.005), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _accuracy(weights, x, y) -> float:
+    w1, b1, w2, b2 = weights
+    return float(np.mean(np.argmax(np.maximum(x @ w1 + b1, 0) @ w2 + b2, axis=1) == y))
+
+
+def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
+    import sys
+
+    import jax
+    import keras
+
+    import sparktrain.data
+
+    ds = sparktrain.data.pydataset("features", label="label", batch_size=BATCH, seed=3)
+    ds[0]
+    # Keras' seed sync in initialize() imports TensorFlow where it is installed; the feed must not.
+    fed_without_tensorflow = "tensorflow" not in sys.modules
+    keras.distribution.initialize()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
+    steps = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(batch)
+
+    model = _mlp()
+    model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[Count()])
+    weights = [np.asarray(w) for w in model.get_weights()]
+    shard = sparktrain.data.shard("train")
+    ids = shard.column("id").take(shard.epoch_rows(0, shard.rows, False, 0))
+    got = {"steps": len(steps), "len": len(ds), "ids": sorted(int(i) for i in ids),
+           "process": [jax.process_index(), jax.process_count(), jax.device_count()],
+           "jax_env": {k: os.environ.get(k) for k in ("KERAS_BACKEND", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+                                                      "KERAS_DISTRIBUTION_NUM_PROCESSES",
+                                                      "KERAS_DISTRIBUTION_PROCESS_ID", "JAX_PLATFORMS",
+                                                      "JAX_NUM_CPU_DEVICES", "MASTER_ADDR", "MASTER_PORT")},
+           "digest": __import__("hashlib").sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
+           "accuracy": _accuracy(weights, x_test, y_test)}
+    if sparktrain.rank() == 0:
+        # The same model and global batch, trained in this one process.
+        keras.distribution.set_distribution(None)
+        keras.utils.set_random_seed(1)
+        alone = _mlp()
+        alone.fit(x_all, y_all, batch_size=BATCH * RANKS, epochs=EPOCHS, verbose=0)
+        got["alone"] = _accuracy([np.asarray(w) for w in alone.get_weights()], x_test, y_test)
+    got["fed_without_tensorflow"] = fed_without_tensorflow
+    record_rank(outdir, got=got)
+    return got
+
+
+@pytest.fixture(scope="module")
+def fitted(spark, tmp_path_factory):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16).astype(np.float32)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(x))
+    train, test = order[:1500], order[1500:]
+    df = spark.createDataFrame([(int(i), x[i].tolist(), int(y[i])) for i in train], "id long, features array<float>, "
+                               "label int")
+    outdir = str(tmp_path_factory.mktemp("jax"))
+    out, err = io.StringIO(), io.StringIO()
+    started = time.monotonic()
+    result = sparktrain.run(fit_digits, args=(outdir, x[test], y[test], x[train], y[train]), num_proc=RANKS,
+                            backend="jax", data=df, stdout=out, stderr=err, timeout=200)
+    print(f"3-rank JAX run: {time.monotonic() - started:.1f} s")
+    return {"ranks": read_ranks(outdir), "result": result, "out": out.getvalue(), "err": err.getvalue(),
+            "train": train}
+
+
+def test_each_rank_gets_the_jax_launch_and_joins_one_process_group(fitted):
+    ranks = fitted["ranks"]
+    assert sorted(ranks) == [0, 1, 2]
+    coordinator = f"{ranks[0]['env']['MASTER_ADDR']}:{ranks[0]['env']['MASTER_PORT']}"
+    for r, info in ranks.items():
+        env = info["got"]["jax_env"]
+        assert env["KERAS_BACKEND"] == "jax" and env["KERAS_DISTRIBUTION_JOB_ADDRESSES"] == coordinator
+        assert (env["KERAS_DISTRIBUTION_NUM_PROCESSES"], env["KERAS_DISTRIBUTION_PROCESS_ID"]) == ("3", str(r))
+        assert (env["JAX_PLATFORMS"], env["JAX_NUM_CPU_DEVICES"]) == ("cpu", "1")
+        assert info["got"]["process"] == [r, 3, 3]  # JAX's process index is the sparktrain rank
+        assert info["got"]["fed_without_tensorflow"] is True  # sparktrain.data's PyDataset needs no TensorFlow
+
+
+def test_data_parallel_fit_ends_with_the_same_weights_and_the_accuracy_of_one_process(fitted):
+    ranks = fitted["ranks"]
+    assert len({info["got"]["digest"] for info in ranks.values()}) == 1
+    got = ranks[0]["got"]
+    print(f"accuracy: 3 ranks {got['accuracy']:.4f}, one process {got['alone']:.4f}")
+    assert got["accuracy"] > 0.9
+    assert abs(got["accuracy"] - got["alone"]) <= 0.02
+    assert fitted["result"]["digest"] == got["digest"]  # run returned rank 0's value
+
+
+def test_fed_rows_are_each_one_ranks_and_every_rank_runs_the_same_steps(fitted):
+    ranks = fitted["ranks"]
+    ids = [i for info in ranks.values() for i in info["got"]["ids"]]
+    assert sorted(ids) == sorted(int(i) for i in fitted["train"])  # every row is someone's, once
+    steps = {info["got"]["steps"] for info in ranks.values()}
+    lengths = {info["got"]["len"] for info in ranks.values()}
+    longest = max(len(info["got"]["ids"]) for info in ranks.values())
+    assert lengths == {-(-longest // BATCH)} and steps == {EPOCHS * lengths.pop()}
+
+
+def test_jax_start_up_and_shutdown_lines_are_quiet(fitted):
+    both = fitted["out"] + fitted["err"]
+    assert "[Gloo]" not in both and "WatchTasksAsync" not in both, both[-3000:]
+    assert "sparktrain.data: 'train' rank shards" in fitted["err"]  # rank 0's own lines still pass
+
+
+# -- a rank raises while the others wait in a JAX collective -----------------------------------------
+
+def raise_in_collective(outdir: str):
+    import jax
+    from jax.experimental import multihost_utils
+
+    import sparktrain.jax
+
+    record_rank(outdir)
+    sparktrain.jax.initialize()
+    multihost_utils.sync_global_devices("all here")  # every process has joined
+    if sparktrain.rank() == 1:
+        wait_for_ranks(outdir, 3)
+        mark_time(outdir, "raised")
+        raise RuntimeError("rank 1 fails in JAX")
+    multihost_utils.sync_global_devices("never")  # waits for rank 1, which never comes
+    return jax.process_index()
+
+
+def test_a_rank_that_raises_fails_a_jax_run_at_once_naming_it(spark, tmp_path):
+    outdir = str(tmp_path)
+    with pytest.raises(sparktrain.RankFailedError) as e:
+        # JAX's own shutdown would hold the failed rank for minutes; the run's timeout is far shorter.
+        sparktrain.run(raise_in_collective, args=(outdir,), num_proc=3, backend="jax", verbose=0, timeout=90)
+    failed_at = time.time()
+    root = e.value.root_cause
+    assert (root.rank, root.exc_type, root.message) == (1, "RuntimeError", "rank 1 fails in JAX")
+    ranks = read_ranks(outdir)
+    assert sorted(ranks) == [0, 1, 2]
+    assert wait_pids_gone([r["pid"] for r in ranks.values()], timeout=5) == []
+    fault_time("JAX rank raises in a collective", 5, failed_at - read_time(outdir, "raised"))
+    print(f"JAX rank raised; the run failed {failed_at - read_time(outdir, 'raised'):.2f} s later")
