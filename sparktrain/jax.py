@@ -69,7 +69,7 @@ def check_mesh(shape: Sequence[int], environ: Mapping[str, str] = os.environ, lo
     Traceback (most recent call last):
     ...
     sparktrain.errors.InvalidArgumentError: a device mesh of shape (4, 2) holds 8 devices, but this run has 2 \
-process(es) x 2 device(s) each = 4; give the mesh a shape whose product is 4, for example (2, 2)
+process(es) x 2 device(s) each = 4; give the mesh a shape whose product is 4, for example (2, 2), or change the devices per rank (on CPU: spark.sparktrain.jaxCpuDevices or JAX_NUM_CPU_DEVICES in the driver's environment)
     """
     if local_devices is None:
         import jax
@@ -85,7 +85,24 @@ process(es) x 2 device(s) each = 4; give the mesh a shape whose product is 4, fo
         raise InvalidArgumentError(
             f"a device mesh of shape {shape} holds {total} devices, but this run has {processes} process(es) x "
             f"{local_devices} device(s) each = {have}; give the mesh a shape whose product is {have}, for "
-            f"example ({processes}, {local_devices})")
+            f"example ({processes}, {local_devices}), or change the devices per rank (on CPU: "
+            "spark.sparktrain.jaxCpuDevices or JAX_NUM_CPU_DEVICES in the driver's environment)")
+
+
+def device_mesh(shape: Sequence[int], axis_names: Sequence[str]):
+    """A ``keras.distribution.DeviceMesh`` over every device of every process of the run, refused
+    (:func:`check_mesh`) where ``shape`` does not hold processes x devices per process.
+
+    The devices come process by process, so the mesh's first axis spans the processes when its
+    length is their number: ``device_mesh((2, 2), ("model", "batch"))`` on 2 ranks of 2 devices
+    shards what is laid out on ``"model"`` across the ranks.
+
+    >>> mesh = sparktrain.jax.device_mesh((2, 2), ("batch", "model"))   # doctest: +SKIP
+    """
+    import keras
+
+    check_mesh(shape)
+    return keras.distribution.DeviceMesh(tuple(shape), list(axis_names), devices=keras.distribution.list_devices())
 
 
 def not_on_jax(what: str) -> SparkTrainError:

@@ -50,13 +50,22 @@ def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
     import keras
 
     import sparktrain.data
+    import sparktrain.keras as hvd
 
     ds = sparktrain.data.pydataset("features", label="label", batch_size=BATCH, seed=3)
     ds[0]
-    # Keras' seed sync in initialize() imports TensorFlow where it is installed; the feed must not.
+    # Keras' seed sync in initialize() imports TensorFlow where it is installed; the feed and
+    # sparktrain.keras must not.
     fed_without_tensorflow = "tensorflow" not in sys.modules
-    keras.distribution.initialize()
+    hvd.init()  # keras.distribution.initialize()
     keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
+    try:
+        hvd.DistributedOptimizer(keras.optimizers.Adam())
+    except sparktrain.SparkTrainError as e:
+        refused = str(e)
+    r = hvd.rank()
+    checkpoints = [hvd.callbacks.BestModelCheckpoint(monitor="loss", filepath=os.path.join(outdir, f"best-{r}.keras")),
+                   hvd.callbacks.RemoteCheckpoint(f"file://{outdir}/remote-{r}/epoch-{{epoch}}.keras")]
     steps = []
 
     class Count(keras.callbacks.Callback):
@@ -64,8 +73,13 @@ def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
             steps.append(batch)
 
     model = _mlp()
-    model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[Count()])
+    model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[Count(), *checkpoints])
     weights = [np.asarray(w) for w in model.get_weights()]
+    hvd.save_model(model, os.path.join(outdir, f"saved-{r}.keras"))
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("rank 0 saved")  # rank 0 saves alone; nobody waits for it
+    restored, epoch = hvd.restore(f"file://{outdir}/remote-0")
     shard = sparktrain.data.shard("train")
     ids = shard.column("id").take(shard.epoch_rows(0, shard.rows, False, 0))
     got = {"steps": len(steps), "len": len(ds), "ids": sorted(int(i) for i in ids),
@@ -75,7 +89,9 @@ def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
                                                       "KERAS_DISTRIBUTION_PROCESS_ID", "JAX_PLATFORMS",
                                                       "JAX_NUM_CPU_DEVICES", "MASTER_ADDR", "MASTER_PORT")},
            "digest": __import__("hashlib").sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
-           "accuracy": _accuracy(weights, x_test, y_test)}
+           "accuracy": _accuracy(weights, x_test, y_test), "refused": refused, "restored_epoch": epoch,
+           "restored_same": restored is not None and all(np.array_equal(np.asarray(a), b) for a, b in
+                                                         zip(restored.get_weights(), weights))}
     if sparktrain.rank() == 0:
         # The same model and global batch, trained in this one process.
         keras.distribution.set_distribution(None)
@@ -106,7 +122,7 @@ def fitted(spark, tmp_path_factory):
                             backend="jax", data=df, stdout=out, stderr=err, timeout=200)
     print(f"3-rank JAX run: {time.monotonic() - started:.1f} s")
     return {"ranks": read_ranks(outdir), "result": result, "out": out.getvalue(), "err": err.getvalue(),
-            "train": train}
+            "train": train, "files": sorted(os.listdir(outdir))}
 
 
 def test_each_rank_gets_the_jax_launch_and_joins_one_process_group(fitted):
@@ -148,6 +164,18 @@ def test_jax_start_up_and_shutdown_lines_are_quiet(fitted):
     assert "sparktrain.data: 'train' rank shards" in fitted["err"]  # rank 0's own lines still pass
 
 
+def test_sparktrain_keras_saves_from_rank_0_alone_and_refuses_what_is_tensorflows(fitted):
+    files = fitted["files"]
+    assert [f for f in files if f.startswith(("best-", "saved-", "remote-"))] == ["best-0.keras", "remote-0",
+                                                                                   "saved-0.keras"]
+    for info in fitted["ranks"].values():
+        got = info["got"]
+        assert "DistributedOptimizer works on the TensorFlow backend only" in got["refused"]
+        assert "keras.distribution" in got["refused"]
+        # Every rank reads rank 0's last checkpoint back.
+        assert got["restored_epoch"] == EPOCHS and got["restored_same"], got["restored_epoch"]
+
+
 # -- a rank raises while the others wait in a JAX collective -----------------------------------------
 
 def raise_in_collective(outdir: str):
@@ -180,3 +208,62 @@ def test_a_rank_that_raises_fails_a_jax_run_at_once_naming_it(spark, tmp_path):
     assert wait_pids_gone([r["pid"] for r in ranks.values()], timeout=5) == []
     fault_time("JAX rank raises in a collective", 5, failed_at - read_time(outdir, "raised"))
     print(f"JAX rank raised; the run failed {failed_at - read_time(outdir, 'raised'):.2f} s later")
+
+
+# -- model parallelism across ranks ---------------------------------------------------------------------
+
+def fit_model_parallel(x, y):
+    import keras
+
+    import sparktrain
+    import sparktrain.jax
+
+    keras.utils.set_random_seed(7)  # initialize() keeps a seed already set
+    keras.distribution.initialize()
+    try:
+        sparktrain.jax.device_mesh((4, 2), ("model", "batch"))
+    except sparktrain.InvalidArgumentError as e:
+        refused = str(e)
+    # Devices come rank by rank: the first axis spans the ranks, so the kernel is split between them,
+    # and each rank's 2 devices split the batch (every rank feeds the whole batch).
+    layout = keras.distribution.LayoutMap(sparktrain.jax.device_mesh((2, 2), ("model", "batch")))
+    layout[".*hidden/kernel"] = (None, "model")
+    layout[".*hidden/bias"] = ("model",)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch", auto_shard_dataset=False))
+
+    def mlp():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", name="hidden"),
+                                  keras.layers.Dense(10, name="out")])
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    model = mlp()
+    kernel = model.get_layer("hidden").kernel.value
+    shards = sorted({(s.index[1].start or 0, s.index[1].stop) for s in kernel.addressable_shards})
+    model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    from jax.experimental import multihost_utils
+
+    # A variable split across processes is read whole by gathering it, on every rank.
+    weights = [np.asarray(multihost_utils.process_allgather(v.value, tiled=True)) for v in model.weights]
+    got = {"shards": shards, "refused": refused}
+    if sparktrain.rank() == 0:  # the same model, seed and batches in this one process
+        keras.distribution.set_distribution(None)
+        keras.utils.set_random_seed(7)
+        alone = mlp()
+        alone.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        got["max_difference"] = max(float(np.max(np.abs(a - b))) for a, b in zip(alone.get_weights(), weights))
+    return got
+
+
+def test_model_parallel_shards_a_kernel_across_2_ranks_of_2_devices_and_trains_as_one_process(spark):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x[:512] / 16).astype(np.float32), y[:512].astype(np.int32)
+    got = sparktrain.run(fit_model_parallel, args=(x, y), num_proc=2, backend="jax", verbose=0, timeout=200,
+                         env={"JAX_NUM_CPU_DEVICES": "2"})
+    assert got["shards"] == [(0, 16)]  # rank 0 holds half the hidden kernel's columns, on both its devices
+    assert "a device mesh of shape (4, 2) holds 8 devices, but this run has 2 process(es) x 2 device(s)" in \
+        got["refused"]
+    assert got["max_difference"] < 1e-4, got
