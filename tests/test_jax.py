@@ -267,3 +267,49 @@ def test_model_parallel_shards_a_kernel_across_2_ranks_of_2_devices_and_trains_a
     assert "a device mesh of shape (4, 2) holds 8 devices, but this run has 2 process(es) x 2 device(s)" in \
         got["refused"]
     assert got["max_difference"] < 1e-4, got
+
+
+# -- KerasEstimator ---------------------------------------------------------------------------------------
+
+class _RecordBackend:
+    """A Keras callback (made one in the rank) that leaves ``<backend>-<rank>`` in ``outdir/backends``."""
+
+    def __new__(cls, outdir):
+        import keras
+
+        class Record(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                import sparktrain
+
+                os.makedirs(os.path.join(outdir, "backends"), exist_ok=True)
+                open(os.path.join(outdir, "backends", f"{keras.backend.backend()}-{sparktrain.rank()}"), "w").close()
+
+        return Record()
+
+
+def test_keras_estimator_fits_on_jax_ranks_and_its_model_scores_a_dataframe(spark, tmp_path):
+    import keras
+    from pyspark.ml.linalg import Vectors
+    from sklearn.datasets import load_digits
+
+    from sparktrain.ml import KerasEstimator
+
+    x, y = load_digits(return_X_y=True)
+    rows = [(Vectors.dense(x[i] / 16.0), int(y[i])) for i in range(len(y))]
+    train_df, test_df = spark.createDataFrame(rows[:1400], ["features", "label"]), spark.createDataFrame(
+        rows[1400:], ["features", "label"])
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    est = KerasEstimator(model=model, optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                         metrics=["accuracy"], feature_cols=["features"], label_cols=["label"], validation=0.15,
+                         batch_size=32, epochs=10, num_proc=2, store=f"file://{tmp_path}/store", verbose=0,
+                         callbacks=[_RecordBackend(str(tmp_path))],
+                         env={"KERAS_BACKEND": "jax"})  # the ranks' backend, as the driver's KERAS_BACKEND would
+    fitted = est.fit(train_df)
+    history = fitted.getHistory()
+    assert sorted(os.listdir(tmp_path / "backends")) == ["jax-0", "jax-1"]
+    assert len(history["loss"]) == len(history["val_accuracy"]) == 10 and history["loss"][-1] < history["loss"][0]
+    scored = fitted.transform(test_df).select("label", "label__output").collect()
+    accuracy = float(np.mean([int(np.argmax(r["label__output"])) == r["label"] for r in scored]))
+    print(f"KerasEstimator on JAX: test accuracy {accuracy:.3f}")
+    assert accuracy > 0.85
