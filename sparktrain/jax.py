@@ -65,11 +65,10 @@ def check_mesh(shape: Sequence[int], environ: Mapping[str, str] = os.environ, lo
     ``jax.local_device_count()``.
 
     >>> check_mesh((2, 2), {"KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}, local_devices=2)
-    >>> check_mesh((4, 2), {"KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}, local_devices=2)
+    >>> check_mesh((4, 2), {"KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}, local_devices=2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    sparktrain.errors.InvalidArgumentError: a device mesh of shape (4, 2) holds 8 devices, but this run has 2 \
-process(es) x 2 device(s) each = 4; give the mesh a shape whose product is 4, for example (2, 2), or change the devices per rank (on CPU: spark.sparktrain.jaxCpuDevices or JAX_NUM_CPU_DEVICES in the driver's environment)
+    sparktrain.errors.InvalidArgumentError: a device mesh of shape (4, 2) holds 8 devices, but this run has 2 ...
     """
     if local_devices is None:
         import jax

@@ -119,8 +119,8 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         payload=preflight.pickle_payload(train_fn, args, kwargs, payloads.dumps), size=size, local=local, env=env,
         stdout=stdout, stderr=stderr, verbose=verbose, timestamps=prefix_output_with_timestamp, use_gpu=use_gpu,
         asked=asked, output_ranks=output_ranks, checkpoint=checkpoint, storage_options=storage_options,
-        frames=frames, log_url=log_url, nics=nics, encryption=encryption, backend=backend, start_timeout=start_timeout,
-        timeout=timeout, max_attempts=max_attempts)
+        frames=frames, log_url=log_url, nics=nics, encryption=encryption, backend=backend,
+        start_timeout=start_timeout, timeout=timeout, max_attempts=max_attempts)
 
 
 def resolve(a: Arguments, view) -> RunConfig:
