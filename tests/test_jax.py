@@ -178,7 +178,7 @@ def test_sparktrain_keras_saves_from_rank_0_alone_and_refuses_what_is_tensorflow
 
 # -- a rank raises while the others wait in a JAX collective -----------------------------------------
 
-def raise_in_collective(outdir: str):
+def raise_in_collective(outdir: str, how: str = "raise"):
     import jax
     from jax.experimental import multihost_utils
 
@@ -190,24 +190,34 @@ def raise_in_collective(outdir: str):
     if sparktrain.rank() == 1:
         wait_for_ranks(outdir, 3)
         mark_time(outdir, "raised")
+        if how == "kill":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("rank 1 fails in JAX")
     multihost_utils.sync_global_devices("never")  # waits for rank 1, which never comes
     return jax.process_index()
 
 
-def test_a_rank_that_raises_fails_a_jax_run_at_once_naming_it(spark, tmp_path):
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_rank_that_raises_or_is_killed_fails_a_jax_run_at_once_naming_it(spark, tmp_path, how):
     outdir = str(tmp_path)
     with pytest.raises(sparktrain.RankFailedError) as e:
         # JAX's own shutdown would hold the failed rank for minutes; the run's timeout is far shorter.
-        sparktrain.run(raise_in_collective, args=(outdir,), num_proc=3, backend="jax", verbose=0, timeout=90)
+        sparktrain.run(raise_in_collective, args=(outdir, how), num_proc=3, backend="jax", verbose=0, timeout=90)
     failed_at = time.time()
     root = e.value.root_cause
-    assert (root.rank, root.exc_type, root.message) == (1, "RuntimeError", "rank 1 fails in JAX")
+    if how == "raise":
+        assert (root.rank, root.exc_type, root.message) == (1, "RuntimeError", "rank 1 fails in JAX")
+    else:
+        # Named with its signal. A peer's gloo error may come first in time: gloo fails at once when
+        # the killed process's sockets close, and a killed process leaves no time of its own.
+        assert e.value.failures[1].exitcode == -9 and "rank 1" in str(e.value)
     ranks = read_ranks(outdir)
     assert sorted(ranks) == [0, 1, 2]
     assert wait_pids_gone([r["pid"] for r in ranks.values()], timeout=5) == []
-    fault_time("JAX rank raises in a collective", 5, failed_at - read_time(outdir, "raised"))
-    print(f"JAX rank raised; the run failed {failed_at - read_time(outdir, 'raised'):.2f} s later")
+    fault_time(f"JAX rank {how}s in a collective", 5, failed_at - read_time(outdir, "raised"))
+    print(f"JAX rank ({how}); the run failed {failed_at - read_time(outdir, 'raised'):.2f} s later")
 
 
 # -- model parallelism across ranks ---------------------------------------------------------------------
