@@ -20,9 +20,10 @@ import sparktrain
 from conftest import module_spark
 from helpers import fault_time, mark_time, read_ranks, read_time, record_rank, wait_for_ranks, wait_pids_gone
 
-pytest.importorskip("jax", reason="the JAX tests need jax: pip install sparktrain[jax]")
-if importlib.util.find_spec("keras") is None:  # not imported here: this process's Keras would load TensorFlow
-    pytest.skip("the JAX tests need keras 3", allow_module_level=True)
+# Neither is imported here: importing jax sets TF_CPP_MIN_LOG_LEVEL=1 in this process (which every
+# later run's ranks would inherit), and Keras would load TensorFlow.
+if importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") is None:
+    pytest.skip("the JAX tests need jax and keras 3: pip install sparktrain[jax]", allow_module_level=True)
 pytestmark = pytest.mark.timeout(240)
 
 spark = module_spark("local[3]")
@@ -297,8 +298,22 @@ class _RecordBackend:
         return Record()
 
 
-def test_keras_estimator_fits_on_jax_ranks_and_its_model_scores_a_dataframe(spark, tmp_path):
+@pytest.fixture
+def keras_here():
+    """Keras in this process (the estimator takes a model); its import sets TF_CPP_MIN_LOG_LEVEL in
+    os.environ (as jax's does), which later runs' ranks in this process would inherit: put it back."""
+    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
     import keras
+
+    yield keras
+    if level is None:
+        os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    else:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = level
+
+
+def test_keras_estimator_fits_on_jax_ranks_and_its_model_scores_a_dataframe(spark, tmp_path, keras_here):
+    keras = keras_here
     from pyspark.ml.linalg import Vectors
     from sklearn.datasets import load_digits
 
