@@ -58,6 +58,7 @@ def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
     # Keras' seed sync in initialize() imports TensorFlow where it is installed; the feed and
     # sparktrain.keras must not.
     fed_without_tensorflow = "tensorflow" not in sys.modules
+    keras.utils.set_random_seed(1)  # initialize() keeps a seed already set: the one process's start below
     hvd.init()  # keras.distribution.initialize()
     keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
     try:
