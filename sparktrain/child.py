@@ -2,7 +2,7 @@
 it by name. The rank process is ``sparktrain.executor.child``."""
 import sys
 
-from sparktrain.executor.child import main
+from sparktrain.executor.child import leave, main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -162,6 +162,14 @@ SETTINGS = {
         Setting("warm_rank_process", "SPARKTRAIN_WARM_RANK_PROCESS", "spark.sparktrain.warmRankProcess", False,
                 parse_bool, "retired: accepted, and does nothing but warn once; every rank process starts "
                 "with its run, held while the ranks meet"),
+        Setting("backend", "KERAS_BACKEND", "spark.sparktrain.backend", None,
+                lambda n, v: _choice(n, v, ("tensorflow", "jax", "torch", "numpy", "openvino")),
+                "the Keras backend of every rank (run's backend argument, else the driver's KERAS_BACKEND or the "
+                "one run's env gives): 'jax' also hands each rank what keras.distribution.initialize() and "
+                "sparktrain.jax.initialize() read (docs/jax.md); None leaves the ranks' KERAS_BACKEND as it is"),
+        Setting("jax_cpu_devices", "JAX_NUM_CPU_DEVICES", "spark.sparktrain.jaxCpuDevices", 1, parse_positive_int,
+                "on a JAX run, how many devices JAX's CPU platform shows in each rank that has no GPU (a mesh of "
+                "ranks x devices for keras.distribution)"),
         Setting("pin_cores", "SPARKTRAIN_PIN_CORES", "spark.sparktrain.pinCores", "auto",
                 lambda n, v: _choice(n, v, ("auto", "on", "off")),
                 "keep each rank on cores of its own, the host's cores split among its ranks: 'auto' (where the "

@@ -65,6 +65,11 @@ class TaskSpec:
     #: ``encryption`` setting, resolved on the driver; the ranks also get it as SPARKTRAIN_ENCRYPTION).
     encrypted: bool = False
 
+    #: The ranks' Keras backend (the ``backend`` setting); ``"jax"`` hands each rank JAX's coordinator
+    #: (``worker_env.jax_env``). None: the ranks' own ``KERAS_BACKEND``, untouched.
+    backend: str | None = None
+    #: On a JAX run, the devices JAX's CPU platform shows in a rank without a GPU.
+    jax_cpu_devices: int = 1
 
 #: Columns of what the barrier stage returns: rank 0's pickled result, in chunks.
 RESULT_FIELDS = ("rank", "seq", "data")

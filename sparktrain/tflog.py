@@ -34,6 +34,15 @@ _REGISTERED_TWICE = re.compile(r"\] (?:Unable to register cu\w+ factory: Attempt
 #: The second line of TensorFlow's CPU-feature notice, which is not in absl's format.
 _CPU_FEATURES = re.compile(r"^To enable the following instructions: .* rebuild TensorFlow with the appropriate "
                            r"compiler flags\.$")
+#: What gloo prints on stdout as each of a JAX run's ranks joins the others (jaxlib's CPU collectives).
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer "
+                             r"ranks is : \d+$")
+#: What XLA's coordination service logs (as warnings or errors) as a JAX run's processes leave at the
+#: end of a run: one process gone before another's last watch or poll. Harmless; a failure is reported
+#: by the rank that failed.
+_JAX_SHUTDOWN = re.compile(r"\] .*(?:WatchTasksAsync failed|PollForError\w* .*(?:CANCELLED|Cancelled)|"
+                           r"Coordination service (?:agent )?(?:has been |is |was )?shut ?down|"
+                           r"Failed to disconnect from coordination service)")
 
 
 def below_log_level(line: str, level: int) -> bool:
@@ -53,13 +62,19 @@ def below_log_level(line: str, level: int) -> bool:
 class StartupFilter:
     """Which of a process's stderr lines to drop at ``TF_CPP_MIN_LOG_LEVEL=level``: C++ lines below
     the level, the CPU-feature notice's second line, and at level 1 or more the plugins'
-    registered-twice errors, and, where no GPU is used (``no_gpu``), the failed ``cuInit``. At
-    level 0 nothing is dropped. Every other line, errors included, passes.
+    registered-twice errors, and, where no GPU is used (``no_gpu``), the failed ``cuInit``; on
+    ``stdout``, only gloo's line for each rank that joins a JAX run; XLA's coordination-service lines
+    as a JAX run's processes leave, at level 1 or more. At level 0 nothing is dropped. Every other
+    line, errors included, passes.
 
     >>> f = StartupFilter(2, no_gpu=True)
     >>> f.drops("2026-11-27 02:25:27.679433: E external/x/cuda_fft.cc:485] Unable to register cuFFT factory: "
     ...         "Attempting to register factory for plugin cuFFT when one has already been registered")
     True
+    >>> f.drops("[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 2",
+    ...         "stdout"), f.drops("E0000 00:00:1.5 1 coordination_service_agent.cc:3] WatchTasksAsync failed: "
+    ...         "CANCELLED")
+    (True, True)
     >>> f.drops("2026-11-27 02:25:27.679433: E external/x/rpc.cc:1] peer gone"), StartupFilter(0).drops(
     ...     "E0000 00:00:1.5 1 cuda_platform.cc:52] failed call to cuInit: INTERNAL")
     (False, False)
@@ -70,12 +85,14 @@ class StartupFilter:
         self.no_gpu = no_gpu
         self._after_cpu_notice = False  # the line after the CPU-feature notice's first line
 
-    def drops(self, line: str) -> bool:
+    def drops(self, line: str, stream: str = "stderr") -> bool:
         if self.level <= 0:
             return False
+        if stream != "stderr":
+            return bool(_GLOO_CONNECTED.match(line))
         cpp = _CPP_LOG_LINE.match(line)
         hidden = bool(below_log_level(line, self.level) or (self.no_gpu and NO_GPU_LINE.match(line))
-                      or (cpp and _REGISTERED_TWICE.search(line))
+                      or (cpp and (_REGISTERED_TWICE.search(line) or _JAX_SHUTDOWN.search(line)))
                       or (self._after_cpu_notice and _CPU_FEATURES.match(line)))
         self._after_cpu_notice = bool(cpp) and "cpu_feature_guard" in line and hidden
         return hidden

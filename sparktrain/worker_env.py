@@ -56,6 +56,12 @@ CPU_BUDGET = "SPARKTRAIN_CPU_BUDGET"
 #: The variables :func:`thread_defaults` sets, unless the user or the executor already does.
 THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
+#: What ``keras.distribution.initialize()`` reads (and ``sparktrain.jax.initialize()``), set on JAX runs.
+JAX_COORDINATOR = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
+JAX_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+JAX_PROCESS_ID = "KERAS_DISTRIBUTION_PROCESS_ID"
+JAX_VARS = (JAX_COORDINATOR, JAX_NUM_PROCESSES, JAX_PROCESS_ID)
+
 #: The variables that together define a rank; the worker API needs all of them or none.
 TOPOLOGY_VARS = (RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)
 
@@ -65,7 +71,7 @@ RESERVED_VARS = frozenset(
     + (RUN_ID, ATTEMPT, MAX_ATTEMPTS, DATA_DIR, COLLECTIVE_KEY_FILE, PROGRESS_FILE, THREADS, CPU_BUDGET, "TF_CONFIG", "RANK",
        "WORLD_SIZE", "LOCAL_RANK",
        "LOCAL_WORLD_SIZE",
-       "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+       "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES") + JAX_VARS
 )
 
 #: What CUDA_VISIBLE_DEVICES is set to when a rank must see no GPU.
@@ -92,6 +98,13 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
      "the same, under the names PyTorch reads; ``MASTER_PORT`` is a second port reserved by rank 0"),
     (("CUDA_VISIBLE_DEVICES",), "the GPU(s) Spark assigned to this task, translated through any mask the "
                                 "executor already has; ``-1`` when the run uses no GPU"),
+    (("KERAS_BACKEND",), "the run's Keras backend, where it names one (``run(backend=...)``, the driver's "
+                         "``KERAS_BACKEND`` or ``spark.sparktrain.backend``); unset otherwise"),
+    (JAX_VARS, "only on JAX runs: rank 0's host and ``MASTER_PORT`` (JAX's coordinator), the number of ranks, and "
+               "this rank, as ``keras.distribution.initialize()`` and ``sparktrain.jax.initialize()`` read them"),
+    (("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES"), "only on JAX runs, in ranks without a GPU: ``cpu``, and the CPU "
+                                               "devices each rank shows (``spark.sparktrain.jaxCpuDevices``, "
+                                               "default 1)"),
     ((THREADS,), "the rank's compute threads: the CPUs Spark granted its task (``resources={'cpus': n}`` or "
                  "``spark.task.cpus`` on a cluster), else the CPUs this host's ranks can use, shared among them"),
     (THREAD_VARS, "``SPARKTRAIN_THREADS`` (the inter-op pool at least 2), unless ``env`` or the executor's own "
@@ -313,3 +326,22 @@ def build_worker_env(
         env[THREADS] = str(threads)
     return env
 
+
+def jax_env(hosts: Sequence[str], rank: int, coordinator_port: int, gpu_ids: str,
+            cpu_devices: int = 1) -> dict[str, str]:
+    """What a rank of a JAX run finds besides the rest of the contract: JAX's coordinator (rank 0's
+    host and the port it reserved, ``MASTER_PORT``), the number of processes and this one's id, as
+    ``keras.distribution.initialize()`` reads them; in a rank without a GPU, JAX's CPU platform
+    with ``cpu_devices`` devices (no CUDA plugin is loaded there, so none fails to start).
+
+    >>> jax_env(["h", "h"], 1, 5002, "-1", 2)["KERAS_DISTRIBUTION_JOB_ADDRESSES"]
+    'h:5002'
+    >>> "JAX_PLATFORMS" in jax_env(["h"], 0, 5002, "0")  # a GPU rank: JAX chooses its platform
+    False
+    """
+    host = f"[{hosts[0]}]" if ":" in hosts[0] else hosts[0]  # an IPv6 address
+    env = {"KERAS_BACKEND": "jax", JAX_COORDINATOR: f"{host}:{coordinator_port}",
+           JAX_NUM_PROCESSES: str(len(hosts)), JAX_PROCESS_ID: str(rank)}
+    if gpu_ids == NO_GPU:
+        env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(cpu_devices)})
+    return env

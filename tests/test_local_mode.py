@@ -72,13 +72,14 @@ def test_import_sparktrain_without_tensorflow_or_pyspark():
 import sys, importlib.abc
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("tensorflow", "keras", "tf_keras", "pyspark", "torch"):
+        if name.split(".")[0] in ("tensorflow", "keras", "tf_keras", "pyspark", "torch", "jax", "jaxlib"):
             raise ImportError(f"blocked {name}")
 sys.meta_path.insert(0, Block())
-import sparktrain, sparktrain.executor.child, sparktrain.executor.task, sparktrain.driver.run
+import sparktrain, sparktrain.executor.child, sparktrain.executor.task, sparktrain.driver.run, sparktrain.jax
+import sparktrain.data
 assert callable(sparktrain.rank) and callable(sparktrain.attempt)  # no subpackage shadows the worker API
 assert sparktrain.run is sparktrain.driver.run.run
-assert not any(m.split(".")[0] in ("tensorflow", "keras", "pyspark") for m in sys.modules)
+assert not any(m.split(".")[0] in ("tensorflow", "keras", "pyspark", "jax") for m in sys.modules)
 print("ok", sparktrain.size())
 """
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=60)

@@ -4,6 +4,7 @@ The repository keeps them with their outputs cleared; a test checks that too.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -17,7 +18,7 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb", "04-dataframe.ipynb",
-         "05-estimator.ipynb"]
+         "05-estimator.ipynb", "06-jax.ipynb"]
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,19 @@ def test_dataframe_trains_from_a_dataframe_with_equal_steps(executed):
     assert epochs == [f"Epoch {i}/8" for i in range(1, 9)], text
     accuracy = float(re.search(r"validation accuracy, averaged over the ranks: ([\d.]+)", text).group(1))
     assert accuracy > 0.85, text
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(600)
+def test_jax_trains_on_2_ranks_and_the_driver_scores_its_model(executed):
+    if importlib.util.find_spec("jax") is None:  # not imported: jax sets TF_CPP_MIN_LOG_LEVEL in this process
+        pytest.skip("06-jax.ipynb needs jax: pip install sparktrain[jax]")
+    text = "\n".join(texts(execute(executed, "06-jax.ipynb")))
+    assert "'train' rank shards" in text and "steps per epoch of 32 on every rank" in text, text
+    assert "saved by rank 0: digits-jax.keras" in text, text
+    accuracy = float(re.search(r"test accuracy on the driver: ([\d.]+)", text).group(1))
+    assert accuracy > 0.85, text
+    assert "[Gloo]" not in text, text
 
 
 @pytest.mark.spark

@@ -16,6 +16,10 @@ Every rank yields the same number of batches per epoch (``ds.cardinality()``), w
 shard's size: a shorter shard wraps around (``uneven="wrap"``, the default, so every row is seen
 every epoch) or every rank stops at the shortest shard (``uneven="drop"``). Rank 0 logs one line
 that says which. See docs/dataframes.md.
+
+On Keras' JAX backend (``run(..., backend="jax")``), :func:`pydataset` gives the same batches as a
+``keras.utils.PyDataset``, without TensorFlow: each process's batch is its part of the global batch
+under ``DataParallel(auto_shard_dataset=False)`` (docs/jax.md).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from .shard import UNEVEN, Shard, check_uneven, open_shard
 
-__all__ = ["dataset", "numpy", "shard", "Shard", "UNEVEN"]
+__all__ = ["dataset", "pydataset", "numpy", "shard", "Shard", "UNEVEN"]
 
 #: Bytes of rows the generator gathers per step, split into batches inside tf.data.
 GATHER_BYTES = 4 << 20
@@ -103,6 +107,49 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
     return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
 
+
+def pydataset(features: Columns, label: Columns | None = None, *, batch_size: int, shuffle: bool = True,
+              seed: int | None = None, name: str = "train", uneven: str = "wrap", sample_weight: str | None = None):
+    """A ``keras.utils.PyDataset`` of this rank's batches, as :func:`dataset` gives them, for
+    ``model.fit`` on any Keras backend; it needs no TensorFlow.
+
+    Under ``keras.distribution.DataParallel(auto_shard_dataset=False)`` on JAX, each process's
+    batch of ``batch_size`` rows is its part of a global batch of ``batch_size * size()`` rows,
+    and every rank has ``len()`` batches per epoch. Each epoch (``on_epoch_end``) is shuffled anew.
+
+    >>> ds = sparktrain.data.pydataset("features", label="label", batch_size=32, seed=7)  # doctest: +SKIP
+    >>> model.fit(ds, epochs=5)                                                          # doctest: +SKIP
+    """
+    import keras
+
+    batch_size = _check_batch_size(batch_size)
+    check_uneven(uneven)
+    if not isinstance(shuffle, bool):
+        raise InvalidArgumentError(f"shuffle must be True or False, got {shuffle!r}")
+    seed = _check_seed(seed)
+    s = open_shard(name)
+    steps = s.steps_per_epoch(batch_size, uneven)
+    build = _builder(s, features, label, sample_weight)
+    if s.rank == 0:
+        print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
+
+    class ShardBatches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.epoch = 0
+            self.rows = s.epoch_rows(0, steps * batch_size, shuffle, seed)
+
+        def __len__(self) -> int:
+            return steps
+
+        def __getitem__(self, step: int):
+            return build(self.rows[step * batch_size:(step + 1) * batch_size])
+
+        def on_epoch_end(self) -> None:
+            self.epoch += 1
+            self.rows = s.epoch_rows(self.epoch, steps * batch_size, shuffle, seed)
+
+    return ShardBatches()
 
 def numpy(features: Columns, label: Columns | None = None, name: str = "train", *, uneven: str = "wrap"):
     """This rank's shard as numpy arrays, in the DataFrame's order: ``(x, y)``, or ``x`` alone.

@@ -45,6 +45,8 @@ class Arguments:
     nics: tuple[str, ...] | None
     #: The ``encryption`` argument, checked ("auto", "on", "off"), or None for the env and the conf.
     encryption: str | None
+    #: The ``backend`` argument, checked, or None for the environment (``KERAS_BACKEND``) and the conf.
+    backend: str | None
     start_timeout: float | None
     timeout: float | None
     max_attempts: int | None
@@ -78,7 +80,8 @@ class RunConfig:
 
 def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_mode, start_timeout, timeout, env,
                     stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
-                    storage_options, max_attempts, data, log_url, resources, nics, encryption=None) -> Arguments:
+                    storage_options, max_attempts, data, log_url, resources, nics, encryption=None,
+                    backend=None) -> Arguments:
     """Check every argument of ``run``; a bad one raises, naming the value and the fix."""
     size, local = preflight.check_num_proc(num_proc, local_mode)
     args, kwargs, env = preflight.check_arguments(
@@ -94,6 +97,7 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         nics = settings.resolve("nics", nics)
     if encryption is not None:
         encryption = settings.resolve("encryption", encryption)
+    backend = settings.resolve("backend", backend, environ={**os.environ, **env})  # a bad name fails here
     if local and data is not None:
         raise InvalidArgumentError(
             "data= feeds a DataFrame through the run's Spark stage, and local mode runs without Spark. Use "
@@ -115,8 +119,8 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         payload=preflight.pickle_payload(train_fn, args, kwargs, payloads.dumps), size=size, local=local, env=env,
         stdout=stdout, stderr=stderr, verbose=verbose, timestamps=prefix_output_with_timestamp, use_gpu=use_gpu,
         asked=asked, output_ranks=output_ranks, checkpoint=checkpoint, storage_options=storage_options,
-        frames=frames, log_url=log_url, nics=nics, encryption=encryption, start_timeout=start_timeout,
-        timeout=timeout, max_attempts=max_attempts)
+        frames=frames, log_url=log_url, nics=nics, encryption=encryption, backend=backend,
+        start_timeout=start_timeout, timeout=timeout, max_attempts=max_attempts)
 
 
 def resolve(a: Arguments, view) -> RunConfig:

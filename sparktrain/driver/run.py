@@ -58,6 +58,7 @@ def run(
     resources: Mapping[str, float] | None = None,
     nics: str | Iterable[str] | None = None,
     encryption: str | None = None,
+    backend: str | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -84,6 +85,7 @@ def run(
     nics : the network for the driver's channel and the ranks' ring, as Horovod's ``nics``.
     encryption : "auto" (default: on where Spark's own encryption is), "on" or "off": AES-256-GCM
         on the driver's channel and the ring between hosts, keyed from the run's secret (docs/security.md).
+    backend : the ranks' Keras backend; "jax" runs Keras 3 on JAX (docs/jax.md). None: the driver's ``KERAS_BACKEND``.
 
     Returns rank 0's value, or ``checkpoint_url``. Raises InvalidArgumentError,
     PicklingFailedError, ClusterConfigError or InsufficientResourcesError before anything
@@ -95,18 +97,14 @@ def run(
     """
     a = config.check_arguments(train_fn, args, kwargs, num_proc, local_mode, start_timeout, timeout, env, stdout,
                                stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
-                               storage_options, max_attempts, data, log_url, resources, nics, encryption)
+                               storage_options, max_attempts, data, log_url, resources, nics, encryption, backend)
     _configure_logging(verbose)
     view = views.choose(a.local, a.size, a.use_gpu)
     cfg = config.resolve(a, view)
     profile = view.profile(cfg.stage) if cfg.stage is not None else None
     size = view.fit(a.size, cfg.use_gpu, cfg.stage, profile, cfg.capacity_wait)
     spec = task_spec(cfg, size, view.max_result_bytes(), view.tails_without_channel)
-    source = None
-    if a.frames:
-        from . import feed
-
-        source = feed.stage_input(a.frames, size)
+    source = _stage_input(a.frames, size)
     info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=stdout, stderr=stderr,
                    timestamps=prefix_output_with_timestamp, timeout=a.timeout, verbose=verbose)
     # A lost executor is usually replaced within seconds; a retried gang needs all its slots back.
@@ -114,3 +112,12 @@ def run(
     return run_attempts(info, spec, lambda s, on_done: view.job(s, a.fn_name, on_done, source, profile),
                         cfg.driver_host, cfg.max_attempts,
                         lambda: view.fit(size, cfg.use_gpu, cfg.stage, profile, retry_wait))
+
+
+def _stage_input(frames, size: int):
+    """The barrier stage's input, carrying the fed DataFrames to the ranks; None without data."""
+    if not frames:
+        return None
+    from . import feed
+
+    return feed.stage_input(frames, size)

@@ -35,6 +35,8 @@ def task_spec(cfg: RunConfig, size: int, max_result_bytes: int, tails_without_ch
         feed=tuple(a.frames or ()), return_output=tails_without_channel and cfg.rendezvous == "barrier"
         and cfg.log_target is None, log_target=cfg.log_target,
         mlflow=_mlflow_handoff(a.run_id, a.env), task_cpus=cfg.task_cpus, nics=a.nics,
+        backend=settings.resolve("backend", a.backend, environ=environ, conf=conf),
+        jax_cpu_devices=settings.resolve("jax_cpu_devices", environ=environ, conf=conf),
     )
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s "

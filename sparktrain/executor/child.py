@@ -185,8 +185,16 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main(sys.argv[1:])
+def leave(code: int) -> None:
+    """Exit with ``code``. A rank that failed while JAX is loaded leaves at once, without Python's
+    exit hooks: JAX's own waits at a shutdown barrier for every process of the run (for minutes
+    when one is gone), and the others are being stopped because of this one anyway."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if code != 0 and "jax" in sys.modules:
+        os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    leave(main(sys.argv[1:]))

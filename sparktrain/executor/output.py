@@ -37,6 +37,10 @@ class RankIO:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.chan: channel.Channel | None = None
         self.abort_reason: str | None = None
+        #: When (wall clock) the rank was told to stop: a failure its process recorded before then is its own.
+        self.aborted_at = float("inf")
+        #: Whether the rank's process had already exited when it was told to stop.
+        self.exited_before_abort = False
         #: When the driver was last heard from (monotonic), while the rank runs.
         self.heard = 0.0
         self.show = spec.output_ranks is None or rank in spec.output_ranks
@@ -95,7 +99,7 @@ class RankIO:
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, stream: str, line: str) -> None:
-        if stream == "stderr" and self.startup.drops(line):
+        if self.startup.drops(line, stream):
             return
         self.tail.append(line if stream == "stdout" else f"[stderr] {line}")
         if not self.show:
@@ -177,6 +181,7 @@ class RankIO:
         limit = self.spec.heartbeat_timeout
         if self.chan is None or not limit or now - self.heard <= limit or self.abort_reason is not None:
             return
+        self.aborted_at, self.exited_before_abort = time.time(), child.exited()
         self.abort_reason = (f"it heard nothing from the driver for {now - self.heard:.0f} s (heartbeat_timeout "
                              f"{limit:g} s): its host {self.host} is cut off from the driver, or the driver stopped")
         child.stop(self.spec.grace_period)
@@ -203,6 +208,7 @@ class RankIO:
         if isinstance(msg, protocol.AskStacks) and not self.stacks.ask(child, self.heard):
             self.send(protocol.Stacks(""))  # it has exited: nothing to wait for
         if isinstance(msg, protocol.Abort) and self.abort_reason is None:
+            self.aborted_at, self.exited_before_abort = time.time(), child.exited()
             self.abort_reason = msg.reason
             child.stop(self.spec.grace_period)
 

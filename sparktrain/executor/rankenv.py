@@ -37,11 +37,16 @@ def rank_env(spec: TaskSpec, rank: int, hosts: Sequence[str], ports: Sequence[in
     # this host's ranks.
     usable = cpus.usable_cpus()
     threads = worker_env.rank_threads(spec.task_cpus, usable, topo["local_size"])
+    gpu_ids = _gpu_ids(spec, rank, gpu_addresses)
     env.update(worker_env.build_worker_env(
         rank=rank, hosts=hosts, ports=ports, master_port=master_port,
-        gpu_ids=_gpu_ids(spec, rank, gpu_addresses), run_id=spec.run_id, user_env=spec.user_env,
+        gpu_ids=gpu_ids, run_id=spec.run_id, user_env=spec.user_env,
         attempt=spec.attempt, max_attempts=spec.max_attempts, threads=threads,
     ))
+    if spec.backend == "jax":
+        env.update(worker_env.jax_env(hosts, rank, master_port, gpu_ids, spec.jax_cpu_devices))
+    elif spec.backend is not None:
+        env["KERAS_BACKEND"] = spec.backend
     env.update(worker_env.thread_defaults(threads, spec.user_env))
     env[worker_env.CPU_BUDGET] = str(cpus.host_budget(spec.task_cpus, topo["local_size"], usable))
     cores = _pinned_cores(spec, topo)

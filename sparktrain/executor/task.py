@@ -95,12 +95,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         # descendants it left behind in its group.
         code = child.stop(spec.grace_period) if state.abort_reason else child.reap(spec.grace_period)
         child.close_pipes()
-        if state.abort_reason is not None:
-            # Not a root cause: the driver stopped this rank because of another one.
-            raise SparkTrainError(f"sparktrain rank {rank} was stopped: {state.abort_reason}")
-        error = outcome(state, code, workdir)
-        if error is not None:
-            raise error
+        _raise_failure(state, code, workdir)
         if rank == 0:
             yield from result_chunks(state, os.path.join(workdir, "result.pkl"))
         if output is not None:
@@ -141,6 +136,33 @@ def _prepare(state: RankIO, met, gpu_addresses: Sequence[str] | None, workdir: s
         with open(os.path.join(workdir, "checkpoint.pkl"), "wb") as f:
             f.write(spec.checkpoint)
     return env
+
+
+def _raise_failure(state: RankIO, code: int, workdir: str) -> None:
+    """Raise how the rank's process failed, or that the driver stopped it; nothing when it succeeded.
+
+    A rank that failed on its own (it recorded a failure, or its process had exited, before the
+    stop) reports that even when the stop came first: its peers can fail at once when its process
+    leaves (JAX's gloo), and reach the driver before it does.
+    """
+    own = state.abort_reason is None or state.exited_before_abort or _failed_before(workdir, state.aborted_at)
+    error = outcome(state, code, workdir) if own else None
+    if error is not None:
+        raise error
+    if state.abort_reason is not None:
+        # Not a root cause: the driver stopped this rank because of another one.
+        raise SparkTrainError(f"sparktrain rank {state.rank} was stopped: {state.abort_reason}")
+
+
+def _failed_before(workdir: str, when: float) -> bool:
+    """Whether the rank's process recorded a failure of its own (``error.json``) before ``when``."""
+    import json
+
+    try:
+        with open(os.path.join(workdir, "error.json")) as f:
+            return float(json.load(f).get("time", when)) < when
+    except (OSError, ValueError):
+        return False
 
 
 def barrier_task(spec: TaskSpec):

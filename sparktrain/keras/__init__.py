@@ -28,20 +28,30 @@ import os
 from typing import Any, Mapping
 
 from ..versions import require_floor
+from . import on_jax as _jax
 
-require_floor("tensorflow", "keras")  # Keras 2 or an older TensorFlow fails here, with the versions and the fix
+if _jax.on_jax():
+    require_floor("keras")
+    from .on_jax import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,  # noqa: F401
+                         shutdown, size)
+    from ..errors import InvalidArgumentError
+    from ..localfiles import replaced_atomically
+    from . import callbacks  # noqa: F401
+else:
+    require_floor("tensorflow", "keras")  # Keras 2 or an older TensorFlow fails here, with the versions and the fix
 
-from ..errors import InvalidArgumentError
-from ..localfiles import replaced_atomically
-from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
-from ..tensorflow import (Compression, ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,  # noqa: F401
-                          init, is_initialized, local_rank, local_size, rank, reducescatter, remove_process_set,
-                          shutdown, size, start_timeline, stop_timeline)
-from ..tensorflow import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,  # noqa: F401
-                          mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
-from . import callbacks, elastic  # noqa: F401
-from ..tensorflow.keras_optimizer import DistributedOptimizer, PartialDistributedOptimizer, _distributed_class  # noqa: F401
-from ..tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
+    from ..errors import InvalidArgumentError
+    from ..localfiles import replaced_atomically
+    from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
+    from ..tensorflow import (Compression, ProcessSet, add_process_set, cross_rank, cross_size,  # noqa: F401
+                              global_process_set, init, is_initialized, local_rank, local_size, rank, reducescatter,
+                              remove_process_set, shutdown, size, start_timeline, stop_timeline)
+    from ..tensorflow import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,  # noqa: F401
+                              mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
+    from . import callbacks, elastic  # noqa: F401
+    from ..tensorflow.keras_optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: F401
+                                              _distributed_class)
+    from ..tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -63,19 +73,24 @@ def save_model(model, filepath: str, **kwargs) -> str | None:
     if rank() != 0:
         return None
     os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
-    with replaced_atomically(filepath) as tmp:  # a reader never finds half a file
+    with replaced_atomically(filepath) as tmp, _jax.saving():  # a reader never finds half a file
         model.save(tmp, **kwargs)
     return filepath
 
 
-def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compression=Compression.none, **kwargs):
+def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compression=None, **kwargs):
     """``keras.models.load_model`` whose optimizer comes back distributed, with its state.
 
     Keras's built-in optimizers, and the classes in ``custom_optimizers``, are loaded as their
     DistributedOptimizer subclasses, as Horovod's ``hvd.load_model`` does, so training continues
-    data-parallel where it stopped; ``compression`` applies to its gradients.
+    data-parallel where it stopped; ``compression`` applies to its gradients (default none). On
+    JAX, where keras.distribution does the reduction, it is ``keras.models.load_model``.
     """
     import keras
+
+    if _jax.on_jax():
+        return keras.models.load_model(filepath, custom_objects=custom_objects, **kwargs)
+    compression = Compression.none if compression is None else compression
 
     from ..tensorflow.keras_optimizer import GradientReduction, _check_arguments
 
@@ -124,3 +139,7 @@ def restore(prefix: str, storage_options: Mapping[str, Any] | None = None, custo
         local = os.path.join(tmp, "model" + suffix)
         storage.get_file(latest, local, storage_options)
         return load_model(local, custom_objects=custom_objects), epoch
+
+
+if _jax.on_jax():  # what only the TensorFlow backend has raises, and names keras.distribution
+    globals().update({name: _jax.refuse(name) for name in _jax.TENSORFLOW_ONLY})

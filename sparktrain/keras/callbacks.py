@@ -5,8 +5,9 @@ from typing import Any, Mapping
 
 import keras
 
-from .. import tensorflow as _tfc
+from .. import context as _ctx
 from ..errors import InvalidArgumentError, SparkTrainError
+from .on_jax import refuse_on_jax as _refuse_on_jax, saving as _saving, tensorflow_collectives as _tfc
 
 
 def check_equal_steps(steps) -> None:
@@ -19,7 +20,7 @@ def check_equal_steps(steps) -> None:
     import tensorflow as tf
 
     known = -1 if steps is None else int(steps)
-    everyone = [int(s) for s in _tfc.allgather(tf.constant([known], tf.int64)).numpy()]
+    everyone = [int(s) for s in _tfc().allgather(tf.constant([known], tf.int64)).numpy()]
     if len(set(everyone)) > 1:
         listing = ", ".join(f"rank {r}: {'unknown' if s < 0 else s}" for r, s in enumerate(everyone))
         good = [s for s in everyone if s >= 0]
@@ -50,6 +51,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
+        _refuse_on_jax("callbacks.BroadcastGlobalVariablesCallback")
         self.root_rank = root_rank
         self.device = device
         if local_variables is None:
@@ -80,17 +82,17 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         from ..tensorflow.keras_optimizer import agree_on_overflow
 
-        _tfc.init()
+        _tfc().init()
         check_equal_steps(self.params.get("steps") if self.params else None)
         agree_on_overflow(self.model)
-        _tfc.broadcast_variables(self._global(self.model.variables), self.root_rank)
+        _tfc().broadcast_variables(self._global(self.model.variables), self.root_rank)
         self._done_first_batch = False
 
     def on_train_batch_end(self, batch, logs=None):
         if self._done_first_batch:
             return
         self._done_first_batch = True
-        _tfc.broadcast_variables(self._global(list(self.model.variables) + list(self.model.optimizer.variables)),
+        _tfc().broadcast_variables(self._global(list(self.model.variables) + list(self.model.optimizer.variables)),
                                  self.root_rank)
 
 
@@ -113,6 +115,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     def __init__(self, device: str = ""):
         super().__init__()
+        _refuse_on_jax("callbacks.MetricAverageCallback")  # on JAX, metrics are the global batch's already
         self.device = device
 
     def on_epoch_end(self, epoch, logs=None):
@@ -123,7 +126,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         names = sorted(k for k, v in logs.items() if isinstance(v, (int, float)) or hasattr(v, "dtype"))
         if not names:
             return
-        values = _tfc.allreduce(tf.constant([float(logs[k]) for k in names], tf.float64), op=_tfc.Average)
+        values = _tfc().allreduce(tf.constant([float(logs[k]) for k in names], tf.float64), op=_tfc().Average)
         for k, v in zip(names, values.numpy().tolist()):
             logs[k] = v
 
@@ -244,7 +247,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             raise InvalidArgumentError(f"warmup_epochs must be a whole number of at least 1, got {warmup_epochs!r}")
 
         def multiplier(epoch: float) -> float:
-            size = _tfc.size()
+            size = _ctx.size()
             return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
@@ -255,7 +258,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == self.warmup_epochs - 1:
             self._adjust(float(self.warmup_epochs))
-            if self.verbose and _tfc.rank() == 0:
+            if self.verbose and _ctx.rank() == 0:
                 print(f"Epoch {epoch + 1}: finished learning-rate warm-up to {self.initial_lr:g}.")
         super().on_epoch_end(epoch, logs)
 
@@ -294,7 +297,7 @@ class BestModelCheckpoint(keras.callbacks.Callback):
         if self.filepath is None:
             raise InvalidArgumentError("BestModelCheckpoint has no filepath: pass filepath='best.keras' (or set "
                                   "callback.filepath) before model.fit")
-        if _tfc.rank() != 0:
+        if _ctx.rank() != 0:
             return
         if self._inner is None:
             import os
@@ -309,7 +312,8 @@ class BestModelCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self._inner is not None:
-            self._inner.on_train_batch_end(batch, logs)
+            with _saving():
+                self._inner.on_train_batch_end(batch, logs)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._inner is not None:
@@ -317,7 +321,8 @@ class BestModelCheckpoint(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if self._inner is not None:
-            self._inner.on_epoch_end(epoch, logs)
+            with _saving():
+                self._inner.on_epoch_end(epoch, logs)
 
 
 class RemoteCheckpoint(keras.callbacks.Callback):
@@ -378,16 +383,14 @@ def save_checkpoint(model, url: str, epoch: int, storage_options: Mapping[str, A
 
     from .. import storage
 
-    if _tfc.rank() != 0:
+    if _ctx.rank() != 0:
         return None
     name = url.rstrip("/").rsplit("/", 1)[-1]
     suffix = next((s for s in (".weights.h5", ".keras", ".h5") if name.endswith(s)), ".keras")
     with tempfile.TemporaryDirectory(prefix="sparktrain-ckpt-") as tmp:
         local = os.path.join(tmp, "model" + suffix)
-        if suffix == ".weights.h5":
-            model.save_weights(local)
-        else:
-            model.save(local)
+        with _saving():
+            model.save_weights(local) if suffix == ".weights.h5" else model.save(local)
         metadata = {"epoch": int(epoch), "metrics": {k: float(v) for k, v in (metrics or {}).items()
                                                      if isinstance(v, (int, float))}}
         return storage.put_file(local, url, storage_options, metadata=metadata)

@@ -13,9 +13,11 @@ from typing import Any, Mapping
 
 import keras
 
-from .. import tensorflow as _tfc
+from .. import context as _ctx
 from .. import tracking, worker_env
 from ..errors import SparkTrainError
+from .on_jax import on_jax, saving
+from .on_jax import tensorflow_collectives as _tfc
 
 
 def _learning_rate(optimizer) -> float | None:
@@ -104,7 +106,7 @@ class MLflowLogger(keras.callbacks.Callback):
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
 
-        size = _tfc.size()
+        size = _ctx.size()
         params: dict[str, Any] = {"num_proc": size}
         if self.params:
             params["epochs"] = self.params.get("epochs")
@@ -135,21 +137,22 @@ class MLflowLogger(keras.callbacks.Callback):
     # -- callback hooks --------------------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        _tfc.init()
-        if _tfc.rank() != 0:
+        if not on_jax():  # on JAX, the metrics are already the global batch's: nothing to average
+            _tfc().init()
+        if _ctx.rank() != 0:
             return
         self._start()
         self._log_params()
 
     def on_epoch_end(self, epoch, logs=None):
         metrics = _numeric(logs)
-        if self.average and metrics and _tfc.size() > 1:
+        if self.average and metrics and _ctx.size() > 1 and not on_jax():
             import tensorflow as tf
 
             names = sorted(metrics)
-            values = _tfc.allreduce(tf.constant([metrics[k] for k in names], tf.float64), op=_tfc.Average)
+            values = _tfc().allreduce(tf.constant([metrics[k] for k in names], tf.float64), op=_tfc().Average)
             metrics = dict(zip(names, values.numpy().tolist()))
-        if _tfc.rank() != 0 or not metrics:
+        if _ctx.rank() != 0 or not metrics:
             return
         import time
 
@@ -159,7 +162,7 @@ class MLflowLogger(keras.callbacks.Callback):
         self._client.log_batch(self.run_id, metrics=[Metric(k, v, now, epoch) for k, v in metrics.items()])
 
     def on_train_end(self, logs=None):
-        if _tfc.rank() != 0 or not self.log_model:
+        if _ctx.rank() != 0 or not self.log_model:
             return
         import mlflow
 
@@ -168,7 +171,8 @@ class MLflowLogger(keras.callbacks.Callback):
         kwargs = {"name": self.model_name, **self.log_model_kwargs}
         if not {"pip_requirements", "extra_pip_requirements", "conda_env"} & set(kwargs):
             kwargs["pip_requirements"] = _requirements()
-        mlflow.keras.log_model(self.model, **kwargs)
+        with saving():  # rank 0 alone: on JAX, outside the run's distribution
+            mlflow.keras.log_model(self.model, **kwargs)
 
 
 def _requirements() -> list[str]:
@@ -221,7 +225,7 @@ class RemoteTensorBoard(keras.callbacks.Callback):
         self._synced: dict = {}
 
     def _on_rank0(self) -> bool:
-        return _tfc.rank() == 0
+        return _ctx.rank() == 0
 
     def set_model(self, model):
         super().set_model(model)

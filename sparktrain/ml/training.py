@@ -94,25 +94,32 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
         import multiprocessing
 
         multiprocessing.set_start_method(spec.mp_start_method, force=True)
+    from ..keras.on_jax import on_jax, saving
+
     hvd.init()
+    jax = on_jax()  # Keras 3 on JAX: keras.distribution reduces the gradients, not DistributedOptimizer
+    if jax:
+        keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
     if spec.random_seed is not None:
         keras.utils.set_random_seed(spec.random_seed)
     prefix = checkpoints_of(spec.run_url)
     model, initial_epoch = hvd.restore(prefix, spec.storage_options, custom_objects=spec.custom_objects)
     if model is None:
         model = load_bytes(spec.model, spec.custom_objects)
-        optimizer = hvd.DistributedOptimizer(unpack(spec.optimizer, spec.custom_objects),
-                                             compression=spec.compression or hvd.Compression.none,
-                                             backward_passes_per_step=spec.backward_passes_per_step)
+        optimizer = unpack(spec.optimizer, spec.custom_objects)
+        if not jax:
+            optimizer = hvd.DistributedOptimizer(optimizer, compression=spec.compression or hvd.Compression.none,
+                                                 backward_passes_per_step=spec.backward_passes_per_step)
         model.compile(optimizer=optimizer, loss=unpack(spec.loss, spec.custom_objects), loss_weights=spec.loss_weights,
                       metrics=unpack(spec.metrics, spec.custom_objects))
     elif hvd.rank() == 0:
         print(f"resuming {spec.run_url} after epoch {initial_epoch}", flush=True)
-    ds, val = _datasets(spec)
+    ds, val = _batches(spec) if jax else _datasets(spec)
     kept = tempfile.TemporaryDirectory(prefix="sparktrain-kept-") if hvd.rank() == 0 else contextlib.nullcontext()
     with kept as tmp:
-        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
-                     *spec.callbacks]
+        callbacks = [] if jax else [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                    hvd.callbacks.MetricAverageCallback()]
+        callbacks += spec.callbacks
         if spec.mlflow:
             kwargs = {"registered_model_name": spec.registered_model_name} if spec.registered_model_name else {}
             callbacks.append(hvd.callbacks.MLflowLogger(batch_size=spec.batch_size, log_model=True,
@@ -127,7 +134,8 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
         if hvd.rank() != 0:
             return {}
         if kept_file is not None and os.path.exists(kept_file):
-            model.load_weights(kept_file)  # what the checkpoint callback kept (its best epoch, say)
+            with saving():  # rank 0 alone: on JAX, outside the run's distribution
+                model.load_weights(kept_file)  # what the checkpoint callback kept (its best epoch, say)
         hvd.callbacks.save_checkpoint(model, spec.model_url, epoch=spec.epochs, storage_options=spec.storage_options)
     return history_of(spec.run_url, spec.storage_options, spec.epochs)
 
@@ -155,6 +163,52 @@ def _datasets(spec: TrainSpec):
     if spec.val_steps:
         val = val.repeat().take(spec.val_steps)
     return ds, val
+
+
+def _batches(spec: TrainSpec):
+    """On JAX: the rank's training and validation batches as ``keras.utils.PyDataset`` (each rank's
+    part of every global batch), reshaped and cut as :func:`_datasets` does, without TensorFlow."""
+    import keras
+
+    import sparktrain.data as data
+
+    features = spec.feature_cols[0] if len(spec.feature_cols) == 1 else list(spec.feature_cols)
+    if len(spec.input_names) > 1:
+        features = dict(zip(spec.input_names, spec.feature_cols))
+    label = spec.label_cols[0] if len(spec.label_cols) == 1 else dict(zip(spec.output_names, spec.label_cols))
+
+    class Cut(keras.utils.PyDataset):
+        """``inner``'s batches reshaped, ``steps`` of them per epoch (the next ones of a new pass)."""
+
+        def __init__(self, inner, steps):
+            super().__init__()
+            self.inner, self.steps = inner, steps or len(inner)
+
+        def __len__(self):
+            return self.steps
+
+        def __getitem__(self, i):
+            x, y, *weight = self.inner[i % len(self.inner)]
+            return (_part(x, spec.input_names, spec.feature_shapes), _part(y, spec.output_names, spec.label_shapes),
+                    *weight)
+
+        def on_epoch_end(self):
+            self.inner.on_epoch_end()
+
+    ds = data.pydataset(features, label, batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.random_seed,
+                        sample_weight=spec.sample_weight_col)
+    if not spec.validation:
+        return Cut(ds, spec.train_steps), None
+    val = data.pydataset(features, label, batch_size=spec.val_batch_size, shuffle=False, name="val",
+                         sample_weight=spec.sample_weight_col)
+    return Cut(ds, spec.train_steps), Cut(val, spec.val_steps)
+
+
+def _part(value, names, shapes):
+    """A batch's features or labels (an array, or a dict by input name) reshaped to ``shapes``."""
+    if isinstance(value, dict):
+        return {k: _part(v, [k], [shapes[names.index(k)]]) for k, v in value.items()}
+    return value if shapes[0] is None else value.reshape((-1, *shapes[0]))
 
 
 def _reshaped(ds, spec: TrainSpec):
