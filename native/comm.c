@@ -115,7 +115,7 @@ int stc_create(const stc_config *cfg, stc_comm **out, char *err, size_t errlen) 
         return rc;
     }
     if (cfg->progress_path) {
-        int rc = progress_open(c, cfg->progress_path, err, errlen);
+        rc = progress_open(c, cfg->progress_path, err, errlen);
         if (rc) {
             stc_destroy(c);
             return rc;

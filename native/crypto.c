@@ -52,7 +52,7 @@ static struct {
 
 static void load(void) {
     static const char *names[] = {"libcrypto.so.3", "libcrypto.so.1.1"};
-    char tried[200] = "";
+    char tried[64] = ""; /* the names below, with separators: short enough for L.why with its words */
     for (size_t i = 0; i < sizeof names / sizeof *names && !L.handle; i++) {
         L.handle = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
         if (L.handle) snprintf(L.name, sizeof L.name, "%s", names[i]);

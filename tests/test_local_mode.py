@@ -95,7 +95,10 @@ def import_tensorflow():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("env, verbose, shown", [({}, 1, False), ({}, 2, True), ({"TF_CPP_MIN_LOG_LEVEL": "0"}, 1, True)])
-def test_tensorflow_start_up_lines_are_hidden_unless_asked_for(env, verbose, shown):
+def test_tensorflow_start_up_lines_are_hidden_unless_asked_for(env, verbose, shown, monkeypatch):
+    # The ranks inherit this process's environment: a TF_CPP_MIN_LOG_LEVEL left by another test's
+    # import (jax sets it to 1 in the process that imports it) would be the user's own setting.
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     out, err = io.StringIO(), io.StringIO()
     sparktrain.run(import_tensorflow, num_proc=-1, env=env, verbose=verbose, stdout=out, stderr=err)
     assert "[0]<stdout>:imported 2" in out.getvalue()
