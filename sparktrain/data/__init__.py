@@ -79,16 +79,7 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     """
     import tensorflow as tf
 
-    batch_size = _check_batch_size(batch_size)
-    check_uneven(uneven)
-    if not isinstance(shuffle, bool):
-        raise InvalidArgumentError(f"shuffle must be True or False, got {shuffle!r}")
-    seed = _check_seed(seed)
-    s = open_shard(name)
-    steps = s.steps_per_epoch(batch_size, uneven)
-    build = _builder(s, features, label, sample_weight)
-    if s.rank == 0:
-        print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
+    batch_size, seed, s, steps, build = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven)
     epochs = itertools.count()
     sample = build(s.epoch_rows(0, 1, False, 0))
     # Python hands tf.data several batches at a time (about GATHER_BYTES), which rebatch splits:
@@ -108,6 +99,24 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
 
 
+def _open(name: str, features: Columns, label: Columns | None, sample_weight: str | None, batch_size: int,
+          shuffle: bool, seed: int | None, uneven: str):
+    """What :func:`dataset` and :func:`pydataset` share: their arguments checked, this rank's shard
+    of ``name`` opened, its steps per epoch, the builder of its batches (rank 0 says what it feeds).
+    Returns ``(batch_size, seed, shard, steps, build)``."""
+    batch_size = _check_batch_size(batch_size)
+    check_uneven(uneven)
+    if not isinstance(shuffle, bool):
+        raise InvalidArgumentError(f"shuffle must be True or False, got {shuffle!r}")
+    seed = _check_seed(seed)
+    s = open_shard(name)
+    steps = s.steps_per_epoch(batch_size, uneven)
+    build = _builder(s, features, label, sample_weight)
+    if s.rank == 0:
+        print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
+    return batch_size, seed, s, steps, build
+
+
 def pydataset(features: Columns, label: Columns | None = None, *, batch_size: int, shuffle: bool = True,
               seed: int | None = None, name: str = "train", uneven: str = "wrap", sample_weight: str | None = None):
     """A ``keras.utils.PyDataset`` of this rank's batches, as :func:`dataset` gives them, for
@@ -122,16 +131,7 @@ def pydataset(features: Columns, label: Columns | None = None, *, batch_size: in
     """
     import keras
 
-    batch_size = _check_batch_size(batch_size)
-    check_uneven(uneven)
-    if not isinstance(shuffle, bool):
-        raise InvalidArgumentError(f"shuffle must be True or False, got {shuffle!r}")
-    seed = _check_seed(seed)
-    s = open_shard(name)
-    steps = s.steps_per_epoch(batch_size, uneven)
-    build = _builder(s, features, label, sample_weight)
-    if s.rank == 0:
-        print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
+    batch_size, seed, s, steps, build = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven)
 
     class ShardBatches(keras.utils.PyDataset):
         def __init__(self):
