@@ -122,6 +122,7 @@ def pytest_configure(config):
     os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", jvm_options())
     config.addinivalue_line("markers", "spark: needs a real Spark session")
     config.addinivalue_line("markers", "multihost: runs on simulated hosts (tests/simhosts.py); needs root")
+    config.addinivalue_line("markers", "jax: Keras 3 on JAX; the JAX tier, run after jax is installed: pytest -m jax")
     config.addinivalue_line("markers", "slow: the slow multi-host tier, run before a release rather than in "
                                        "CI: pytest -m 'multihost and slow' -n 0")
 

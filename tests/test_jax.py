@@ -24,7 +24,7 @@ from helpers import fault_time, mark_time, read_ranks, read_time, record_rank, w
 # later run's ranks would inherit), and Keras would load TensorFlow.
 if importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") is None:
     pytest.skip("the JAX tests need jax and keras 3: pip install sparktrain[jax]", allow_module_level=True)
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.jax]
 
 spark = module_spark("local[3]")
 #: Rows per rank per step: the global batch is 3 x 32.

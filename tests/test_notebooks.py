@@ -19,13 +19,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb", "04-dataframe.ipynb",
          "05-estimator.ipynb", "06-jax.ipynb"]
+#: The notebook each test reads; the fixture runs only those of the tests selected (the JAX tier
+#: selects 06-jax alone, the base tier the others).
+READS = {"test_quickstart": "01-quickstart.ipynb", "test_from_horovod_writes_checkpoints_to_adls_on_azurite":
+         "02-from-horovod.ipynb", "test_custom_loop_resumes_from_its_checkpoint": "03-custom-loop.ipynb",
+         "test_dataframe_trains_from_a_dataframe_with_equal_steps": "04-dataframe.ipynb",
+         "test_estimator_pipeline_fits_scores_saves_and_loads": "05-estimator.ipynb",
+         "test_jax_trains_on_2_ranks_and_the_driver_scores_its_model": "06-jax.ipynb"}
 
 
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory, azurite):
-    """Every notebook, in order, top to bottom in one Jupyter kernel, as a user working through
-    them would: one kernel start, one Spark session, one TensorFlow import on the driver for all
-    of them. Returns {name: (code cells' outputs, error or None), "_env": what the tests set}."""
+def executed(request, tmp_path_factory, azurite):
+    """Every notebook that a selected test reads, in order, top to bottom in one Jupyter kernel,
+    as a user working through them would: one kernel start, one Spark session, one TensorFlow
+    import on the driver for all of them. Returns {name: (code cells' outputs, error or None),
+    "_env": what the tests set}."""
     import nbclient.exceptions
 
     from sparktrain import storage
@@ -52,7 +60,8 @@ def executed(tmp_path_factory, azurite):
                                          resources={"metadata": {"path": str(workdir)}})
         found: dict = {"_env": env, "_workdir": workdir}
         with client.setup_kernel():
-            for name in NAMES:
+            selected = {READS.get(item.originalname) for item in request.session.items}
+            for name in (n for n in NAMES if n in selected):
                 nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
                 # Proves which Python ran it: this virtual environment's, where sparktrain is installed.
                 nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint('KERNEL', sys.executable)"))
@@ -182,6 +191,7 @@ def test_dataframe_trains_from_a_dataframe_with_equal_steps(executed):
 
 
 @pytest.mark.spark
+@pytest.mark.jax
 @pytest.mark.timeout(600)
 def test_jax_trains_on_2_ranks_and_the_driver_scores_its_model(executed):
     if importlib.util.find_spec("jax") is None:  # not imported: jax sets TF_CPP_MIN_LOG_LEVEL in this process
