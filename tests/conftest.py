@@ -102,9 +102,66 @@ def _pickle_test_module_by_value(request):
 _jvm_tmp: str | None = None
 
 
+#: The class-data-sharing archive of Spark's classes (:class:`_SparkClassArchive`), which the
+#: test processes find in this variable.
+CDS_ENV = "SPARKTRAIN_TESTS_JVM_ARCHIVE"
+#: Where the archive does not map (another Spark's jars, as in the stacks tier, or another JVM), the
+#: JVM goes on without it; these keep it from saying so on the output that tests read.
+CDS_QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
+
+
 def jvm_options() -> str:
-    """The options of every JVM this test process starts: a quick start and the process's temp dir."""
-    return f"{JVM_QUICK_START} -Djava.io.tmpdir={_jvm_tmp}" if _jvm_tmp else JVM_QUICK_START
+    """The options of every JVM this test process starts: a quick start, the archive of Spark's
+    classes where there is one, and the process's temp dir."""
+    options = JVM_QUICK_START
+    archive = os.environ.get(CDS_ENV)
+    if archive:
+        options += f" -XX:SharedArchiveFile={archive} {CDS_QUIET}"
+    return f"{options} -Djava.io.tmpdir={_jvm_tmp}" if _jvm_tmp else options
+
+
+class _SparkClassArchive:
+    """A class-data-sharing archive of the classes a Spark driver loads (a session, a barrier
+    stage, a DataFrame), made in the background by one throw-away process as the run starts. Every
+    JVM of the suite names it (``-XX:SharedArchiveFile``); one that starts before it is there, or
+    whose class path is not this Spark's, goes on without it. The others start in about half the
+    time: a local session in 1.8 s against 3.3 s here, and test_check, test_faults_cluster and
+    test_bad_input together in 50 s against 62 s. The suite starts some eighty JVMs."""
+
+    def __init__(self):
+        import subprocess
+        import threading
+
+        self.dir = tempfile.mkdtemp(prefix="sparktrain-tests-cds-")
+        self.path = os.path.join(self.dir, "spark.jsa")
+        partial = self.path + ".partial"  # renamed once whole: no JVM maps half an archive
+        # The JVM writes the archive as it exits, after the Python that started it: wait for it.
+        code = ("import conftest; s = conftest.make_spark('local[2]'); jvm = s.sparkContext._gateway.proc; "
+                "s.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(lambda it: [1]).collect(); "
+                "s.createDataFrame([(1, 'a')], 'x long, y string').groupBy('y').count().collect(); "
+                "conftest.stop_spark(s); jvm.stdin.close(); jvm.wait(90)")
+        env = {**os.environ, "SPARK_SUBMIT_OPTS": f"{JVM_QUICK_START} -Djava.io.tmpdir={self.dir} "
+                                                  f"-XX:ArchiveClassesAtExit={partial} {CDS_QUIET}"}
+        env.pop(CDS_ENV, None)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def finish():
+            try:
+                if self.proc.wait(timeout=180) == 0 and os.path.exists(partial):
+                    os.rename(partial, self.path)
+            except (subprocess.TimeoutExpired, OSError):
+                pass
+
+        self.thread = threading.Thread(target=finish, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # our own child, not yet reaped: its pid is still ours
+        self.proc.wait()
+        self.thread.join(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def jvm_conf() -> dict[str, str]:
@@ -113,8 +170,16 @@ def jvm_conf() -> dict[str, str]:
     return {"spark.driver.extraJavaOptions": f"{jvm_options()} {log}", "spark.executor.extraJavaOptions": jvm_options()}
 
 
+_archive: _SparkClassArchive | None = None
+
+
 def pytest_configure(config):
-    global _jvm_tmp
+    global _jvm_tmp, _archive
+    if not hasattr(config, "workerinput") and CDS_ENV not in os.environ and shutil.which("java"):
+        # The first process of the run (xdist's controller, or the only one) makes the archive; the
+        # test processes it starts inherit the variable.
+        _archive = _SparkClassArchive()
+        os.environ[CDS_ENV] = _archive.path
     _jvm_tmp = tempfile.mkdtemp(prefix="sparktrain-tests-jvm-")
     # Every JVM the suite starts through spark-submit (pyspark's gateway, the Connect server) or
     # spark-class (standalone master and workers) starts quickly too, with that temp dir.
@@ -130,3 +195,6 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _jvm_tmp:
         shutil.rmtree(_jvm_tmp, ignore_errors=True)
+    if _archive:
+        os.environ.pop(CDS_ENV, None)
+        _archive.close()
