@@ -175,9 +175,11 @@ _archive: _SparkClassArchive | None = None
 
 def pytest_configure(config):
     global _jvm_tmp, _archive
-    if not hasattr(config, "workerinput") and CDS_ENV not in os.environ and shutil.which("java"):
-        # The first process of the run (xdist's controller, or the only one) makes the archive; the
-        # test processes it starts inherit the variable.
+    if (not hasattr(config, "workerinput") and CDS_ENV not in os.environ and shutil.which("java")
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS):
+        # The first process of a run of the whole suite or a tier of it (xdist's controller, or the
+        # only one) makes the archive, and the test processes it starts inherit the variable. A run
+        # of a few named tests (the stacks tier's) would spend more on making it than it saves.
         _archive = _SparkClassArchive()
         os.environ[CDS_ENV] = _archive.path
     _jvm_tmp = tempfile.mkdtemp(prefix="sparktrain-tests-jvm-")

@@ -62,6 +62,35 @@ def test_slot_check_fires_within_seconds_when_4_gpus_are_asked_of_3(cluster):
     fault_time("GPU slot check refuses 4 of 3", 10, elapsed)
 
 
+def see_jax_launch(outdir):
+    """What a GPU rank of a JAX run is handed (JAX itself is not imported: there is no GPU here)."""
+    import os
+
+    keys = ("CUDA_VISIBLE_DEVICES", "KERAS_BACKEND", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+            "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID", "JAX_PLATFORMS",
+            "JAX_NUM_CPU_DEVICES", "MASTER_ADDR", "MASTER_PORT")
+    record_rank(outdir, jax_env={k: os.environ.get(k) for k in keys})
+    return 0
+
+
+def test_a_jax_run_on_gpus_gives_each_rank_its_gpu_and_the_coordinator_and_leaves_the_platform_to_jax(
+        cluster, tmp_path):
+    sparktrain.run(see_jax_launch, args=(str(tmp_path),), num_proc=3, backend="jax", verbose=0)
+    ranks = read_ranks(str(tmp_path))
+    assert sorted(ranks) == [0, 1, 2]
+    coordinator = {info["jax_env"]["KERAS_DISTRIBUTION_JOB_ADDRESSES"] for info in ranks.values()}
+    env0 = ranks[0]["jax_env"]
+    assert coordinator == {f"{env0['MASTER_ADDR']}:{env0['MASTER_PORT']}"}
+    for info in ranks.values():  # one GPU each, Spark's id translated through the executors' mask
+        assert info["jax_env"]["CUDA_VISIBLE_DEVICES"] in {"5", "6", "7"}, info["jax_env"]
+    for r, info in ranks.items():
+        env = info["jax_env"]
+        assert (env["KERAS_BACKEND"], env["KERAS_DISTRIBUTION_NUM_PROCESSES"]) == ("jax", "3")
+        assert env["KERAS_DISTRIBUTION_PROCESS_ID"] == str(r)  # JAX's process id is the sparktrain rank
+        # A GPU rank is not confined to JAX's CPU platform: JAX picks its GPU.
+        assert env["JAX_PLATFORMS"] is None and env["JAX_NUM_CPU_DEVICES"] is None, env
+
+
 def test_use_gpu_false_hides_gpus(cluster, tmp_path):
     assert sparktrain.run(see_gpus, args=(str(tmp_path),), num_proc=3, use_gpu=False, verbose=0) == "-1"
 

@@ -339,3 +339,4 @@ def test_keras_estimator_fits_on_jax_ranks_and_its_model_scores_a_dataframe(spar
     accuracy = float(np.mean([int(np.argmax(r["label__output"])) == r["label"] for r in scored]))
     print(f"KerasEstimator on JAX: test accuracy {accuracy:.3f}")
     assert accuracy > 0.85
+

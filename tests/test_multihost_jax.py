@@ -19,7 +19,7 @@ if importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") 
     pytest.skip("the JAX tests need jax and keras 3: pip install sparktrain[jax]", allow_module_level=True)
 pytestmark = [*MARKS, pytest.mark.jax]
 
-BATCH, EPOCHS = 24, 15
+BATCH, EPOCHS = 24, 10
 
 
 def _mlp():

@@ -176,11 +176,19 @@ class MLflowLogger(keras.callbacks.Callback):
 
 
 def _requirements() -> list[str]:
-    """A Keras 3 model's requirements on the TensorFlow backend, pinned to this process's versions."""
+    """A Keras 3 model's requirements on this rank's backend (TensorFlow, or JAX and jaxlib),
+    pinned to this process's versions."""
     import numpy
-    import tensorflow
 
-    return [f"keras=={keras.__version__}", f"tensorflow=={tensorflow.__version__}", f"numpy=={numpy.__version__}"]
+    if on_jax():
+        from importlib.metadata import version
+
+        backend = [f"jax=={version('jax')}", f"jaxlib=={version('jaxlib')}"]
+    else:
+        import tensorflow
+
+        backend = [f"tensorflow=={tensorflow.__version__}"]
+    return [f"keras=={keras.__version__}", *backend, f"numpy=={numpy.__version__}"]
 
 
 class RemoteTensorBoard(keras.callbacks.Callback):
