@@ -166,3 +166,34 @@ def recorder(got: dict, rank: int):
 
     return put
 
+
+
+# -- Keras 3 on JAX -----------------------------------------------------------------------------------
+
+def skip_without_jax() -> None:
+    """Skip the calling test module where jax or Keras 3 is not installed. Neither is imported:
+    importing jax sets TF_CPP_MIN_LOG_LEVEL=1 in this process (which every later run's ranks would
+    inherit), and Keras would load TensorFlow."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") is None:
+        pytest.skip("the JAX tests need jax and keras 3: pip install sparktrain[jax]", allow_module_level=True)
+
+
+def digits_mlp():
+    """The JAX tests' model: an MLP for the 64 pixels of the 8x8 digits, compiled with Adam."""
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def digits_mlp_accuracy(weights, x, y) -> float:
+    """:func:`digits_mlp`'s accuracy on ``(x, y)`` from its weights, in numpy (no Keras here)."""
+    import numpy as np
+
+    w1, b1, w2, b2 = weights
+    return float(np.mean(np.argmax(np.maximum(x @ w1 + b1, 0) @ w2 + b2, axis=1) == y))

@@ -8,7 +8,6 @@ a JAX collective.
 """
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import time
@@ -18,30 +17,15 @@ import pytest
 
 import sparktrain
 from conftest import module_spark
-from helpers import fault_time, mark_time, read_ranks, read_time, record_rank, wait_for_ranks, wait_pids_gone
+from helpers import (digits_mlp, digits_mlp_accuracy, fault_time, mark_time, read_ranks, read_time, record_rank,
+                     skip_without_jax, wait_for_ranks, wait_pids_gone)
 
-# Neither is imported here: importing jax sets TF_CPP_MIN_LOG_LEVEL=1 in this process (which every
-# later run's ranks would inherit), and Keras would load TensorFlow.
-if importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") is None:
-    pytest.skip("the JAX tests need jax and keras 3: pip install sparktrain[jax]", allow_module_level=True)
+skip_without_jax()
 pytestmark = [pytest.mark.timeout(240), pytest.mark.jax]
 
 spark = module_spark("local[3]")
 #: Rows per rank per step: the global batch is 3 x 32.
 BATCH, EPOCHS, RANKS = 32, 20, 3
-
-
-def _mlp():
-    import keras
-
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
-    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
-def _accuracy(weights, x, y) -> float:
-    w1, b1, w2, b2 = weights
-    return float(np.mean(np.argmax(np.maximum(x @ w1 + b1, 0) @ w2 + b2, axis=1) == y))
 
 
 def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
@@ -74,7 +58,7 @@ def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
         def on_train_batch_end(self, batch, logs=None):
             steps.append(batch)
 
-    model = _mlp()
+    model = digits_mlp()
     model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[Count(), *checkpoints])
     weights = [np.asarray(w) for w in model.get_weights()]
     hvd.save_model(model, os.path.join(outdir, f"saved-{r}.keras"))
@@ -91,16 +75,16 @@ def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
                                                       "KERAS_DISTRIBUTION_PROCESS_ID", "JAX_PLATFORMS",
                                                       "JAX_NUM_CPU_DEVICES", "MASTER_ADDR", "MASTER_PORT")},
            "digest": __import__("hashlib").sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
-           "accuracy": _accuracy(weights, x_test, y_test), "refused": refused, "restored_epoch": epoch,
+           "accuracy": digits_mlp_accuracy(weights, x_test, y_test), "refused": refused, "restored_epoch": epoch,
            "restored_same": restored is not None and all(np.array_equal(np.asarray(a), b) for a, b in
                                                          zip(restored.get_weights(), weights))}
     if sparktrain.rank() == 0:
         # The same model and global batch, trained in this one process.
         keras.distribution.set_distribution(None)
         keras.utils.set_random_seed(1)
-        alone = _mlp()
+        alone = digits_mlp()
         alone.fit(x_all, y_all, batch_size=BATCH * RANKS, epochs=EPOCHS, verbose=0)
-        got["alone"] = _accuracy([np.asarray(w) for w in alone.get_weights()], x_test, y_test)
+        got["alone"] = digits_mlp_accuracy([np.asarray(w) for w in alone.get_weights()], x_test, y_test)
     got["fed_without_tensorflow"] = fed_without_tensorflow
     record_rank(outdir, got=got)
     return got

@@ -4,30 +4,19 @@ JAX, not TensorFlow. A module of its own, so that the JAX tier's two test proces
 work: test_jax.py in one, this and notebooks/06-jax.ipynb in the other."""
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
 
 import sparktrain
 from conftest import module_spark
+from helpers import digits_mlp, skip_without_jax
 from mlflow_server import mlflow_server  # noqa: F401 - the fixture
 
-# Neither is imported here: importing jax sets TF_CPP_MIN_LOG_LEVEL=1 in this process, and Keras
-# would load TensorFlow.
-if importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") is None:
-    pytest.skip("the JAX tests need jax and keras 3: pip install sparktrain[jax]", allow_module_level=True)
+skip_without_jax()
 pytestmark = [pytest.mark.timeout(240), pytest.mark.jax]
 
 spark = module_spark("local[2]")
-
-
-def _mlp():
-    import keras
-
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
-    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
 
 
 def fit_with_mlflow(epochs: int):
@@ -40,7 +29,7 @@ def fit_with_mlflow(epochs: int):
     keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
     rng = np.random.default_rng(hvd.rank())  # each process feeds its own part of every global batch
     x, y = rng.random((64, 64), dtype=np.float32), rng.integers(0, 10, 64)
-    model = _mlp()
+    model = digits_mlp()
     model.fit(x, y, batch_size=16, epochs=epochs, verbose=0,
               callbacks=[hvd.callbacks.MLflowLogger(batch_size=16, params={"dataset": "random"})])
     return hvd.rank()

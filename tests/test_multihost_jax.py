@@ -3,36 +3,20 @@
 with its own hostname, so JAX's coordinator and its gloo collectives cross the hosts' bridge."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-from helpers import read_ranks, record_rank
+from helpers import digits_mlp, digits_mlp_accuracy, read_ranks, record_rank, skip_without_jax
 from multihost_cluster import HOSTS, MARKS, PER_HOST
 
 import sparktrain
 
-# Not imported here: importing jax sets TF_CPP_MIN_LOG_LEVEL=1 in this process.
-if importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") is None:
-    pytest.skip("the JAX tests need jax and keras 3: pip install sparktrain[jax]", allow_module_level=True)
+skip_without_jax()
 pytestmark = [*MARKS, pytest.mark.jax]
 
 BATCH, EPOCHS = 24, 10
-
-
-def _mlp():
-    import keras
-
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
-    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
-def _accuracy(weights, x, y) -> float:
-    w1, b1, w2, b2 = weights
-    return float(np.mean(np.argmax(np.maximum(x @ w1 + b1, 0) @ w2 + b2, axis=1) == y))
 
 
 def fit_across_hosts(outdir: str, x_test, y_test, x_all, y_all):
@@ -51,20 +35,20 @@ def fit_across_hosts(outdir: str, x_test, y_test, x_all, y_all):
     hvd.init()
     keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
     ds = sparktrain.data.pydataset("features", label="label", batch_size=BATCH, seed=3)
-    model = _mlp()
+    model = digits_mlp()
     model.fit(ds, epochs=EPOCHS, verbose=0)
     weights = [np.asarray(w) for w in model.get_weights()]
     got = {"hostname": socket.gethostname(), "len": len(ds),
            "process": [jax.process_index(), jax.process_count(), jax.device_count()],
            "coordinator": os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"],
            "digest": hashlib.sha256(b"".join(w.tobytes() for w in weights)).hexdigest(),
-           "accuracy": _accuracy(weights, x_test, y_test)}
+           "accuracy": digits_mlp_accuracy(weights, x_test, y_test)}
     if hvd.rank() == 0:
         keras.distribution.set_distribution(None)
         keras.utils.set_random_seed(1)
-        alone = _mlp()
+        alone = digits_mlp()
         alone.fit(x_all, y_all, batch_size=BATCH * hvd.size(), epochs=EPOCHS, verbose=0)
-        got["alone"] = _accuracy([np.asarray(w) for w in alone.get_weights()], x_test, y_test)
+        got["alone"] = digits_mlp_accuracy([np.asarray(w) for w in alone.get_weights()], x_test, y_test)
     record_rank(outdir, got=got)
     return got["digest"]
 
