@@ -73,16 +73,48 @@ def stop_spark(session) -> None:
         jvm.System.clearProperty(key)
 
 
+#: The session that module_spark fixtures share in this test process: ((master, conf), session).
+_shared: list = []
+
+
+def _close_shared() -> None:
+    if _shared:
+        stop_spark(_shared.pop()[1])
+
+
 def module_spark(master: str, **conf):
-    """A module-scoped fixture: one real SparkSession shared by every test of the module."""
+    """A module's fixture: one real SparkSession for every test of the module.
+
+    Modules that ask for the same master and conf share one session, where xdist gives them to the
+    same test process one after the other: it is kept open after a module, for the next one. Any
+    other module closes it first (``_spark_modules_take_turns``), so a module that starts its own
+    Spark (a local-cluster, a Connect server) finds none running; the last one closes at the end.
+    """
+    key = (master, tuple(sorted(conf.items())))
 
     @pytest.fixture(scope="module")
     def spark():
-        session = make_spark(master, **conf)
-        yield session
-        stop_spark(session)
+        if _shared and _shared[0][0] != key:
+            _close_shared()
+        if not _shared:
+            _shared.append((key, make_spark(master, **conf)))
+        yield _shared[0][1]
 
+    spark._sparktrain_key = key
     return spark
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _spark_modules_take_turns(request):
+    """Before a module's tests: the shared session goes unless this module's ``spark`` is it."""
+    keys = {getattr(v, "_sparktrain_key", None) for v in vars(request.module).values()}
+    if _shared and _shared[0][0] not in keys:
+        _close_shared()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _close_shared()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -173,6 +205,19 @@ def jvm_conf() -> dict[str, str]:
 _archive: _SparkClassArchive | None = None
 
 
+def _compile_bytecode() -> None:
+    """Byte-compile sparktrain/ and tests/ once, before the test processes start.
+
+    The editable install leaves sparktrain/ as source, and where PYTHONDONTWRITEBYTECODE is set (CI)
+    Python never caches it: every rank, barrier task and script of the suite, about 1,500 processes,
+    would compile the modules it imports again (45 ms for the driver's and the executor's). Stale or
+    missing files are rewritten; the directories are git-ignored."""
+    import compileall
+
+    for name in ("sparktrain", "tests"):
+        compileall.compile_dir(os.path.join(os.path.dirname(HERE), name), quiet=2)
+
+
 def pytest_configure(config):
     global _jvm_tmp, _archive
     if (not hasattr(config, "workerinput") and CDS_ENV not in os.environ and shutil.which("java")
@@ -182,6 +227,8 @@ def pytest_configure(config):
         # of a few named tests (the stacks tier's) would spend more on making it than it saves.
         _archive = _SparkClassArchive()
         os.environ[CDS_ENV] = _archive.path
+    if not hasattr(config, "workerinput"):
+        _compile_bytecode()
     _jvm_tmp = tempfile.mkdtemp(prefix="sparktrain-tests-jvm-")
     # Every JVM the suite starts through spark-submit (pyspark's gateway, the Connect server) or
     # spark-class (standalone master and workers) starts quickly too, with that temp dir.

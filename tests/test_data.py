@@ -244,12 +244,14 @@ def test_five_million_rows_keep_driver_and_rank_memory_bounded_and_leave_no_spoo
 
 
 def kill_my_task_mid_epoch(outdir):
+    """Reads its shard in batches of 4 through numpy (no TensorFlow: the spool and the failure are
+    the subject, and they are the same under tf.data), and rank 1's task dies at the fourth."""
     import sparktrain.data
 
-    ds = sparktrain.data.dataset("id", batch_size=4, seed=0)
+    ids = sparktrain.data.numpy("id")
     with open(os.path.join(outdir, f"run-{sparktrain.rank()}"), "w") as f:
         f.write(os.environ["SPARKTRAIN_RUN_ID"] + "\n" + os.environ["SPARKTRAIN_DATA_DIR"])
-    for step, _ in enumerate(ds):
+    for step in range(len(ids) // 4):
         if sparktrain.rank() == 1 and step == 3:
             os.kill(os.getppid(), signal.SIGKILL)  # the Spark task's Python worker, mid-epoch
     time.sleep(120)  # the others wait to be stopped
@@ -305,9 +307,10 @@ def test_an_empty_dataframe_only_reading_can_show_is_refused_before_train_fn_sta
 
 
 def ask_for(column):
+    """numpy() checks the columns as dataset() does (the same builder), without TensorFlow."""
     import sparktrain.data
 
-    sparktrain.data.dataset(column, batch_size=2)
+    sparktrain.data.numpy(column)
 
 
 def test_a_column_train_fn_asks_for_that_is_not_there_is_named(spark):
