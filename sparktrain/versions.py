@@ -99,3 +99,11 @@ def require_floor(*names: str) -> None:
     problems = below_floor({name: _package_version(name) for name in names}, names)
     if problems:
         raise ImportError("; ".join(problems))
+
+
+def require_keras_3() -> None:
+    """:func:`require_floor` of Keras, and of TensorFlow with it where Keras is older (Keras 2 runs on
+    TensorFlow alone), before anything imports Keras: asking Keras for its backend would import it,
+    and TensorFlow with it."""
+    if below_floor({"keras": _package_version("keras")}, ("keras",)):
+        require_floor("tensorflow", "keras")

@@ -1,4 +1,4 @@
-"""KerasEstimator and KerasModel on a real local[3] Spark, with the store on Azurite: a Pipeline that
+"""KerasEstimator and KerasModel on a real local[2] Spark, with the store on Azurite: a Pipeline that
 trains on 2 ranks (through one failed attempt, resumed from the store), scores a held-out
 DataFrame as well as one process trains, loads the model once per Python worker, and saves and
 loads back; bad input is refused before any Spark job."""
@@ -18,7 +18,7 @@ from conftest import module_spark
 pytest.importorskip("tensorflow")
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
-spark = module_spark("local[3]")
+spark = module_spark("local[2]")
 
 EPOCHS, BATCH, LR, RANKS = 12, 16, 2e-3, 2
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
@@ -161,9 +161,10 @@ def test_a_pipeline_trains_on_2_ranks_resumes_and_scores_as_well_as_one_process(
     scored = pm.transform(fitted["test_df"].repartition(3))
     assert scored.schema["label__output"].dataType.simpleString() == "array<float>"
     distributed = _accuracy(scored)
-    # Each Python worker loaded the model once (local[3]: at most 3 of them), each from the store.
+    # Each Python worker loaded the model once, each from the store: local[2] has at most 2 of them
+    # for the 3 partitions, so one of them scored two.
     loads = [name.split("-")[1] for name in os.listdir(records)]
-    assert 1 <= len(loads) <= 3 and len(loads) == len(set(loads)), loads
+    assert 1 <= len(loads) <= 2 and len(loads) == len(set(loads)), loads
 
     keras.utils.set_random_seed(0)
     one = _build()

@@ -27,9 +27,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from ..versions import require_floor
+from ..versions import require_floor, require_keras_3
 from . import on_jax as _jax
 
+require_keras_3()  # before Keras is imported: Keras 2 fails here at once, with TensorFlow's floor too
 if _jax.on_jax():
     require_floor("keras")
     from .on_jax import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,  # noqa: F401
