@@ -2,6 +2,8 @@
 eager and inside tf.function, and Keras 3 model.fit with the DistributedOptimizer."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import sparktrain
@@ -37,11 +39,12 @@ FIT_ARGS = (10, 32, 0.001, True)
 
 
 def collectives_then_fit(outdir):
-    """One run of 3 ranks for two tests: the collectives, then model.fit, on the native engine."""
+    """One run of 3 ranks for three tests: the collectives, then model.fit on the native engine (the
+    default), after which rank 0 trains the same model alone as the reference."""
     import os
 
     collectives_and_engine(os.path.join(outdir, "collectives"))
-    return engine_of_fit(os.path.join(outdir, "native"), *FIT_ARGS)
+    return engine_of_fit(os.path.join(outdir, "native"), *FIT_ARGS, True)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,24 @@ def test_collectives_run_on_the_native_engine(native_run):
     assert {r: e["engine"] for r, e in engines.items()} == {0: "native", 1: "native", 2: "native"}
     ranks = read_ranks(str(outdir / "collectives"))
     assert_collectives(ranks)
+
+
+def test_keras_fit_on_3_ranks_matches_one_process(native_run):
+    outdir, three = native_run
+    ranks = read_ranks(str(outdir / "native"))
+    assert sorted(ranks) == [0, 1, 2]
+    # One process with the same global batch (3 x 32) and the same learning rate (0.001 x 3):
+    # rank 0 trains it alone after the distributed fit.
+    one = ranks[0]["one"]
+    # Different initial weights (seeded by rank), made equal by the broadcast callback...
+    assert len({info["initial"] for info in ranks.values()}) == 3
+    # ...and kept equal, bit for bit, by averaging every step's gradients.
+    assert len({info["final"] for info in ranks.values()}) == 1
+    assert {info["optimizer"] for info in ranks.values()} == {"Adam"}
+    # MetricAverageCallback: every rank ends each epoch with the same (averaged) metrics.
+    histories = [json.dumps(info["history"], sort_keys=True) for info in ranks.values()]
+    assert len(set(histories)) == 1
+    assert three > 0.85 and abs(three - one) <= 0.02, (three, one)
 
 
 def fit(tmp_path, sub, env):
