@@ -1,10 +1,11 @@
-"""Helpers the benchmark scripts share: machine description, settling, tables, RESULTS.md sections."""
+"""Helpers the benchmark scripts share: machine description, settling, timing, tables, RESULTS.md sections."""
 from __future__ import annotations
 
 import datetime
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -18,6 +19,17 @@ def settle(max_wait: float = 15.0, busy_percent: float = 25.0) -> None:
     deadline = time.monotonic() + max_wait
     while time.monotonic() < deadline and psutil.cpu_percent(interval=0.25) > busy_percent:
         pass
+
+
+def median_seconds(call, iters: int) -> float:
+    """``call()`` once untimed (the warm-up), then the median of ``iters`` timed calls, in seconds."""
+    call()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class HostSteal:

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 
-from common import GlooGroup, machine_line, text_table, write_section
+from common import GlooGroup, machine_line, median_seconds, text_table, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -75,14 +75,7 @@ def worker(kind: str, rank: int, hosts: list[str], small_iters: int, large_iters
         make, done = group.make, group.close
     out = {}
     for nbytes, iters in ((SMALL, small_iters), (LARGE, large_iters)):
-        call = make(nbytes)
-        call()
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        out[str(nbytes)] = statistics.median(times)
+        out[str(nbytes)] = median_seconds(make(nbytes), iters)
     done()
     if rank == 0:
         print("RESULTS " + json.dumps(out), flush=True)

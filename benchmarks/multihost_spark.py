@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
-from common import machine_line, text_table, write_section
+import common
+from common import machine_line, median_seconds, text_table, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -40,8 +40,6 @@ HEADER = ["hosts", "ranks/host", "link", "encryption", "engine MB/s", "TF kernel
 def time_allreduces(iters: int, nbytes: int) -> dict:
     """In a rank: the median seconds of a sum allreduce of ``nbytes`` through the TensorFlow
     kernels and on the engine directly, after one warm-up of each."""
-    import time
-
     import numpy as np
     import tensorflow as tf
 
@@ -60,13 +58,7 @@ def time_allreduces(iters: int, nbytes: int) -> dict:
 
     out = {"kernels": hvd.collective_kernels(), "encrypted": bool(getattr(state.comm, "encrypted", False))}
     for name, call in (("engine", on_engine), ("tf", through_tf)):
-        call()
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times)
+        out[name] = median_seconds(call, iters)
     return out
 
 
@@ -91,7 +83,8 @@ def main() -> int:
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the executors need not find benchmarks/
+    for module in (sys.modules[__name__], common):  # the executors need not find benchmarks/
+        cloudpickle.register_pickle_by_value(module)
     h, per = args.hosts, args.per_host
     ring = h / (2 * (h - 1))
     rows = []
