@@ -27,20 +27,17 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from ..versions import require_floor, require_keras_3
+from ..versions import require_keras_3
 from . import on_jax as _jax
 
 require_keras_3()  # before Keras is imported: Keras 2 fails here at once, with TensorFlow's floor too
 if _jax.on_jax():
-    require_floor("keras")
     from .on_jax import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,  # noqa: F401
                          shutdown, size)
     from ..errors import InvalidArgumentError
     from ..localfiles import replaced_atomically
     from . import callbacks  # noqa: F401
-else:
-    require_floor("tensorflow", "keras")  # Keras 2 or an older TensorFlow fails here, with the versions and the fix
-
+else:  # an older TensorFlow under Keras 3 fails in sparktrain.tensorflow's import, with the version and the fix
     from ..errors import InvalidArgumentError
     from ..localfiles import replaced_atomically
     from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
