@@ -197,8 +197,10 @@ def test_a_rank_that_raises_or_is_killed_fails_a_jax_run_at_once_naming_it(spark
         assert (root.rank, root.exc_type, root.message) == (1, "RuntimeError", "rank 1 fails in JAX")
     else:
         # Named with its signal. A peer's gloo error may come first in time: gloo fails at once when
-        # the killed process's sockets close, and a killed process leaves no time of its own.
-        assert e.value.failures[1].exitcode == -9 and "rank 1" in str(e.value)
+        # the killed process's sockets close, and the driver's stop may reach rank 1's task before
+        # its exit shows there; a SIGKILL its task did not send still makes it rank 1's own failure.
+        failures = e.value.failures
+        assert 1 in failures and failures[1].exitcode == -9 and "rank 1" in str(e.value), e.value
     ranks = read_ranks(outdir)
     assert sorted(ranks) == [0, 1, 2]
     assert wait_pids_gone([r["pid"] for r in ranks.values()], timeout=5) == []

@@ -85,6 +85,44 @@ def test_stop_terminates_the_whole_group_after_grace(tmp_path):
     assert rank_processes(work) == []
 
 
+def wait_ignoring_sigterm(outdir):
+    """A rank that shrugs off SIGTERM once it is up, so only SIGKILL ends it."""
+    import os
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(os.path.join(outdir, "up"), "w").close()
+    time.sleep(300)
+
+
+@pytest.mark.parametrize("killer", ["elsewhere", "stop"])
+def test_a_rank_killed_elsewhere_reports_its_own_failure_even_when_a_stop_reached_its_task_first(tmp_path, killer):
+    from sparktrain.executor.output import RankIO
+    from sparktrain.executor.task import _raise_failure
+    from sparktrain.spec import TaskSpec
+
+    work = _workdir(tmp_path, wait_ignoring_sigterm, str(tmp_path))
+    child = ChildProcess(work, _env())
+    wait_for_file(str(tmp_path / "up"), timeout=30)
+    if killer == "elsewhere":  # the OOM killer, or a user: the pidfd proves the process is this child
+        signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+    # The driver's stop arrives while the killed process's exit does not show yet.
+    state = RankIO(TaskSpec(run_id="r", size=2, payload=b"", secret=b"", driver_address=None, use_gpu=False,
+                            output_ranks=None, max_result_bytes=0, start_timeout=60, grace_period=0.2,
+                            user_env={}), 1, "h")
+    state.abort_reason, state.aborted_at = "rank 2 failed", 0.0
+    code = child.stop(grace=0.2)
+    child.close()
+    assert code == -signal.SIGKILL and child.killed_elsewhere == (killer == "elsewhere")
+    with pytest.raises(Exception) as e:
+        _raise_failure(state, code, work, child.killed_elsewhere)
+    if killer == "elsewhere":  # a root cause, with its signal
+        assert (e.value.failure.rank, e.value.failure.exitcode) == (1, -signal.SIGKILL), e.value
+    else:  # killed by its own task after the grace period: stopped because of another rank
+        assert str(e.value) == "sparktrain rank 1 was stopped: rank 2 failed"
+
+
 def report_env(outdir):
     import json
     import os

@@ -105,6 +105,8 @@ class ChildProcess:
         #: Opened before anything can reap the child: it names this process, never a successor.
         self.pidfd = os.pidfd_open(self.pid)
         self.workdir = workdir
+        #: Whether :meth:`stop` sent SIGKILL while the child still ran (see :attr:`killed_elsewhere`).
+        self._killed_here = False
 
     def go(self, env: Mapping[str, str]) -> bool:
         """Let a held child run with ``env``, the rank's whole environment, built once: it takes it
@@ -172,8 +174,16 @@ class ChildProcess:
             while (not self.exited() or _group_members(self.pgid)) and time.monotonic() < deadline:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.05)
+            self._killed_here = self._killed_here or not self.exited()
             _signal_group(self.pgid, signal.SIGKILL)
         return self._finish()
+
+    @property
+    def killed_elsewhere(self) -> bool:
+        """Whether the reaped child died of a SIGKILL that :meth:`stop` did not send: the kernel's OOM
+        killer's, or a user's. That is the rank's own failure, even where a stop reached its task
+        first (a killed process's sockets close a moment before its exit shows)."""
+        return self.proc.returncode == -signal.SIGKILL and not self._killed_here
 
     def reap(self, grace: float) -> int:
         """After the child closed its output: wait for its exit, then end what it left in its group.

@@ -95,7 +95,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         # descendants it left behind in its group.
         code = child.stop(spec.grace_period) if state.abort_reason else child.reap(spec.grace_period)
         child.close_pipes()
-        _raise_failure(state, code, workdir)
+        _raise_failure(state, code, workdir, child.killed_elsewhere)
         if rank == 0:
             yield from result_chunks(state, os.path.join(workdir, "result.pkl"))
         if output is not None:
@@ -138,14 +138,16 @@ def _prepare(state: RankIO, met, gpu_addresses: Sequence[str] | None, workdir: s
     return env
 
 
-def _raise_failure(state: RankIO, code: int, workdir: str) -> None:
+def _raise_failure(state: RankIO, code: int, workdir: str, killed_elsewhere: bool = False) -> None:
     """Raise how the rank's process failed, or that the driver stopped it; nothing when it succeeded.
 
-    A rank that failed on its own (it recorded a failure, or its process had exited, before the
-    stop) reports that even when the stop came first: its peers can fail at once when its process
-    leaves (JAX's gloo), and reach the driver before it does.
+    A rank that failed on its own (it recorded a failure, its process had exited before the stop,
+    or something other than its task killed it) reports that even when the stop came first: its
+    peers can fail at once when its process leaves (JAX's gloo), and reach the driver before it
+    does.
     """
-    own = state.abort_reason is None or state.exited_before_abort or _failed_before(workdir, state.aborted_at)
+    own = (state.abort_reason is None or state.exited_before_abort or killed_elsewhere
+           or _failed_before(workdir, state.aborted_at))
     error = outcome(state, code, workdir) if own else None
     if error is not None:
         raise error
