@@ -105,3 +105,33 @@ def test_tensorflow_start_up_lines_are_hidden_unless_asked_for(env, verbose, sho
     startup = [line for line in err.getvalue().splitlines() if "oneDNN custom operations" in line
                or "absl::InitializeLog" in line]
     assert bool(startup) == shown, err.getvalue()[-2000:]
+
+
+def leave_things_to_the_exit(outdir: str):
+    """Leaves what only the interpreter's shutdown finishes: a file left open and unflushed in a
+    module's global, cyclic garbage whose finalizer writes, and an exit hook."""
+    import atexit
+    import os
+    import sys
+
+    class Finalized:
+        def __init__(self):
+            self.me = self  # a cycle: only the garbage collector frees it
+
+        def __del__(self):
+            with open(os.path.join(outdir, "finalized"), "w") as f:
+                f.write("ran")
+
+    Finalized()
+    sys.modules["__main__"].left_open = open(os.path.join(outdir, "left-open"), "w")
+    sys.modules["__main__"].left_open.write("flushed at exit")
+    atexit.register(lambda: open(os.path.join(outdir, "atexit"), "w").write("ran"))
+    return os.getpid()
+
+
+def test_a_rank_still_flushes_finalizes_and_runs_exit_hooks_as_it_leaves(tmp_path):
+    pid = sparktrain.run(leave_things_to_the_exit, args=(str(tmp_path),), num_proc=-1, verbose=0)
+    assert wait_pids_gone([pid], timeout=10) == []
+    assert (tmp_path / "left-open").read_text() == "flushed at exit"
+    assert (tmp_path / "finalized").read_text() == "ran"
+    assert (tmp_path / "atexit").read_text() == "ran"
