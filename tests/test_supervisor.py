@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import cloudpickle
 import pytest
@@ -105,20 +106,23 @@ def test_a_rank_killed_elsewhere_reports_its_own_failure_even_when_a_stop_reache
     work = _workdir(tmp_path, wait_ignoring_sigterm, str(tmp_path))
     child = ChildProcess(work, _env())
     wait_for_file(str(tmp_path / "up"), timeout=30)
-    if killer == "elsewhere":  # the OOM killer, or a user: the pidfd proves the process is this child
-        signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
-    # The driver's stop arrives while the killed process's exit does not show yet.
     state = RankIO(TaskSpec(run_id="r", size=2, payload=b"", secret=b"", driver_address=None, use_gpu=False,
                             output_ranks=None, max_result_bytes=0, start_timeout=60, grace_period=0.2,
                             user_env={}), 1, "h")
+    if killer == "elsewhere":  # the OOM killer, or a user: the pidfd proves the process is this child
+        signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+        state.pump(child)  # until its output closes
+    pumped_at = time.time()
+    # The driver's stop arrives while the killed process's exit does not show yet.
     state.abort_reason, state.aborted_at = "rank 2 failed", 0.0
     code = child.stop(grace=0.2)
     child.close()
     assert code == -signal.SIGKILL and child.killed_elsewhere == (killer == "elsewhere")
     with pytest.raises(Exception) as e:
         _raise_failure(state, code, work, child.killed_elsewhere)
-    if killer == "elsewhere":  # a root cause, with its signal
+    if killer == "elsewhere":  # a root cause, with its signal, dated when its process ended, not when reported
         assert (e.value.failure.rank, e.value.failure.exitcode) == (1, -signal.SIGKILL), e.value
+        assert e.value.failure.time <= pumped_at
     else:  # killed by its own task after the grace period: stopped because of another rank
         assert str(e.value) == "sparktrain rank 1 was stopped: rank 2 failed"
 

@@ -41,6 +41,10 @@ class RankIO:
         self.aborted_at = float("inf")
         #: Whether the rank's process had already exited when it was told to stop.
         self.exited_before_abort = False
+        #: When (wall clock) this task first saw the rank's process end (its output closed, or it
+        #: exited): the time of a failure the process could not record itself (a kill), so that a
+        #: peer's error about the closed connection does not pass for the root cause.
+        self.ended_at: float | None = None
         #: When the driver was last heard from (monotonic), while the rank runs.
         self.heard = 0.0
         self.show = spec.output_ranks is None or rank in spec.output_ranks
@@ -93,7 +97,8 @@ class RankIO:
             return False
 
     def failure(self, **kw) -> RankFailure:
-        kw.setdefault("time", time.time())  # the child records when its exception happened
+        # The child records when its exception happened; otherwise, when its process ended.
+        kw.setdefault("time", self.ended_at or time.time())
         return RankFailure(rank=self.rank, host=self.host, local_rank=self.local_rank,
                            output_tail=tuple(self.tail), **kw)
 
@@ -158,12 +163,15 @@ class RankIO:
                     if not chunk:
                         sel.unregister(key.fileobj)
                         open_pipes -= 1
+                        if not open_pipes and self.ended_at is None:
+                            self.ended_at = time.time()
                         if buffers[key.data]:
                             self.emit(key.data, buffers[key.data].decode(errors="replace"))
                         continue
                     buffers[key.data] = self._lines(key.data, buffers[key.data] + chunk)
                 self.flush_log()
                 if child.exited():
+                    self.ended_at = self.ended_at or time.time()
                     # A grandchild may hold the pipes open after the child exited: give the
                     # last lines a moment to arrive, then stop waiting for EOF.
                     exited_at = exited_at or time.monotonic()
