@@ -250,11 +250,7 @@ def main() -> int:
         sim = simhosts.SimHosts(h, share_cores=cores == "all").up()
         try:
             for shape in args.shape.split(","):
-                for i in range(h):
-                    if shape == "none":
-                        sim.unshape(i)
-                    else:
-                        sim.shape(i, shape)
+                sim.shape_all(shape)
                 f = measure(sim, per, kinds, args.small_iters, args.large_iters, args.repeat)
                 rows.append(_row(h, per, shape, f, kinds, cores))
                 print(text_table(HEADER, rows[-1:]), flush=True)

@@ -90,11 +90,7 @@ def main() -> int:
     rows = []
     with cluster_session(h, per) as (sim, _standalone, _session):
         for shape in args.shape.split(","):
-            for i in range(h):
-                if shape == "none":
-                    sim.unshape(i)
-                else:
-                    sim.shape(i, shape)
+            sim.shape_all(shape)
             for encryption in args.encryption.split(","):
                 got = sparktrain.run(time_allreduces, args=(args.iters, LARGE), num_proc=h * per, verbose=0,
                                      encryption=encryption, env={"TF_CPP_MIN_LOG_LEVEL": "2"})

@@ -238,6 +238,14 @@ class SimHosts:
             dev = self.veths[i] if len(args) == 1 else "eth0"
             subprocess.run([*args, "qdisc", "del", "dev", dev, "root"], capture_output=True)
 
+    def shape_all(self, rate: str) -> None:
+        """Every host's link at ``rate`` (as :meth:`shape`), or unshaped where ``rate`` is ``"none"``."""
+        for i in range(self.n):
+            if rate == "none":
+                self.unshape(i)
+            else:
+                self.shape(i, rate)
+
     def cut(self, i: int) -> None:
         """A silent partition: host ``i``'s link goes down on the bridge side; no reset reaches anyone."""
         _ip("link", "set", self.veths[i], "down")

@@ -89,12 +89,10 @@ def test_a_link_that_flaps_or_is_slow_does_not_fail_the_run(cluster, tmp_path):
         flapper.join(10)
         hosts.heal(1)
     try:
-        for i in range(HOSTS):
-            hosts.shape(i, "100mbit")
+        hosts.shape_all("100mbit")
         assert sparktrain.run(allreduce_through, args=(str(tmp_path), 10), num_proc=n, timeout=120, verbose=0) >= 10
     finally:
-        for i in range(HOSTS):
-            hosts.unshape(i)
+        hosts.shape_all("none")
 
 
 @pytest.mark.timeout(300)
