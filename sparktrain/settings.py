@@ -69,6 +69,26 @@ def parse_positive_int(name: str, value: Any) -> int:
     return value
 
 
+def parse_gc_threshold(name: str, value: Any) -> str:
+    """``"python"``, or three whole numbers for ``gc.set_threshold``, as ``"700,10,100"``.
+
+    >>> parse_gc_threshold("gc_threshold", (700, 10, 100))
+    '700,10,100'
+    """
+    if isinstance(value, str) and value.strip().lower() == "python":
+        return "python"
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        counts = [int(p.strip()) if isinstance(p, str) else p for p in parts]
+    except (TypeError, ValueError):
+        counts = None
+    if (not counts or len(counts) != 3 or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
+            or counts[0] == 0):
+        raise InvalidArgumentError(f"{name} must be three whole numbers as gc.set_threshold takes them, the first "
+                                   f"above 0 ('700,10,100'), or 'python' for Python's own; got {value!r}")
+    return ",".join(str(c) for c in counts)
+
+
 def parse_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -175,6 +195,11 @@ SETTINGS = {
                 "keep each rank on cores of its own, the host's cores split among its ranks: 'auto' (where the "
                 "ranks own the machine: local mode and local masters, and only when ranks do not outnumber "
                 "cores), 'on' (on clusters too) or 'off'"),
+        Setting("gc_threshold", "SPARKTRAIN_GC_THRESHOLD", "spark.sparktrain.gcThreshold", "700,10,100",
+                parse_gc_threshold, "the rank process's gc.set_threshold, set before it loads train_fn: the "
+                "default lets the oldest generation wait for 100 collections of the one below it (Python's own: "
+                "10), so that the half a million objects TensorFlow and Keras make as they import are not "
+                "traversed again and again while they load; 'python' keeps Python's own thresholds"),
     ]
 }
 
@@ -204,7 +229,8 @@ def encrypted(argument: Any = None, *, conf: Mapping[str, str] | None = None,
 
 
 #: Settings the ranks read from their environment; ``run`` checks them first, on the driver.
-READ_IN_RANK = ("cpu_collectives", "cpu_transport", "elastic_url", "pin_cores", "spin_wait", "tf_kernels")
+READ_IN_RANK = ("cpu_collectives", "cpu_transport", "elastic_url", "gc_threshold", "pin_cores", "spin_wait",
+                "tf_kernels")
 
 
 def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:

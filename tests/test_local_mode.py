@@ -135,3 +135,23 @@ def test_a_rank_still_flushes_finalizes_and_runs_exit_hooks_as_it_leaves(tmp_pat
     assert (tmp_path / "left-open").read_text() == "flushed at exit"
     assert (tmp_path / "finalized").read_text() == "ran"
     assert (tmp_path / "atexit").read_text() == "ran"
+
+
+def gc_threshold():
+    import gc
+
+    return gc.get_threshold()
+
+
+@pytest.mark.parametrize("env, expected", [({}, (700, 10, 100)),
+                                           ({"SPARKTRAIN_GC_THRESHOLD": "python"}, (700, 10, 10)),
+                                           ({"SPARKTRAIN_GC_THRESHOLD": " 2000, 5, 50"}, (2000, 5, 50))])
+def test_a_rank_runs_train_fn_under_the_gc_threshold_setting(env, expected):
+    assert sparktrain.run(gc_threshold, num_proc=-1, env=env, verbose=0) == expected
+
+
+@pytest.mark.parametrize("value", ["700,10", "0,10,10", "a,b,c", "700,-1,10"])
+def test_a_bad_gc_threshold_is_refused_before_any_rank_starts(value):
+    with pytest.raises(sparktrain.InvalidArgumentError, match=r"SPARKTRAIN_GC_THRESHOLD.*'python'") as e:
+        sparktrain.run(gc_threshold, num_proc=-1, env={"SPARKTRAIN_GC_THRESHOLD": value}, verbose=0)
+    assert repr(value) in str(e.value)

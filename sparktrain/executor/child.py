@@ -21,6 +21,7 @@ follows up with SIGKILL after its grace period.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -29,8 +30,8 @@ import time
 import traceback
 from typing import Any, Mapping
 
-from .. import tracking, worker_env
-from ..errors import type_name
+from .. import settings, tracking, worker_env
+from ..errors import InvalidArgumentError, type_name
 from ..localfiles import replaced_atomically, write_atomically
 
 _PR_SET_PDEATHSIG = 1
@@ -113,6 +114,15 @@ def _pin_cores() -> None:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
 
 
+def _set_gc_threshold() -> None:
+    """The ``gc_threshold`` setting, before anything of the user's loads: with Python's own, the
+    oldest generation is traversed again each time the heap grows by a quarter, several times over
+    while TensorFlow and Keras import."""
+    value = settings.resolve("gc_threshold")
+    if value != "python":
+        gc.set_threshold(*(int(n) for n in value.split(",")))
+
+
 def main(argv: list[str]) -> int:
     workdir, parent_pid = argv[0], int(argv[1])
     go = int(argv[argv.index("--go") + 1]) if "--go" in argv[2:] else None
@@ -137,6 +147,11 @@ def main(argv: list[str]) -> int:
         os.environ.clear()
         os.environ.update(message["env"])
         _pin_cores()
+    try:
+        _set_gc_threshold()
+    except InvalidArgumentError as e:
+        _report_error(workdir, e)
+        return 1
 
     try:
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
