@@ -463,6 +463,25 @@ def test_is_homogeneous_reads_every_ranks_host_from_the_rendezvous(monkeypatch):
         assert hvd.is_homogeneous() is want, hosts
 
 
+def test_autograph_calls_sparktrains_functions_as_they_are():
+    # As it calls TensorFlow's and Keras': a tf.function that calls them does not parse and rewrite
+    # their source first. A user's own function is still converted.
+    import tensorflow as tf
+    from tensorflow.python.autograph.impl import conversion
+
+    import sparktrain.keras
+    import sparktrain.tensorflow as hvd
+
+    for fn in (hvd.allreduce, hvd.grouped_allreduce, hvd.alltoall, hvd.broadcast_variables,
+               hvd.DistributedGradientTape(tf.GradientTape()).gradient, sparktrain.keras.allreduce):
+        assert conversion.is_allowlisted(fn), fn
+
+    def users(x):
+        return x
+
+    assert not conversion.is_allowlisted(users)
+
+
 def test_compression_and_horovods_helpers_in_this_process():
     import tensorflow as tf
 

@@ -31,6 +31,22 @@ from ..versions import require_floor
 
 require_floor("tensorflow")  # an older TensorFlow fails here, with the version found and the fix
 
+
+def _left_alone_by_autograph() -> None:
+    """AutoGraph calls sparktrain's functions as they are, as it calls TensorFlow's and Keras':
+    they are written for graphs already. Converted, each cost its process the parsing and
+    rewriting of its source the first time a ``tf.function`` called it. TensorFlow keeps the
+    packages it leaves alone in a private list; where that list moves, only the cost comes back."""
+    try:
+        from tensorflow.python.autograph.core import config
+    except ImportError:
+        return
+    if not any(getattr(rule, "_prefix", None) == "sparktrain" for rule in config.CONVERSION_RULES):
+        config.CONVERSION_RULES = (config.DoNotConvert("sparktrain"), *config.CONVERSION_RULES)
+
+
+_left_alone_by_autograph()
+
 from .collectives import allgather, allreduce, barrier, broadcast, grouped_allgather, grouped_allreduce, join
 from .compression import Compression
 from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
