@@ -53,6 +53,10 @@ CORES = "SPARKTRAIN_CORES"
 #: The CPUs this host's ranks can use together (``sparktrain.cpus.host_budget``): the native engine
 #: spin-waits only where the host's ranks do not outnumber them.
 CPU_BUDGET = "SPARKTRAIN_CPU_BUDGET"
+#: The rank process's ``gc.set_threshold`` (the ``gc_threshold`` setting), and its default: read
+#: in the rank before it loads train_fn.
+GC_THRESHOLD = "SPARKTRAIN_GC_THRESHOLD"
+GC_THRESHOLD_DEFAULT = "700,10,100"
 #: The variables :func:`thread_defaults` sets, unless the user or the executor already does.
 THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 

@@ -150,6 +150,15 @@ def test_a_rank_runs_train_fn_under_the_gc_threshold_setting(env, expected):
     assert sparktrain.run(gc_threshold, num_proc=-1, env=env, verbose=0) == expected
 
 
+def test_the_gc_threshold_in_the_spark_conf_reaches_the_rank_in_its_canonical_form():
+    from sparktrain import settings
+
+    assert settings.rank_env({}, {"spark.sparktrain.gcThreshold": " 2000 ,5,50"}) == {
+        "SPARKTRAIN_GC_THRESHOLD": "2000,5,50"}
+    assert settings.rank_env({"SPARKTRAIN_GC_THRESHOLD": "python"}, {"spark.sparktrain.gcThreshold": "1,1,1"}) == {
+        "SPARKTRAIN_GC_THRESHOLD": "python"}
+
+
 @pytest.mark.parametrize("value", ["700,10", "0,10,10", "a,b,c", "700,-1,10"])
 def test_a_bad_gc_threshold_is_refused_before_any_rank_starts(value):
     with pytest.raises(sparktrain.InvalidArgumentError, match=r"SPARKTRAIN_GC_THRESHOLD.*'python'") as e:

@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import Any, Mapping
 
-from .. import settings, tracking, worker_env
+from .. import tracking, worker_env
 from ..errors import InvalidArgumentError, type_name
 from ..localfiles import replaced_atomically, write_atomically
 
@@ -118,7 +118,11 @@ def _set_gc_threshold() -> None:
     """The ``gc_threshold`` setting, before anything of the user's loads: with Python's own, the
     oldest generation is traversed again each time the heap grows by a quarter, several times over
     while TensorFlow and Keras import."""
-    value = settings.resolve("gc_threshold")
+    value = os.environ.get(worker_env.GC_THRESHOLD, "").strip() or worker_env.GC_THRESHOLD_DEFAULT
+    if value != worker_env.GC_THRESHOLD_DEFAULT:
+        from .. import settings  # only for a value of the user's, checked as the driver checks it
+
+        value = settings.parse_gc_threshold(worker_env.GC_THRESHOLD, value)
     if value != "python":
         gc.set_threshold(*(int(n) for n in value.split(",")))
 
