@@ -196,10 +196,11 @@ SETTINGS = {
                 "ranks own the machine: local mode and local masters, and only when ranks do not outnumber "
                 "cores), 'on' (on clusters too) or 'off'"),
         Setting("gc_threshold", worker_env.GC_THRESHOLD, "spark.sparktrain.gcThreshold",
-                worker_env.GC_THRESHOLD_DEFAULT, parse_gc_threshold, "the rank process's gc.set_threshold, set before it loads train_fn: the "
-                "default lets the oldest generation wait for 100 collections of the one below it (Python's own: "
-                "10), so that the half a million objects TensorFlow and Keras make as they import are not "
-                "traversed again and again while they load; 'python' keeps Python's own thresholds"),
+                worker_env.GC_THRESHOLD_DEFAULT, parse_gc_threshold,
+                "the rank process's gc.set_threshold, set before it loads train_fn: the default lets the "
+                "oldest generation wait for 100 collections of the one below it (Python's own: 10), so that "
+                "the half a million objects TensorFlow and Keras make as they import are not traversed again "
+                "and again while they load; 'python' keeps Python's own thresholds"),
     ]
 }
 
