@@ -187,6 +187,10 @@ SETTINGS = {
                 "the Keras backend of every rank (run's backend argument, else the driver's KERAS_BACKEND or the "
                 "one run's env gives): 'jax' also hands each rank what keras.distribution.initialize() and "
                 "sparktrain.jax.initialize() read (docs/jax.md); None leaves the ranks' KERAS_BACKEND as it is"),
+        Setting("legacy_keras", "TF_USE_LEGACY_KERAS", "spark.sparktrain.legacyKeras", None, parse_bool,
+                "whether tf.keras is tf_keras (Keras 2) in every rank: true writes TF_USE_LEGACY_KERAS=1 into the "
+                "ranks' environment, false 0; from the driver's TF_USE_LEGACY_KERAS, run's env or the conf. None "
+                "leaves the ranks' own (docs/from-horovod.md, Keras 2 code)"),
         Setting("jax_cpu_devices", "JAX_NUM_CPU_DEVICES", "spark.sparktrain.jaxCpuDevices", 1, parse_positive_int,
                 "on a JAX run, how many devices JAX's CPU platform shows in each rank that has no GPU (a mesh of "
                 "ranks x devices for keras.distribution)"),

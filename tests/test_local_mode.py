@@ -164,3 +164,29 @@ def test_a_bad_gc_threshold_is_refused_before_any_rank_starts(value):
     with pytest.raises(sparktrain.InvalidArgumentError, match=r"SPARKTRAIN_GC_THRESHOLD.*'python'") as e:
         sparktrain.run(gc_threshold, num_proc=-1, env={"SPARKTRAIN_GC_THRESHOLD": value}, verbose=0)
     assert repr(value) in str(e.value)
+
+
+def legacy_keras_in_rank():
+    import os
+
+    import sparktrain.kerasline as kerasline
+
+    return os.environ.get("TF_USE_LEGACY_KERAS"), kerasline.served()
+
+
+@pytest.mark.parametrize("driver, env, expected", [
+    ("1", {}, ("1", "tf_keras")),                                 # the driver's own variable reaches the ranks
+    (None, {"TF_USE_LEGACY_KERAS": "yes"}, ("1", "tf_keras")),    # env=, in the form TensorFlow reads
+    ("1", {"TF_USE_LEGACY_KERAS": "false"}, ("0", "keras")),      # env= wins over the driver's
+    (None, {}, (None, "keras"))])
+def test_the_legacy_keras_setting_reaches_every_rank(monkeypatch, driver, env, expected):
+    if driver is None:
+        monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    else:
+        monkeypatch.setenv("TF_USE_LEGACY_KERAS", driver)
+    assert sparktrain.run(legacy_keras_in_rank, num_proc=-1, env=env, verbose=0) == expected
+
+
+def test_a_bad_legacy_keras_value_is_refused_before_any_rank_starts():
+    with pytest.raises(sparktrain.InvalidArgumentError, match=r"TF_USE_LEGACY_KERAS must be true or false, got 'maybe'"):
+        sparktrain.run(legacy_keras_in_rank, num_proc=-1, env={"TF_USE_LEGACY_KERAS": "maybe"}, verbose=0)

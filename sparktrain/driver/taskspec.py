@@ -21,6 +21,9 @@ def task_spec(cfg: RunConfig, size: int, max_result_bytes: int, tails_without_ch
     environ = {**os.environ, **a.env}
     settings.warn_retired(conf, environ)
     user_env = {**settings.rank_env(a.env, conf), settings.SETTINGS["encryption"].env: "on" if cfg.encrypted else "off"}
+    legacy_keras = settings.resolve("legacy_keras", environ=environ, conf=conf)
+    if legacy_keras is not None:  # tf.keras is decided in the rank's process, from its environment
+        user_env[settings.SETTINGS["legacy_keras"].env] = "1" if legacy_keras else "0"
     spec = TaskSpec(
         run_id=a.run_id, size=size, payload=a.payload, secret=b"",
         driver_address=(cfg.driver_host, 0) if cfg.rendezvous != "barrier" else None,

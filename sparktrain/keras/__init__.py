@@ -1,4 +1,5 @@
-"""Keras 3 data-parallel training with Horovod's ``horovod.tensorflow.keras`` API.
+"""Keras data-parallel training with Horovod's ``horovod.tensorflow.keras`` API: Keras 3, and tf_keras
+(Keras 2) where ``TF_USE_LEGACY_KERAS=1`` makes ``tf.keras`` tf_keras.
 
 Inside ``train_fn``::
 
@@ -27,10 +28,12 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from .. import kerasline
 from ..versions import require_keras_3
 from . import on_jax as _jax
 
-require_keras_3()  # before Keras is imported: Keras 2 fails here at once, with TensorFlow's floor too
+if not kerasline.legacy_requested():  # tf_keras (TF_USE_LEGACY_KERAS=1) is Keras 2 by design
+    require_keras_3()  # before Keras is imported: Keras 2 fails here at once, with TensorFlow's floor too
 if _jax.on_jax():
     from .on_jax import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,  # noqa: F401
                          shutdown, size)
@@ -49,7 +52,10 @@ else:  # an older TensorFlow under Keras 3 fails in sparktrain.tensorflow's impo
     from . import callbacks, elastic  # noqa: F401
     from ..tensorflow.keras_optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: F401
                                               _distributed_class)
-    from ..tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
+    if kerasline.legacy_requested():
+        from ..tensorflow.tf_keras_sync_batch_norm import SyncBatchNormalization  # noqa: F401
+    else:
+        from ..tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -84,7 +90,7 @@ def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compr
     data-parallel where it stopped; ``compression`` applies to its gradients (default none). On
     JAX, where keras.distribution does the reduction, it is ``keras.models.load_model``.
     """
-    import keras
+    from .front import keras
 
     if _jax.on_jax():
         return keras.models.load_model(filepath, custom_objects=custom_objects, **kwargs)
@@ -93,19 +99,25 @@ def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compr
     from ..tensorflow.keras_optimizer import GradientReduction, _check_arguments
 
     _check_arguments(None, compression, False, 1.0, Average, 1, False, 0, None, None, True)
+    distributed = _distributed_class
+    if kerasline.served() == kerasline.TF_KERAS:
+        from ..tensorflow.tf_keras_optimizer import distributed_class as distributed
     custom = {}
     for name in dir(keras.optimizers):
         obj = getattr(keras.optimizers, name)
         if isinstance(obj, type) and issubclass(obj, keras.optimizers.Optimizer) and obj is not keras.optimizers.Optimizer:
-            custom[name] = _distributed_class(obj)
+            custom[name] = distributed(obj)
     for cls in custom_optimizers or []:
-        custom[cls.__name__] = _distributed_class(cls)
+        custom[cls.__name__] = distributed(cls)
     custom.update(custom_objects or {})
     model = keras.models.load_model(filepath, custom_objects=custom, **kwargs)
-    if getattr(model, "optimizer", None) is not None and getattr(type(model.optimizer), "_sparktrain_distributed", False):
-        # Keras saved backward_passes_per_step as gradient_accumulation_steps; the rest is Horovod's defaults.
-        model.optimizer._sparktrain_reduction = GradientReduction(
-            compression=compression, backward_passes_per_step=model.optimizer.gradient_accumulation_steps or 1)
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # tf_keras' loss scale keeps it inside
+    if optimizer is not None and getattr(type(optimizer), "_sparktrain_distributed", False):
+        # Keras 3 saved backward_passes_per_step as gradient_accumulation_steps (tf_keras has none);
+        # the rest is Horovod's defaults.
+        optimizer._sparktrain_reduction = GradientReduction(
+            compression=compression, backward_passes_per_step=getattr(optimizer, "gradient_accumulation_steps", 0) or 1)
     return model
 
 

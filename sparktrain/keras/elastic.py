@@ -1,4 +1,4 @@
-"""Horovod's ``horovod.tensorflow.keras.elastic`` for Keras 3: ``KerasState``, ``run`` and the
+"""Horovod's ``horovod.tensorflow.keras.elastic`` for Keras 3 and tf_keras: ``KerasState``, ``run`` and the
 callbacks that keep the state current during ``model.fit``.
 
 How state survives a failure on sparktrain (a later attempt of ``run(..., max_attempts=N)``
@@ -19,19 +19,19 @@ restores the last commit from the ``elastic_url`` setting) is described in
 """
 from __future__ import annotations
 
-import keras
-
 from ..errors import InvalidArgumentError
 from ..tensorflow import resize
+from .front import Callback
 from ..tensorflow.elastic import (HostsUpdatedInterrupt, ObjectState, State, TensorFlowKerasState,  # noqa: F401
                                   broadcast_object, run)
 
 
 class KerasState(TensorFlowKerasState):
-    """A Keras 3 model, its optimizer and attributes (``epoch=0, batch=0``...), as Horovod's ``KerasState``."""
+    """A Keras model (Keras 3, or tf_keras under ``TF_USE_LEGACY_KERAS=1``), its optimizer and
+    attributes (``epoch=0, batch=0``...), as Horovod's ``KerasState``."""
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback(Callback):
     """Commit ``state`` every ``batches_per_commit`` batches and at the end of every epoch.
 
     Each commit with the ``elastic_url`` setting writes the model and optimizer (rank 0), so pick
@@ -62,7 +62,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(Callback):
     """Keep ``state.batch`` at the last finished batch of the epoch (0 after the epoch).
 
     Horovod also lowers ``params["steps"]`` so a resumed epoch runs only its remaining batches;
@@ -91,7 +91,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(Callback):
     """Keep ``state.epoch`` at the number of finished epochs, counted across resumes: Keras counts
     from ``initial_epoch``, or from 0 when it is not given, so the count starts from the state's
     epoch at the start of training."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from .. import context
+from .. import context, kerasline
 from ..jax import coordinator, not_on_jax
 
 #: What ``sparktrain.keras`` offers on TensorFlow only; on JAX each name raises when called.
@@ -22,7 +22,10 @@ TENSORFLOW_ONLY = (
 
 
 def on_jax() -> bool:
-    """Whether this process's Keras runs on JAX (Keras is imported to ask)."""
+    """Whether this process's Keras runs on JAX (Keras 3 is imported to ask; tf_keras runs on
+    TensorFlow only, and is not asked)."""
+    if kerasline.legacy_requested():
+        return False
     import keras
 
     return keras.backend.backend() == "jax"

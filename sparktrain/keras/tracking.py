@@ -11,18 +11,17 @@ import tempfile
 import warnings
 from typing import Any, Mapping
 
-import keras
-
 from .. import context as _ctx
-from .. import tracking, worker_env
+from .. import kerasline, tracking, worker_env
 from ..errors import SparkTrainError
+from .front import LINE, Callback, keras, value
 from .on_jax import on_jax, saving
 from .on_jax import tensorflow_collectives as _tfc
 
 
 def _learning_rate(optimizer) -> float | None:
     try:
-        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        return value(optimizer.learning_rate)
     except Exception:  # noqa: BLE001 - a schedule Keras cannot evaluate here
         return None
 
@@ -37,7 +36,7 @@ def _numeric(logs: Mapping[str, Any] | None) -> dict[str, float]:
     return out
 
 
-class MLflowLogger(keras.callbacks.Callback):
+class MLflowLogger(Callback):
     """Log a data-parallel ``model.fit`` to MLflow from rank 0: parameters, per-epoch metrics, the model.
 
     Add it on **every** rank, like ``MetricAverageCallback``: at each epoch's end the ranks average
@@ -172,7 +171,10 @@ class MLflowLogger(keras.callbacks.Callback):
         if not {"pip_requirements", "extra_pip_requirements", "conda_env"} & set(kwargs):
             kwargs["pip_requirements"] = _requirements()
         with saving():  # rank 0 alone: on JAX, outside the run's distribution
-            mlflow.keras.log_model(self.model, **kwargs)
+            if LINE == kerasline.TF_KERAS:  # MLflow's keras flavour is Keras 3's; tf_keras models are TensorFlow's
+                mlflow.tensorflow.log_model(self.model, **kwargs)
+            else:
+                mlflow.keras.log_model(self.model, **kwargs)
 
 
 def _requirements() -> list[str]:
@@ -188,10 +190,11 @@ def _requirements() -> list[str]:
         import tensorflow
 
         backend = [f"tensorflow=={tensorflow.__version__}"]
-    return [f"keras=={keras.__version__}", *backend, f"numpy=={numpy.__version__}"]
+    keras_pin = f"tf_keras=={keras.__version__}" if LINE == kerasline.TF_KERAS else f"keras=={keras.__version__}"
+    return [keras_pin, *backend, f"numpy=={numpy.__version__}"]
 
 
-class RemoteTensorBoard(keras.callbacks.Callback):
+class RemoteTensorBoard(Callback):
     """Keras's TensorBoard callback on rank 0, with its event files mirrored to a storage URL as training runs.
 
     TensorFlow's summary writers cannot write to ``abfs://`` and friends, so rank 0 writes to a

@@ -91,7 +91,12 @@ def __getattr__(name):
         return importlib.import_module(f"{__name__}.elastic")
     # Horovod exports SyncBatchNormalization here too; it imports Keras, so only when asked for.
     if name == "SyncBatchNormalization":
-        from .sync_batch_norm import SyncBatchNormalization
+        from .. import kerasline
+
+        if kerasline.legacy_requested():
+            from .tf_keras_sync_batch_norm import SyncBatchNormalization
+        else:
+            from .sync_batch_norm import SyncBatchNormalization
 
         return SyncBatchNormalization
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

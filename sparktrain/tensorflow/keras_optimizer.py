@@ -10,45 +10,18 @@ runs.
 """
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from typing import Any
-
+from .. import kerasline
 from ..errors import InvalidArgumentError
 from .collectives import allreduce, global_process_set
 from .compression import Compression
-from .gradients import check_process_set, reduce_except_local
-from .ops import Average, Min, Sum
+from .gradient_reduction import (GradientReduction, _check_arguments, _reduction_of, local_variables,  # noqa: F401
+                                 reduce_gradients, register_local_var)
+from .ops import Average, Min
 from .runtime import size
 
 _wrapped_classes: dict[type, type] = {}
 #: The one LossScaleOptimizer subclass whose ranks agree on overflow (see _AgreeingLossScale).
 _agreeing_loss_scale: list[type] = []
-
-
-@dataclasses.dataclass
-class GradientReduction:
-    """How a distributed optimizer reduces its gradients (Horovod's arguments, checked)."""
-
-    op: str = Average
-    compression: Any = Compression.none
-    sparse_as_dense: bool = False
-    gradient_predivide_factor: float = 1.0
-    backward_passes_per_step: int = 1
-    average_aggregated_gradients: bool = False
-    groups: Any = None
-    scale_local_gradients: bool = True
-    #: The ranks the gradients are reduced over (None: every rank).
-    process_set: Any = None
-    #: ``id()`` of each variable registered with ``register_local_var``, and the variables.
-    local_vars: dict = dataclasses.field(default_factory=dict)
-    local_layers: list = dataclasses.field(default_factory=list)
-
-    def local_ids(self) -> set[int]:
-        ids = set(self.local_vars)
-        for layer in self.local_layers:
-            ids.update(id(v) for v in layer.weights)
-        return ids
 
 
 def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str = "", device_sparse: str = "",  # noqa: N802
@@ -90,12 +63,18 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
     sparktrain. An optimizer that is already distributed (from :func:`load_model`) comes back
     as it is. Clipping and weight decay happen after the reduction, as with Horovod.
     """
+    if kerasline.line_of(optimizer) == kerasline.TF_KERAS:  # decided by the object, not by a version
+        from .tf_keras_optimizer import distributed
+
+        return distributed(optimizer, _check_arguments(
+            optimizer, compression, sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
+            average_aggregated_gradients, num_groups, groups, process_set, scale_local_gradients), name)
     import keras
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise InvalidArgumentError(
-            f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.*), got {type(optimizer).__name__}; "
-            "for tf_keras use sparktrain.tensorflow.strategy()")
+            f"DistributedOptimizer needs a Keras optimizer (keras.optimizers.* for Keras 3, or tf.keras.optimizers.* "
+            f"under TF_USE_LEGACY_KERAS=1 for tf_keras), got {type(optimizer).__module__}.{type(optimizer).__name__}")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         if getattr(type(optimizer), "_sparktrain_distributed", False):
             return optimizer
@@ -137,11 +116,11 @@ def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense
     callback, which skips every variable this optimizer treats as local. The layers may be
     unbuilt here; their weights are looked up when gradients are first applied.
     """
-    import keras
+    def is_layer(obj) -> bool:  # of either Keras line
+        return kerasline.line_of(obj) is not None and hasattr(obj, "trainable_weights")
 
-    layers = [] if local_layers is None else [local_layers] if isinstance(local_layers, keras.layers.Layer) \
-        else list(local_layers)
-    bad = [type(layer).__name__ for layer in layers if not isinstance(layer, keras.layers.Layer)]
+    layers = [] if local_layers is None else [local_layers] if is_layer(local_layers) else list(local_layers)
+    bad = [type(layer).__name__ for layer in layers if not is_layer(layer)]
     if bad:
         raise InvalidArgumentError(f"local_layers must be Keras layers, got {', '.join(bad)}; pass model.layers[i] "
                               "or the layer objects themselves")
@@ -153,41 +132,6 @@ def PartialDistributedOptimizer(optimizer, name: str | None = None, device_dense
                                    process_set=process_set, scale_local_gradients=scale_local_gradients)
     wrapped._sparktrain_reduction.local_layers = layers
     return wrapped
-
-
-def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, passes, average_aggregated, num_groups,
-                     groups, process_set, scale_local) -> GradientReduction:
-    if op not in (Average, Sum):
-        raise InvalidArgumentError(f"op must be sparktrain.keras.Average or Sum for gradients, got {op!r}")
-    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
-        raise InvalidArgumentError(f"compression must be Compression.none or Compression.fp16 (an object with compress "
-                              f"and decompress), got {compression!r}")
-    if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
-        raise InvalidArgumentError(f"gradient_predivide_factor must be a positive number, got {predivide!r}")
-    if predivide != 1.0 and op != Average:
-        raise InvalidArgumentError(f"gradient_predivide_factor={predivide!r} needs op=Average (it splits the averaging "
-                              f"before and after the sum), got op={op!r}")
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise InvalidArgumentError(f"backward_passes_per_step must be a whole number of at least 1, got {passes!r}")
-    if passes > 1 and getattr(optimizer, "gradient_accumulation_steps", None):
-        raise InvalidArgumentError(
-            f"the optimizer already accumulates gradients (gradient_accumulation_steps="
-            f"{optimizer.gradient_accumulation_steps}); set either that or backward_passes_per_step={passes}, not both")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
-        raise InvalidArgumentError(f"num_groups must be a whole number >= 0, got {num_groups!r}")
-    if num_groups:
-        warnings.warn("num_groups is deprecated, as in Horovod: pass groups=", DeprecationWarning, stacklevel=3)
-        if groups is None:
-            groups = num_groups
-    if groups is not None and not (isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups)) \
-            and not (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0):
-        raise InvalidArgumentError(f"groups must be a positive number of groups or a list of lists of variables, "
-                              f"got {groups!r}")
-    process_set = check_process_set(process_set)
-    return GradientReduction(op=op, compression=compression, sparse_as_dense=bool(sparse_as_dense),
-                             gradient_predivide_factor=float(predivide), backward_passes_per_step=passes,
-                             average_aggregated_gradients=bool(average_aggregated), groups=groups,
-                             scale_local_gradients=bool(scale_local), process_set=process_set)
 
 
 def _AgreeingLossScale() -> type:  # noqa: N802 - returns a class
@@ -224,9 +168,11 @@ def agree_on_overflow(model) -> bool:
     DistributedOptimizer (under a ``mixed_float16`` policy) skip overflowing steps on every rank
     together. Call before the train step is traced; returns whether it changed anything.
     """
+    opt = getattr(model, "optimizer", None)
+    if kerasline.line_of(opt) != kerasline.KERAS_3:
+        return False  # tf_keras' loss scale checks the reduced gradients, the same on every rank
     import keras
 
-    opt = getattr(model, "optimizer", None)
     if type(opt) is keras.optimizers.LossScaleOptimizer and \
             getattr(type(opt.inner_optimizer), "_sparktrain_distributed", False):
         opt.__class__ = _AgreeingLossScale()  # a subclass overriding one method, with no state of its own
@@ -255,32 +201,6 @@ def _distributed_class(base: type) -> type:
     return cls
 
 
-def register_local_var(self, var) -> None:
-    """Treat ``var`` as local to this rank: its gradient is not reduced, and
-    ``BroadcastGlobalVariablesCallback`` does not broadcast it. Call it before training."""
-    reduction = _reduction_of(self)
-    reduction.local_vars[id(var)] = var
-
-
-def _reduction_of(optimizer) -> GradientReduction:
-    reduction = getattr(optimizer, "_sparktrain_reduction", None)
-    if reduction is None:  # loaded by load_model: Horovod's defaults
-        reduction = GradientReduction()
-        optimizer._sparktrain_reduction = reduction
-    return reduction
-
-
-def local_variables(optimizer) -> list:
-    """The variables ``optimizer`` keeps local (registered, or in its ``local_layers``); [] for others."""
-    reduction = getattr(optimizer, "_sparktrain_reduction", None)
-    if reduction is None:
-        return []
-    found = dict(reduction.local_vars)
-    for layer in reduction.local_layers:
-        found.update((id(v), v) for v in layer.weights)
-    return list(found.values())
-
-
 def _backend_update_step(self, grads, trainable_variables, learning_rate):
     # Every Keras 3 release from 3.2 on (master too) calls _backend_update_step(grads, variables,
     # learning_rate) once per applied update, with the gradients unscaled and, when it
@@ -299,26 +219,6 @@ def _clip_gradients(self, grads):
     return grads
 
 
-def reduce_gradients(grads: list, variables: list, reduction: GradientReduction) -> list:
-    """Reduce ``grads`` (one per variable in ``variables``) as ``reduction`` says; None stays None."""
-    import tensorflow as tf
-
-    local = reduction.local_ids()
-    f = reduction.gradient_predivide_factor
-    # Horovod's split of the average around the sum: 1/f before, f after (and Average's 1/size).
-    out = reduce_except_local(grads, variables, lambda v: id(v) in local, reduction.scale_local_gradients,
-                                   op=reduction.op, compression=reduction.compression,
-                                   sparse_as_dense=reduction.sparse_as_dense, prescale_factor=1.0 / f,
-                                   postscale_factor=f, groups=reduction.groups,
-                                   process_set=reduction.process_set or global_process_set)
-    if reduction.backward_passes_per_step > 1 and not reduction.average_aggregated_gradients:
-        # Keras averages the accumulated passes; Horovod's default is their sum.
-        passes = float(reduction.backward_passes_per_step)
-        out = [g if g is None else tf.IndexedSlices(g.values * passes, g.indices, g.dense_shape)
-               if isinstance(g, tf.IndexedSlices) else g * tf.cast(passes, g.dtype) for g in out]
-    return out
-
-
 def tensorflow_distributed_optimizer(optimizer, name: str | None = None, use_locking: bool = False,
                                      device_dense: str = "", device_sparse: str = "", compression=Compression.none,
                                      sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op=Average,
@@ -330,11 +230,10 @@ def tensorflow_distributed_optimizer(optimizer, name: str | None = None, use_loc
     wrapper). TensorFlow 1 optimizers (``tf.compat.v1.train.*``) are not supported: use a Keras
     optimizer, or :func:`DistributedGradientTape` in a custom loop.
     """
-    import keras
-
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
+    if kerasline.line_of(optimizer) is None or not hasattr(optimizer, "apply_gradients"):
         raise InvalidArgumentError(
-            f"DistributedOptimizer wraps Keras optimizers (keras.optimizers.*), got {type(optimizer).__name__}; "
+            f"DistributedOptimizer wraps Keras optimizers (keras.optimizers.*, or tf.keras.optimizers.* for tf_keras), "
+            f"got {type(optimizer).__name__}; "
             "TensorFlow 1 optimizers are not supported: use a Keras optimizer, or DistributedGradientTape")
 
     given = dict(name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,

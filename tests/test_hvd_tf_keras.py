@@ -1,0 +1,246 @@
+"""Horovod's ``horovod.tensorflow.keras`` on tf_keras (Keras 2, ``TF_USE_LEGACY_KERAS=1``), checked on
+2 real ranks (CPU).
+
+One run of 2 TensorFlow processes makes every check; the test functions read what each rank
+recorded. ``TF_USE_LEGACY_KERAS=1`` is given in ``env=``, so ``tf.keras`` is tf_keras in the ranks
+and ``sparktrain.keras`` serves it; the driver (this test process) keeps Keras 3.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import sparktrain
+from helpers import digits, read_ranks, record_rank, weights_digest
+
+pytest.importorskip("tf_keras")
+pytestmark = pytest.mark.keras2
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60", "TF_USE_LEGACY_KERAS": "1"}
+
+
+def _model(tf, seed, hidden=8, batch_norm=False):
+    tf.keras.utils.set_random_seed(seed)
+    layers = [tf.keras.Input((64,)), tf.keras.layers.Dense(hidden, activation="relu", name="shared")]
+    layers.append(tf.keras.layers.Dense(10, activation="softmax", name="head"))
+    return tf.keras.Sequential(layers)
+
+
+def _fit(model, opt, x, y, batch, epochs=1, callbacks=()):
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+
+def fit_and_callbacks(got, hvd, tf, r, outdir, x, y, x_test, y_test):
+    """Both optimizer families train in fit from each rank's own initial weights to the same weights."""
+    for label, opt in [("adam", tf.keras.optimizers.Adam(0.01 * hvd.size())),
+                       ("legacy_adadelta", tf.keras.optimizers.legacy.Adadelta(learning_rate=1.0))]:
+        model = _model(tf, seed=r)  # different on every rank until the broadcast
+        best = hvd.callbacks.BestModelCheckpoint(monitor="loss", filepath=os.path.join(outdir, f"best-{label}.h5"))
+        dist = hvd.DistributedOptimizer(opt)
+        history = _fit(model, dist, x, y, 32, epochs=3, callbacks=[
+            hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(), best])
+        got[f"{label}_class"] = [type(dist).__name__, type(dist).__module__.split(".")[0],
+                                 getattr(type(dist), "_sparktrain_distributed", False)]
+        got[f"{label}_digest"] = weights_digest(model.get_weights())
+        got[f"{label}_loss"] = [float(v) for v in history.history["loss"]]
+        got[f"{label}_accuracy"] = float(model.evaluate(x_test, y_test, verbose=0)[1])
+    got["best_files"] = sorted(n for n in os.listdir(outdir) if n.startswith("best-"))
+
+
+def reduction_rules(got, hvd, tf, r):
+    """The reduced gradient, its clipping, Sum, and the two optimizer families, step by step."""
+    inf = float("inf")
+    for label, sgd in [("new", tf.keras.optimizers.SGD), ("legacy", tf.keras.optimizers.legacy.SGD)]:
+        w = tf.Variable(1.0)
+        hvd.DistributedOptimizer(sgd(1.0)).minimize(lambda: w * float(r + 1), [w])  # grads 1 and 2: mean 1.5
+        got[f"{label}_average_step"] = float(w.numpy())
+        w = tf.Variable(1.0)
+        hvd.DistributedOptimizer(sgd(1.0), op=hvd.Sum).minimize(lambda: w * float(r + 1), [w])
+        got[f"{label}_sum_step"] = float(w.numpy())
+        # Clipping acts on the reduced gradient: 3.0 and 0.0 average to 1.5, clipped to 0.5 (clipping
+        # each rank's own first would give 0.25).
+        w = tf.Variable(1.0)
+        hvd.DistributedOptimizer(sgd(1.0, global_clipnorm=0.5)).minimize(lambda: w * (3.0 if r == 0 else 0.0), [w])
+        got[f"{label}_clipped_step"] = float(w.numpy())
+        # Mixed precision's loss scale: an overflow on rank 0 alone is skipped by every rank.
+        w = tf.Variable(1.0)
+        lso = hvd.DistributedOptimizer(tf.keras.mixed_precision.LossScaleOptimizer(sgd(0.1)))
+        lso.minimize(lambda: w * (inf if r == 0 else 1.0), [w])
+        got[f"{label}_overflow"] = [float(w.numpy()), float(lso.loss_scale.numpy()),
+                                    getattr(type(lso.inner_optimizer), "_sparktrain_distributed", False)]
+        lso.minimize(lambda: w * 1.0, [w])
+        got[f"{label}_after_overflow"] = float(w.numpy())
+
+
+def accumulation(got, hvd, tf, x, y):
+    """backward_passes_per_step against a batch twice the size."""
+    import numpy as np
+
+    B, k = 20, 6
+    xs, ys = x[:2 * B * k], y[:2 * B * k]
+    runs = {}
+    for label, opt, batch in [
+        ("passes2_avg", hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=2,
+                                                 average_aggregated_gradients=True), B),
+        ("passes2_sum", hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.05), backward_passes_per_step=2), B),
+        ("double_batch", hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)), 2 * B),
+        ("predivide", hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), gradient_predivide_factor=2.0), 2 * B),
+        ("groups", hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), num_groups=2), 2 * B),
+    ]:
+        model = _model(tf, 0)
+        _fit(model, opt, xs, ys, batch)
+        runs[label] = model.get_weights()
+        got[f"iterations_{label}"] = int(opt.iterations.numpy())
+    for label in ("passes2_avg", "passes2_sum", "predivide", "groups"):
+        got[f"{label}_max_diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(runs[label], runs["double_batch"]))
+    got["double_batch_moved"] = float(np.max(np.abs(runs["double_batch"][0] - _model(tf, 0).get_weights()[0])))
+
+
+def schedules(got, hvd, tf, x, y):
+    """Warm-up on a new optimizer, a decaying schedule with momentum correction on a legacy SGD."""
+    model = _model(tf, 0)
+    _fit(model, hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.002)), x[:320], y[:320], 32, epochs=2,
+         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                    hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.002, warmup_epochs=2)])
+    got["warmup_final_lr"] = float(model.optimizer.learning_rate.numpy())
+    model = _model(tf, 0)
+    history = _fit(model, hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)), x[:320],
+                   y[:320], 32, epochs=3, callbacks=[
+                       hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                       hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5)])
+    got["schedule_lrs"] = [float(v) for v in history.history["lr"]]
+
+
+def state_and_files(got, hvd, tf, r, outdir, x, y):
+    """save_model and load_model, KerasState, SyncBatchNormalization, and the refusal of a Keras 3 model."""
+    import numpy as np
+
+    model = _model(tf, 0)
+    _fit(model, hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.001)), x[:64], y[:64], 32,
+         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    path = hvd.save_model(model, os.path.join(outdir, "model.keras"))
+    got["saved_by"] = path is not None
+    hvd.allreduce(tf.constant(0.0))  # rank 0 has written the file before anyone reads it
+    loaded = hvd.load_model(os.path.join(outdir, "model.keras"))
+    got["loaded_optimizer"] = [type(loaded.optimizer).__name__,
+                               getattr(type(loaded.optimizer), "_sparktrain_distributed", False),
+                               weights_digest(loaded.get_weights()) == weights_digest(model.get_weights())]
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    state.commit()
+    kept = weights_digest(model.get_weights())
+    model.set_weights([w + 1 for w in model.get_weights()])
+    state.epoch = 7
+    state.restore()
+    got["state_restored"] = [weights_digest(model.get_weights()) == kept, state.epoch]
+    bn = hvd.SyncBatchNormalization(momentum=0.0)
+    bn(tf.fill((4, 3), 2.0 * r), training=True)  # rank 0's batch is all 0, rank 1's all 2: the global mean is 1
+    got["sync_bn"] = [type(bn).__module__, [float(v) for v in np.asarray(bn.moving_mean)]]
+    import keras  # Keras 3, beside tf_keras in one process: a model of it is refused, naming both
+
+    try:
+        hvd.callbacks.MetricAverageCallback().set_model(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+        got["mixed_refused"] = ""
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        got["mixed_refused"] = f"{type(e).__name__}: {e}"
+
+
+def tf_keras_checks(outdir):
+    import tensorflow as tf
+
+    import sparktrain.keras as hvd
+    import sparktrain.tensorflow.keras as hvd_path
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    (x, y), (x_test, y_test) = digits(r, n)
+    got: dict = {"keras_line": tf.keras.__name__.split(".")[0], "alias": hvd_path is hvd,
+                 "callback_base": hvd.callbacks.BroadcastGlobalVariablesCallback.__mro__[2].__module__}
+    reduction_rules(got, hvd, tf, r)
+    fit_and_callbacks(got, hvd, tf, r, outdir, x, y, x_test, y_test)
+    accumulation(got, hvd, tf, x, y)
+    schedules(got, hvd, tf, x, y)
+    state_and_files(got, hvd, tf, r, outdir, x, y)
+    record_rank(outdir, got=got)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("hvd_tf_keras")
+    sparktrain.run(tf_keras_checks, args=(str(outdir),), num_proc=-2, env=ENV, verbose=0)
+    found = read_ranks(str(outdir))
+    assert sorted(found) == [0, 1]
+    return {r: info["got"] for r, info in found.items()}, outdir
+
+
+def same_on_every_rank(ranks, key):
+    values = {repr(got[key]) for got in ranks.values()}
+    assert len(values) == 1, (key, values)
+    return ranks[0][key]
+
+
+@pytest.mark.timeout(400)
+def test_the_ranks_serve_tf_keras_through_both_import_paths(ranks):
+    ranks, _ = ranks
+    assert same_on_every_rank(ranks, "keras_line") == "tf_keras"
+    assert same_on_every_rank(ranks, "alias") is True
+    assert same_on_every_rank(ranks, "callback_base").startswith("tf_keras.")
+
+
+def test_gradients_are_averaged_summed_and_clipped_after_the_reduction(ranks):
+    ranks, _ = ranks
+    for family in ("new", "legacy"):
+        assert same_on_every_rank(ranks, f"{family}_average_step") == pytest.approx(-0.5)
+        assert same_on_every_rank(ranks, f"{family}_sum_step") == pytest.approx(-2.0)
+        assert same_on_every_rank(ranks, f"{family}_clipped_step") == pytest.approx(0.5)
+
+
+def test_an_overflow_on_one_rank_is_skipped_by_every_rank(ranks):
+    ranks, _ = ranks
+    for family in ("new", "legacy"):
+        w, scale, inner_distributed = same_on_every_rank(ranks, f"{family}_overflow")
+        assert w == 1.0 and scale == 2.0 ** 14 and inner_distributed  # skipped, scale halved from 2**15
+        assert same_on_every_rank(ranks, f"{family}_after_overflow") == pytest.approx(0.9)
+
+
+def test_both_optimizer_families_train_to_identical_weights_with_the_callbacks(ranks):
+    ranks, outdir = ranks
+    assert same_on_every_rank(ranks, "adam_class") == ["Adam", "tf_keras", True]
+    assert same_on_every_rank(ranks, "legacy_adadelta_class") == ["Adadelta", "tf_keras", True]
+    for label in ("adam", "legacy_adadelta"):
+        same_on_every_rank(ranks, f"{label}_digest")  # from each rank's own initial weights
+        loss = same_on_every_rank(ranks, f"{label}_loss")  # averaged by MetricAverageCallback
+        assert loss[-1] < loss[0], loss
+    # Adam learns the digits in 3 epochs (0.81 in one process at this rate); Adadelta only starts to.
+    assert ranks[0]["adam_accuracy"] > 0.7, ranks[0]["adam_accuracy"]
+    # BestModelCheckpoint: rank 0 wrote each file; rank 1 none (it would have raced rank 0 on the name).
+    assert same_on_every_rank(ranks, "best_files") == ["best-adam.h5", "best-legacy_adadelta.h5"]
+
+
+def test_backward_passes_per_step_equals_one_pass_over_twice_the_batch(ranks):
+    ranks, _ = ranks
+    for got in ranks.values():
+        assert got["double_batch_moved"] > 1e-3
+        for label in ("passes2_avg", "passes2_sum", "predivide", "groups"):
+            assert got[f"{label}_max_diff"] < 1e-6, (label, got[f"{label}_max_diff"])
+        # iterations counts passes, as under Horovod's Keras 2 wrapper: 12 passes make 6 updates.
+        assert got["iterations_passes2_avg"] == 12 and got["iterations_passes2_sum"] == 12
+        assert got["iterations_double_batch"] == 6
+
+
+def test_learning_rate_warmup_and_schedule_on_tf_keras_optimizers(ranks):
+    ranks, _ = ranks
+    assert same_on_every_rank(ranks, "warmup_final_lr") == pytest.approx(0.002)
+    assert same_on_every_rank(ranks, "schedule_lrs") == pytest.approx([0.1, 0.05, 0.025])
+
+
+def test_load_model_state_sync_batch_norm_and_the_refused_mix(ranks):
+    ranks, _ = ranks
+    assert [ranks[r]["saved_by"] for r in (0, 1)] == [True, False]
+    assert same_on_every_rank(ranks, "loaded_optimizer") == ["Adam", True, True]
+    assert same_on_every_rank(ranks, "state_restored") == [True, 0]
+    module, mean = same_on_every_rank(ranks, "sync_bn")
+    assert module.startswith("sparktrain.tensorflow.tf_keras") and mean == [1.0, 1.0, 1.0]
+    refused = same_on_every_rank(ranks, "mixed_refused")
+    assert refused.startswith("InvalidArgumentError") and "tf_keras" in refused and "Keras 3" in refused, refused
