@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Epoch time of Keras 3 with sparktrain.keras.DistributedOptimizer next to tf_keras under MultiWorkerMirroredStrategy.
+"""Epoch time of sparktrain.keras.DistributedOptimizer on Keras 3 and on tf_keras next to tf_keras under MultiWorkerMirroredStrategy.
 
-Three contenders train the same model on the same data with the same global batch, one after
+Four contenders train the same model on the same data with the same global batch, one after
 the other in this invocation, each as one ``sparktrain.run``:
 
 - ``DistributedOptimizer (Keras 3)``: ``--num-proc`` ranks (default 3), Keras 3 with
@@ -11,6 +11,8 @@ the other in this invocation, each as one ``sparktrain.run``:
 - ``tf_keras strategy``: the same ranks, tf_keras (``TF_USE_LEGACY_KERAS=1``) under
   ``sparktrain.tensorflow.strategy()`` (a MultiWorkerMirroredStrategy); the same shards and
   per-rank batch, fed through ``strategy.distribute_datasets_from_function``;
+- ``DistributedOptimizer (tf_keras)``: the same ranks, the same code as the Keras 3 contender on
+  tf_keras (``TF_USE_LEGACY_KERAS=1``: Horovod users' Keras 2 code);
 - ``one process (Keras 3)``: one rank, Keras 3 with the plain Adam, all the data, the global batch.
 
 The data are scikit-learn's bundled 8x8 digits (``sparktrain.demo.digits``, nothing is
@@ -56,6 +58,7 @@ SECTION_BEGIN = "<!-- epoch_time:begin -->"
 SECTION_END = "<!-- epoch_time:end -->"
 
 OURS = "DistributedOptimizer (Keras 3)"
+OURS_TF_KERAS = "DistributedOptimizer (tf_keras)"
 PEER = "tf_keras strategy"
 SINGLE = "one process (Keras 3)"
 
@@ -153,12 +156,16 @@ def pipeline(tf, x, y, batch: int):
 
 def train_keras3(kind: str, repeat: int, global_batch: int, epochs: int, lr: float, distributed: bool,
                  turns: tuple | None = None) -> dict:
-    """Keras 3: with DistributedOptimizer on every rank, or the plain optimizer in one process.
+    """The Keras the rank serves (Keras 3, or tf_keras where its env sets ``TF_USE_LEGACY_KERAS=1``):
+    with DistributedOptimizer on every rank, or the plain optimizer in one process.
 
     ``turns`` (``--scaling``): ``(directory, contender index, timeout)``; every epoch then waits for
     its turn (see ``take_turns``) instead of starting at once."""
-    import keras
     import tensorflow as tf
+
+    from sparktrain import kerasline
+
+    keras = kerasline.module()
 
     import sparktrain.keras as hvd
 
@@ -230,6 +237,7 @@ def build_contenders(args) -> list[Contender]:
     return [
         Contender(OURS, train_keras3, (*common, True), sign * n, BASE_ENV),
         Contender(PEER, train_tf_keras_strategy, common, sign * n, {**BASE_ENV, "TF_USE_LEGACY_KERAS": "1"}),
+        Contender(OURS_TF_KERAS, train_keras3, (*common, True), sign * n, {**BASE_ENV, "TF_USE_LEGACY_KERAS": "1"}),
         Contender(SINGLE, train_keras3, (*common, False), sign * 1, BASE_ENV),
     ]
 
@@ -506,8 +514,11 @@ def target_line(contenders: list[Contender]) -> str:
     if ours is None or peer is None:
         return f"target ({OURS} faster than {PEER}): not measured"
     ratio = peer / ours
-    return (f"target: {PEER} / {OURS} = {ratio:.2f}x (> 1 means DistributedOptimizer is faster): "
+    text = (f"target: {PEER} / {OURS} = {ratio:.2f}x (> 1 means DistributedOptimizer is faster): "
             f"{'yes' if ratio > 1 else 'NO'}")
+    if by.get(OURS_TF_KERAS) is not None:
+        text += f"; {OURS_TF_KERAS} / {OURS} = {by[OURS_TF_KERAS] / ours:.2f}x the epoch time"
+    return text
 
 
 def model_line(contenders: list[Contender], args) -> str:
@@ -526,7 +537,7 @@ def parse_args(argv=None):
                    help="tile the 1500 digits training images this many times (default 10: 14,976 samples, "
                         "156 steps of 96 per epoch)")
     p.add_argument("--global-batch", type=int, default=96, help="global batch (default 96 = 3 ranks x 32)")
-    p.add_argument("--num-proc", type=int, default=3, help="ranks of the two distributed contenders (default 3)")
+    p.add_argument("--num-proc", type=int, default=3, help="ranks of the distributed contenders (default 3)")
     p.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
                    help="cnn: sparktrain.demo.build_cnn's network (default); mlp: 64-256-128-10")
     p.add_argument("--rounds", type=int, default=2,
