@@ -190,6 +190,9 @@ class Attempt:
                 self._handle(self._next_event(TICK))
                 self._step()
                 self.info.display.tick()
+                hush = getattr(self.job, "hush", None)  # Spark's own console progress bar, where it draws one
+                if hush is not None:
+                    hush(time.monotonic())
             self._drain()
         except BaseException as e:
             # KeyboardInterrupt or any driver-side error: stop everything, after saying what every
