@@ -114,3 +114,32 @@ def test_verbose_0_shows_no_status_or_summary():
     d.write(0, "stdout", "hello", 0.0)
     d.finish("done")
     assert screen(out.getvalue()) == ["[0]<stdout>:hello", ""]
+
+
+def tqdm_like_loop():
+    import sys
+    import time
+
+    for done in range(0, 101, 25):
+        sys.stderr.write(f"\r{done:3d}%|{'#' * (done // 25):<4}| {done}/100")
+        sys.stderr.flush()
+        time.sleep(0.3)  # a slow step: the task sends the bar's state between steps
+    sys.stderr.write("\n")
+    print("after the loop")
+    return "ok"
+
+
+def test_a_tqdm_style_bar_of_a_real_rank_is_live_in_a_terminal_and_one_line_in_a_file():
+    import sparktrain
+
+    tty = Tty()
+    assert sparktrain.run(tqdm_like_loop, num_proc=-1, stdout=tty, stderr=tty, verbose=0) == "ok"
+    raw = tty.getvalue()
+    assert raw.count("\r[0]<stderr>:") >= 2 and "\b" not in raw  # drawn in place while it ran
+    shown = screen(raw)
+    # The two streams are read as they come: their order between each other is not fixed.
+    assert sorted(shown[-3:-1]) == ["[0]<stderr>:100%|####| 100/100", "[0]<stdout>:after the loop"], shown
+    assert shown[-1] == ""
+    plain = io.StringIO()
+    sparktrain.run(tqdm_like_loop, num_proc=-1, stdout=plain, stderr=plain, verbose=0)
+    assert sorted(plain.getvalue().splitlines()) == ["[0]<stderr>:100%|####| 100/100", "[0]<stdout>:after the loop"]
