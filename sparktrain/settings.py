@@ -108,6 +108,9 @@ class Setting:
     default: Any
     parse: Callable[[str, Any], Any]
     doc: str
+    #: Where it is read: "driver", "rank" (the rank's process or task, from its environment) or "both".
+    #: ``run`` parses every rank-read one before launch (:data:`READ_IN_RANK`).
+    read_in: str = "driver"
 
 
 SETTINGS = {
@@ -133,7 +136,8 @@ SETTINGS = {
                 lambda n, v: _choice(n, v, ("auto", "on", "off")),
                 "AES-256-GCM on the driver's channel and on the native engine's ring between hosts, with keys "
                 "derived from the run's secret (docs/security.md): 'auto' (on when any of spark.network.crypto."
-                "enabled, spark.ssl.enabled or spark.io.encryption.enabled is true), 'on' or 'off'"),
+                "enabled, spark.ssl.enabled or spark.io.encryption.enabled is true), 'on' or 'off'",
+                read_in="both"),
         Setting("max_attempts", "SPARKTRAIN_MAX_ATTEMPTS", "spark.sparktrain.maxAttempts", 1,
                 parse_positive_int, "how many times a failed run is started again, whole gang, before it fails"),
         Setting("spill_url", "SPARKTRAIN_SPILL_URL", "spark.sparktrain.spillUrl", None,
@@ -147,7 +151,8 @@ SETTINGS = {
         # Read in the rank; run() passes the Spark conf's value on in the rank's env.
         Setting("elastic_url", "SPARKTRAIN_ELASTIC_URL", "spark.sparktrain.elasticUrl", None, lambda n, v: _url(n, v),
                 "fsspec URL (a prefix) where elastic state.commit() writes the training state, under the run's id, "
-                "so that a later attempt of the run (max_attempts) resumes from it; 'none' turns it off"),
+                "so that a later attempt of the run (max_attempts) resumes from it; 'none' turns it off",
+                read_in="both"),
         Setting("elastic_grow_after", "SPARKTRAIN_ELASTIC_GROW_AFTER", "spark.sparktrain.elasticGrowAfter", 60.0,
                 parse_seconds, "run_elastic: seconds that free slots for more ranks must last before the running "
                 "attempt ends at its next commit and the next one starts larger"),
@@ -163,22 +168,27 @@ SETTINGS = {
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
         # Read in the rank's process, where there is no Spark conf: give it with run(env=...).
         Setting("collective_timeout", "SPARKTRAIN_COLLECTIVE_TIMEOUT", None, 600.0, parse_seconds,
-                "seconds a collective waits for the other ranks before it fails (sparktrain.tensorflow.init)"),
+                "seconds a collective waits for the other ranks before it fails (sparktrain.tensorflow.init)",
+                read_in="rank"),
         # Read in the rank; run() passes the Spark conf's value on in the rank's env.
         Setting("cpu_collectives", "SPARKTRAIN_CPU_COLLECTIVES", "spark.sparktrain.cpuCollectives", "native",
                 lambda n, v: _choice(n, v, ("native", "tensorflow")),
                 "the engine of collectives on CPU: 'native' (sparktrain's shared memory and TCP ring, where it "
-                "was built) or 'tensorflow' (TensorFlow's gRPC ring)"),
+                "was built) or 'tensorflow' (TensorFlow's gRPC ring)",
+                read_in="rank"),
         Setting("cpu_transport", "SPARKTRAIN_CPU_TRANSPORT", "spark.sparktrain.cpuTransport", "auto",
                 lambda n, v: _choice(n, v, ("auto", "tcp")),
                 "how the native engine connects ranks on one host: 'auto' (shared memory) or 'tcp' (the ring "
-                "between hosts, forced; for tests and measurements)"),
+                "between hosts, forced; for tests and measurements)",
+                read_in="rank"),
         Setting("spin_wait", "SPARKTRAIN_SPIN_WAIT", "spark.sparktrain.spinWait", "auto", parse_spin,
                 "seconds a native collective waiting for a rank on its host spins before it sleeps: 'auto' "
-                "(2 ms where the host's ranks do not outnumber its cores, else 0) or a number from 0 to 1"),
+                "(2 ms where the host's ranks do not outnumber its cores, else 0) or a number from 0 to 1",
+                read_in="rank"),
         Setting("tf_kernels", "SPARKTRAIN_TF_KERNELS", "spark.sparktrain.tfKernels", True, parse_bool,
                 "run the native engine's collectives as TensorFlow kernels (compiled with g++ at first use and "
-                "cached); false: through tf.numpy_function, as where no compiler is found"),
+                "cached); false: through tf.numpy_function, as where no compiler is found",
+                read_in="rank"),
         Setting("warm_rank_process", "SPARKTRAIN_WARM_RANK_PROCESS", "spark.sparktrain.warmRankProcess", False,
                 parse_bool, "retired: accepted, and does nothing but warn once; every rank process starts "
                 "with its run, held while the ranks meet"),
@@ -190,7 +200,8 @@ SETTINGS = {
         Setting("legacy_keras", "TF_USE_LEGACY_KERAS", "spark.sparktrain.legacyKeras", None, parse_bool,
                 "whether tf.keras is tf_keras (Keras 2) in every rank: true writes TF_USE_LEGACY_KERAS=1 into the "
                 "ranks' environment, false 0; from the driver's TF_USE_LEGACY_KERAS, run's env or the conf. None "
-                "leaves the ranks' own (docs/from-horovod.md, Keras 2 code)"),
+                "leaves the ranks' own (docs/from-horovod.md, Keras 2 code)",
+                read_in="both"),
         Setting("jax_cpu_devices", "JAX_NUM_CPU_DEVICES", "spark.sparktrain.jaxCpuDevices", 1, parse_positive_int,
                 "on a JAX run, how many devices JAX's CPU platform shows in each rank that has no GPU (a mesh of "
                 "ranks x devices for keras.distribution)"),
@@ -198,13 +209,15 @@ SETTINGS = {
                 lambda n, v: _choice(n, v, ("auto", "on", "off")),
                 "keep each rank on cores of its own, the host's cores split among its ranks: 'auto' (where the "
                 "ranks own the machine: local mode and local masters, and only when ranks do not outnumber "
-                "cores), 'on' (on clusters too) or 'off'"),
+                "cores), 'on' (on clusters too) or 'off'",
+                read_in="rank"),
         Setting("gc_threshold", worker_env.GC_THRESHOLD, "spark.sparktrain.gcThreshold",
                 worker_env.GC_THRESHOLD_DEFAULT, parse_gc_threshold,
                 "the rank process's gc.set_threshold, set before it loads train_fn: the default lets the "
                 "oldest generation wait for 100 collections of the one below it (Python's own: 10), so that "
                 "the half a million objects TensorFlow and Keras make as they import are not traversed again "
-                "and again while they load; 'python' keeps Python's own thresholds"),
+                "and again while they load; 'python' keeps Python's own thresholds",
+                read_in="rank"),
     ]
 }
 
@@ -233,9 +246,9 @@ def encrypted(argument: Any = None, *, conf: Mapping[str, str] | None = None,
     return value == "on" or (value == "auto" and bool(spark_encryption(conf or {})))
 
 
-#: Settings the ranks read from their environment; ``run`` checks them first, on the driver.
-READ_IN_RANK = ("cpu_collectives", "cpu_transport", "elastic_url", "gc_threshold", "pin_cores", "spin_wait",
-                "tf_kernels")
+#: Settings the ranks read from their environment (the table's ``read_in``); ``run`` checks them
+#: first, on the driver, so that a bad value fails before launch, not in every rank.
+READ_IN_RANK = tuple(name for name, s in SETTINGS.items() if s.read_in in ("rank", "both"))
 
 
 def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:

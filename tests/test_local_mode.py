@@ -190,3 +190,15 @@ def test_the_legacy_keras_setting_reaches_every_rank(monkeypatch, driver, env, e
 def test_a_bad_legacy_keras_value_is_refused_before_any_rank_starts():
     with pytest.raises(sparktrain.InvalidArgumentError, match=r"TF_USE_LEGACY_KERAS must be true or false, got 'maybe'"):
         sparktrain.run(legacy_keras_in_rank, num_proc=-1, env={"TF_USE_LEGACY_KERAS": "maybe"}, verbose=0)
+
+
+@pytest.mark.parametrize("env, words", [({"SPARKTRAIN_COLLECTIVE_TIMEOUT": "abc"}, "SPARKTRAIN_COLLECTIVE_TIMEOUT"),
+                                        ({"SPARKTRAIN_CPU_TRANSPORT": "pigeon"}, "SPARKTRAIN_CPU_TRANSPORT")])
+def test_a_bad_value_of_a_setting_read_in_the_rank_is_refused_before_any_rank_starts(env, words):
+    from sparktrain import settings
+
+    # Every setting the ranks read is parsed on the driver first: the table says which they are.
+    assert {"collective_timeout", "cpu_transport", "legacy_keras"} <= set(settings.READ_IN_RANK)
+    with pytest.raises(sparktrain.InvalidArgumentError, match=words) as e:
+        sparktrain.run(gc_threshold, num_proc=-2, env=env, verbose=0)
+    assert repr(next(iter(env.values()))) in str(e.value)

@@ -25,10 +25,11 @@ def _default(setting) -> str:
 def settings_table() -> str:
     from sparktrain import settings
 
-    rows = ["| setting | environment variable | Spark conf | default | what it does |", "|---|---|---|---|---|"]
+    rows = ["| setting | environment variable | Spark conf | default | read in | what it does |",
+            "|---|---|---|---|---|---|"]
     for s in settings.SETTINGS.values():
         conf = f"`{s.conf}`" if s.conf else "(none: read in the rank; pass it with `env=`)"
-        rows.append(f"| `{s.name}` | `{s.env}` | {conf} | `{_default(s)}` | {_cell(s.doc)} |")
+        rows.append(f"| `{s.name}` | `{s.env}` | {conf} | `{_default(s)}` | {s.read_in} | {_cell(s.doc)} |")
     return "\n".join(rows) + "\n"
 
 
