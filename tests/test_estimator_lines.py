@@ -90,6 +90,7 @@ def _model(k):
     return k.Model(inputs, k.layers.Dense(1)(k.layers.Concatenate()(inputs)))
 
 
+@pytest.mark.spark
 @pytest.mark.keras2
 def test_a_tf_keras_model_is_planned_for_tf_keras_ranks_and_mixed_lines_are_refused_before_any_job(spark, tmp_path):
     import keras
