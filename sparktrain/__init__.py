@@ -16,7 +16,7 @@ from .errors import (BackendMissingError, ClusterConfigError, CorruptCheckpointE
 __version__ = "0.1.0"
 
 __all__ = [
-    "run", "run_elastic", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_chief", "attempt",
+    "run", "run_elastic", "HorovodRunner", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_chief", "attempt",
     "SparkTrainError", "InvalidArgumentError", "PicklingFailedError", "ClusterConfigError",
     "InsufficientResourcesError", "StartTimeoutError", "RunTimeoutError", "RunCancelledError",
     "ResultTooLargeError", "RankFailedError", "RankFailure", "VersionMismatchError",
@@ -38,4 +38,9 @@ def __getattr__(name: str):
 
         globals()["run_elastic"] = run_elastic
         return run_elastic
+    if name == "HorovodRunner":
+        from .horovod_runner import HorovodRunner
+
+        globals()["HorovodRunner"] = HorovodRunner
+        return HorovodRunner
     raise AttributeError(f"module 'sparktrain' has no attribute {name!r}")

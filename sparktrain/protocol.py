@@ -61,6 +61,11 @@ class Output:
     stream: str
     line: str
     time: float
+    #: True: the line being drawn (a progress bar) as it stands now, not yet finished: the driver
+    #: may show it in place; it reaches no log, tail or file. (None, left off the wire: finished.)
+    live: bool | None = None
+    #: A finished line that was redrawn in place before it was finished: a progress bar's last state.
+    drawn: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +174,7 @@ def _items(item: type, what: str) -> Callable[[Any], tuple]:
 #: what it needs.
 _READ: dict[str, tuple[type, str] | Callable[[Any], Any]] = {
     "int": (int, "an int"),
+    "bool | None": (bool, "a bool"),
     "str": (str, "a str"),
     "str | None": (str, "a str"),
     "dict": (dict, "an object"),

@@ -21,7 +21,8 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
     problems = [line for line in proc.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert proc.returncode == 0, "\n".join(problems) or proc.stderr[-3000:]
     api = (out / "api.html").read_text()
-    for name in ("sparktrain.run", "DistributedOptimizer", "RemoteCheckpoint", "sparktrain.data.dataset"):
+    for name in ("sparktrain.run", "sparktrain.HorovodRunner", "DistributedOptimizer", "RemoteCheckpoint",
+                 "sparktrain.data.dataset"):
         assert name in api, f"{name} is missing from the API reference"
     # A docstring's "name : what it is" line is rendered as a parameter, not as a type.
     assert "url</strong>" in api or "url</span>" in api

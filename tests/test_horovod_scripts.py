@@ -15,8 +15,8 @@ pytest.importorskip("sklearn")
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_scripts")
 
 
-def sparktrain_run(script: str, *script_args: str, cwd) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+def sparktrain_run(script: str, *script_args: str, cwd, env=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     env.pop("PYSPARK_GATEWAY_PORT", None)
     return subprocess.run([sys.executable, "-m", "sparktrain", "run", os.path.join(SCRIPTS, script), "--local",
                            "--num-proc", "2", "--env", "SPARKTRAIN_COLLECTIVE_TIMEOUT=60", "--", *script_args],
@@ -88,6 +88,40 @@ def test_keras_spark_estimator_script_trains_and_scores_a_dataframe(tmp_path):
     assert proc.stderr.count("inmemory_cache_all=True has no effect here") == 1, proc.stderr[-3000:]
     runs = os.listdir(tmp_path / "store" / "runs")
     assert len(runs) == 1 and os.path.exists(tmp_path / "store" / "runs" / runs[0] / "model.keras"), runs
+
+
+@pytest.mark.keras2
+@pytest.mark.timeout(300)
+def test_keras_2_script_trains_on_tf_keras_through_sparktrain_run(tmp_path):
+    """A horovodrun-style Keras 2 script (Horovod's tensorflow2_keras_mnist.py in shape) under
+    TF_USE_LEGACY_KERAS=1, on 2 ranks started by the command."""
+    import numpy as np
+
+    from helpers import digits
+
+    (x, y), (x_test, y_test) = digits()
+    np.savez(tmp_path / "digits.npz", x=x, y=y, x_test=x_test, y_test=y_test)
+    proc = sparktrain_run("keras2_digits.py", "--data", str(tmp_path / "digits.npz"), "--epochs", "4", "--steps", "40",
+                          cwd=tmp_path, env={"TF_USE_LEGACY_KERAS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    zero, one = rank_lines(proc.stdout, 0), rank_lines(proc.stdout, 1)
+    results = {}
+    for r, lines in ((0, zero), (1, one)):
+        found = [m for m in (re.match(r"^rank (\d) of 2: (\w+) model, test accuracy ([\d.]+), test loss ([\d.]+)$", line)
+                             for line in lines) if m]
+        assert len(found) == 1 and int(found[0].group(1)) == r, lines
+        assert found[0].group(2) == "tf_keras", lines  # tf.keras was tf_keras on the rank
+        results[r] = (float(found[0].group(3)), found[0].group(4))
+    # Trained, far above chance (0.1), and to the same weights on both ranks (the same digits printed).
+    assert results[0][0] > 0.5 and results[0] == results[1], results
+    # The warm-up reached 0.001 x 2 ranks at the end of its third epoch, said once (Keras 2's progress
+    # bar, verbose=1, may leave it inside a line of its own).
+    assert re.findall(r"warm-up to \d+\.\d+", proc.stdout) == ["warm-up to 0.002"], proc.stdout[-3000:]
+    assert "Epoch 3: finished learning-rate warm-up to 0.002." in proc.stdout
+    assert len(re.findall(r"^\[0\]<stdout>:Epoch \d/4$", proc.stdout, re.M)) == 4, zero
+    assert len(one) == 1, one  # verbose=0 on rank 1: its result line alone
+    # Rank 0 alone wrote a checkpoint each epoch, in the directory the command ran in.
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [f"checkpoint-{e}.h5" for e in range(1, 5)]
 
 
 def _epoch_logs(stdout: str) -> list[dict[str, float]]:

@@ -72,6 +72,20 @@ def reduction_rules(got, hvd, tf, r):
                                     getattr(type(lso.inner_optimizer), "_sparktrain_distributed", False)]
         lso.minimize(lambda: w * 1.0, [w])
         got[f"{label}_after_overflow"] = float(w.numpy())
+    # What Horovod's Keras 2 wrapper gave every optimizer, and its own tests call: _compute_gradients
+    # (reduced once) and _agg_helper.counter (passes since the last update; None without aggregation).
+    w = tf.Variable(1.0)
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(1.0))
+    with tf.GradientTape() as tape:
+        loss = w * float(r + 1)
+    got["private_compute"] = [float(opt._compute_gradients(loss, [w], tape=tape)[0][0].numpy()),
+                              opt._agg_helper is None]
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+    counters = []
+    for _ in range(3):
+        opt.minimize(lambda: w * 1.0, [w])
+        counters.append(int(opt._agg_helper.counter.numpy()))
+    got["agg_counter"] = counters
 
 
 def accumulation(got, hvd, tf, x, y):
@@ -194,6 +208,8 @@ def test_gradients_are_averaged_summed_and_clipped_after_the_reduction(ranks):
         assert same_on_every_rank(ranks, f"{family}_average_step") == pytest.approx(-0.5)
         assert same_on_every_rank(ranks, f"{family}_sum_step") == pytest.approx(-2.0)
         assert same_on_every_rank(ranks, f"{family}_clipped_step") == pytest.approx(0.5)
+    assert same_on_every_rank(ranks, "private_compute") == [1.5, True]
+    assert same_on_every_rank(ranks, "agg_counter") == [1, 0, 1]
 
 
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank(ranks):

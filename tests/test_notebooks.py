@@ -21,11 +21,24 @@ NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb",
          "05-estimator.ipynb", "06-jax.ipynb"]
 #: The notebook each test reads; the fixture runs only those of the tests selected (the JAX tier
 #: selects 06-jax alone, the base tier the others).
-READS = {"test_quickstart": "01-quickstart.ipynb", "test_from_horovod_writes_checkpoints_to_adls_on_azurite":
-         "02-from-horovod.ipynb", "test_custom_loop_resumes_from_its_checkpoint": "03-custom-loop.ipynb",
+READS = {"test_quickstart": "01-quickstart.ipynb",
+         "test_the_quickstart_cell_reads_right_in_a_browser": "01-quickstart.ipynb",
+         "test_from_horovod_writes_checkpoints_to_adls_on_azurite": "02-from-horovod.ipynb", "test_custom_loop_resumes_from_its_checkpoint": "03-custom-loop.ipynb",
          "test_dataframe_trains_from_a_dataframe_with_equal_steps": "04-dataframe.ipynb",
          "test_estimator_pipeline_fits_scores_saves_and_loads": "05-estimator.ipynb",
          "test_jax_trains_on_2_ranks_and_the_driver_scores_its_model": "06-jax.ipynb"}
+
+
+class Recording(nbclient.NotebookClient):
+    """nbclient's client, which also keeps, per cell, the text of every update of a display in
+    place (``update_display_data``): the notebook keeps only each display's last state."""
+
+    updates: dict[int, list[str]] = {}
+
+    def process_message(self, msg, cell, cell_index):
+        if msg["msg_type"] == "update_display_data":
+            self.updates.setdefault(cell_index, []).append(msg["content"].get("data", {}).get("text/plain", ""))
+        return super().process_message(msg, cell, cell_index)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +69,8 @@ def executed(request, tmp_path_factory, azurite):
         for key, value in env.items():
             mp.setenv(key, value)
         first = nbformat.read(os.path.join(NOTEBOOKS, NAMES[0]), as_version=4)
-        client = nbclient.NotebookClient(first, kernel_name="python3", timeout=240, startup_timeout=90,
-                                         resources={"metadata": {"path": str(workdir)}})
+        client = Recording(first, kernel_name="python3", timeout=240, startup_timeout=90,
+                           resources={"metadata": {"path": str(workdir)}})
         found: dict = {"_env": env, "_workdir": workdir}
         with client.setup_kernel():
             selected = {READS.get(item.originalname) for item in request.session.items}
@@ -66,6 +79,7 @@ def executed(request, tmp_path_factory, azurite):
                 # Proves which Python ran it: this virtual environment's, where sparktrain is installed.
                 nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint('KERNEL', sys.executable)"))
                 client.nb = nb
+                client.updates = {}
                 error = None
                 try:
                     for index, cell in enumerate(nb.cells):
@@ -78,6 +92,8 @@ def executed(request, tmp_path_factory, azurite):
                         cells.append([out.text if out.output_type == "stream"
                                       else out.get("data", {}).get("text/plain", "") for out in cell.outputs])
                 found[name] = (cells, error)
+                found["_notebook", name] = nb
+                found["_updates", name] = client.updates
         # The kernel has shut down. What the kernel keeps there itself (ipykernel_<pid>, the source of
         # its cells) is its own, and goes when it exits; the rest was left by the notebooks' code.
         found["_tmp_left"] = sorted(n for n in os.listdir(tmpdir) if not n.startswith("ipykernel_"))
@@ -124,10 +140,87 @@ def test_quickstart(executed):
     assert epochs == [f"Epoch {i}/8" for i in range(1, 9)], train_cell
     # Live: the epoch lines reached the cell in several messages while it ran, not in one at its end.
     assert sum(1 for out in cells[at] if "<stdout>:Epoch " in out) >= 2, cells[at]
+    # fit's default progress bar: one final line per epoch from rank 0, none from rank 1 (its bar is
+    # not shown; its other lines are), never a backspace or an escape code; while it ran, the bar was
+    # one display updated in place; the status table ends as the run's summary.
+    assert not any(c in o for o in outputs for c in ("\b", "\x1b", "\r")), [o for o in outputs if "\b" in o][:1]
+    bars = [line for line in stream_lines(train_cell, 0) if re.match(r"\s*\d+/\d+ ━+", line)]
+    assert len(bars) == 8 and all(" - loss: " in line for line in bars), train_cell
+    assert stream_lines(train_cell, 1)[:1] == ["Epoch 1/8"]
+    assert not [line for line in stream_lines(train_cell, 1) if re.match(r"\s*\d+/\d+ ━", line)], train_cell
+    updates = executed["_updates", "01-quickstart.ipynb"]
+    at_index = [i for i, cell in enumerate(executed["_notebook", "01-quickstart.ipynb"].cells)
+                if cell.cell_type == "code"][at]
+    live = [u for u in updates.get(at_index, []) if u.startswith("[0]<stdout>:") and "━" in u]
+    assert live, updates.get(at_index)  # an epoch here is about a second: a few states of the bar, each in place
+    assert not [u for u in updates.get(at_index, []) if u.startswith("[1]")]
+    assert "finished" in train_cell and "rank 0 returned" in train_cell and "2 ranks" in train_cell, train_cell
     size = int(re.search(r"rank 0 returned a checkpoint of (\d+) bytes", train_cell).group(1))
     assert size > 10_000 and (executed["_workdir"] / "digits-cnn.keras").stat().st_size == size
     accuracy = float(re.search(r"test accuracy on the driver: ([\d.]+)", outputs[-1]).group(1))
     assert accuracy > 0.85, outputs[-1]
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+
+
+def page_text(dom: str) -> str:
+    """The text a page shows, from its DOM (script and style left out)."""
+    from html.parser import HTMLParser
+
+    class Text(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.parts, self.skip = [], 0
+
+        def handle_starttag(self, tag, attrs):
+            self.skip += tag in ("script", "style")
+
+        def handle_endtag(self, tag):
+            self.skip -= tag in ("script", "style") and self.skip > 0
+
+        def handle_data(self, data):
+            if not self.skip:
+                self.parts.append(data)
+
+    parser = Text()
+    parser.feed(dom)
+    return "".join(parser.parts)
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_the_quickstart_cell_reads_right_in_a_browser(executed, tmp_path):
+    """The executed quickstart, rendered to HTML as Jupyter shows it and opened in headless Chromium:
+    the page's text holds rank 0's epoch lines, one bar line per epoch, and no backspace or escape
+    code. The screenshot is kept (SPARKTRAIN_TEST_ARTIFACTS, else this test's tmp_path) for people."""
+    import shutil
+    import subprocess
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed here (.ci/run installs it: apt-get install chromium)")
+    from nbconvert import HTMLExporter
+
+    execute(executed, "01-quickstart.ipynb")
+    page = tmp_path / "quickstart.html"
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(executed["_notebook", "01-quickstart.ipynb"])
+    page.write_text(body, encoding="utf-8")
+    flags = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    text = page_text(dom)
+    assert "\x1b" not in text and "\b" not in text and "[1m" not in text and "[0m" not in text
+    assert [f"Epoch {i}/8" for i in range(1, 9)] == re.findall(r"\[0\]<stdout>:(Epoch \d+/8)", text)
+    assert len(re.findall(r"\[0\]<stdout>:\s*\d+/\d+ ━+", text)) == 8, text[-3000:]
+    assert re.search(r"finished .*rank 0 returned", text), text[-3000:]
+    shots = os.environ.get("SPARKTRAIN_TEST_ARTIFACTS") or str(tmp_path)
+    os.makedirs(shots, exist_ok=True)
+    shot = os.path.join(shots, "quickstart-cell.png")
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1100,2600", page.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    assert os.path.getsize(shot) > 10_000
 
 
 @pytest.mark.spark

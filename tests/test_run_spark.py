@@ -375,3 +375,80 @@ def test_a_run_warns_of_nothing_the_user_did_not_cause(spark):
         warnings.simplefilter("always")  # the suite's own filters hide pyspark's pandas warning
         sparktrain.run(pid_and_env, args=("X",), num_proc=3, verbose=0)
     assert [f"{w.category.__name__}: {w.message}" for w in seen] == []
+
+
+CONSOLE_SCRIPT = """
+import sys, sparktrain
+from pyspark.sql import SparkSession
+
+spark = (SparkSession.builder.master("local[2]").config("spark.ui.showConsoleProgress", "true")
+         .config("spark.ui.enabled", "false").getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+
+
+def slow(_):
+    import time
+    time.sleep(2.5)
+    return 1
+
+
+spark.sparkContext.parallelize(range(2), 2).map(slow).collect()
+print("PLAIN JOB DONE", flush=True)
+
+
+def train():
+    import time
+    import sparktrain
+    for i in range(6):
+        print(f"step {i}", flush=True)
+        time.sleep(0.5)  # a slow loop: the stage runs for 3 s, long enough for Spark to draw its bar
+    return sparktrain.rank()
+
+
+print("RESULT", sparktrain.run(train, num_proc=2, verbose=0), flush=True)
+spark.stop()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_sparks_console_progress_bar_stays_off_the_ranks_lines_in_a_terminal(tmp_path):
+    """In a terminal, a session with Spark's console progress bar draws ``[Stage N:>`` for a plain job
+    (the control), and nothing of it while a sparktrain stage runs."""
+    import pty
+    import select
+    import subprocess
+    import sys
+
+    script = tmp_path / "console.py"
+    script.write_text(CONSOLE_SCRIPT)
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "COLUMNS": "120"}
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.DEVNULL, stdout=secondary,
+                            stderr=secondary, env=env, cwd=tmp_path, start_new_session=True)
+    os.close(secondary)
+    chunks, deadline = [], time.monotonic() + 200
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([primary], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(primary, 65536)
+            except OSError:  # the terminal closed: every process holding it has exited
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=30) == 0, b"".join(chunks).decode(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(primary)
+    text = b"".join(chunks).decode(errors="replace")
+    plain, _, ours = text.partition("PLAIN JOB DONE")
+    assert "[Stage 0:" in plain, plain[-2000:]  # Spark does draw its bar on this terminal
+    assert "RESULT 0" in ours and "[0]<stdout>:step 5" in ours, ours[-2000:]
+    assert "[Stage" not in ours, ours[-2000:]

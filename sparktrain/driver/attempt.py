@@ -9,10 +9,8 @@ policy (``supervision.retry``) says no.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import queue
-import sys
 import time
 from typing import IO, Any, Callable
 
@@ -20,6 +18,7 @@ from .. import channel
 from ..errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError
 from ..protocol import failures_in
 from ..spec import SPILLED, TaskSpec
+from .display import Display
 from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory
 from .results import byte_size, load_result, placement
@@ -53,36 +52,41 @@ class RunInfo:
     #: 0 warnings only, 1 progress, 2 debug (and every C++ log line of the ranks).
     verbose: int = 1
     started: float = dataclasses.field(default_factory=time.monotonic)
+    #: Where the ranks' lines, their progress bars and the run's status are shown (``display``).
+    display: Display | None = None
+
+    def __post_init__(self):
+        if self.display is None:
+            object.__setattr__(self, "display", Display(self.stdout, self.stderr, self.timestamps, self.verbose,
+                                                        title=self.run_id))
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
     def write(self, event: Output) -> None:
-        """One rank's output line, prefixed ``[rank]<stream>:`` (and the time, if asked for)."""
-        out = (self.stderr or sys.stderr) if event.stream == "stderr" else (self.stdout or sys.stdout)
-        prefix = f"[{event.rank}]<{event.stream}>:"
-        if self.timestamps:
-            prefix = datetime.datetime.fromtimestamp(event.time).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " " + prefix
-        try:
-            out.write(prefix + event.line + "\n")
-            out.flush()
-        except (OSError, ValueError):
-            pass  # a closed stream must not stop training
+        """One rank's output line, prefixed ``[rank]<stream>:`` (and the time, if asked for), or the
+        line it is drawing (a progress bar), as the display shows such lines."""
+        self.display.write(event.rank, event.stream, event.line, event.time, event.live, event.drawn)
 
 
 def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str, max_attempts: int,
                  before_retry: Callable[[], None] = lambda: None) -> Any:
     """Run the gang up to ``max_attempts`` times; every retry is logged, and counted in the final error."""
     earlier: list[str] = []
+    info.display.size = spec.size
+    if spec.output_ranks is not None:
+        info.display.live_ranks = spec.output_ranks
     for number in range(1, max_attempts + 1):
         if number > 1:
             before_retry()
+            info.display.hosts.clear()
         try:
             value = Attempt(info, dataclasses.replace(spec, attempt=number, max_attempts=max_attempts), max_attempts,
                             make_job, host).supervise()
         except SparkTrainError as e:
             out_of_time = info.timeout is not None and info.elapsed() >= info.timeout
             if not core.retry(e, number, max_attempts, out_of_time):
+                info.display.finish(f"failed: {_first_line(str(e))[:200]}")
                 if number == 1:
                     raise
                 raise core.with_attempts(e, number, earlier) from e
@@ -93,6 +97,7 @@ def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str,
         if number > 1:
             log.warning("sparktrain: run %s succeeded on attempt %d of %d, after %d failed attempt(s)",
                         info.run_id, number, max_attempts, number - 1)
+        info.display.finish()
         return value
     raise AssertionError("unreachable")
 
@@ -184,6 +189,10 @@ class Attempt:
                 self.interrupts.check()
                 self._handle(self._next_event(TICK))
                 self._step()
+                self.info.display.tick()
+                hush = getattr(self.job, "hush", None)  # Spark's own console progress bar, where it draws one
+                if hush is not None:
+                    hush(time.monotonic())
             self._drain()
         except BaseException as e:
             # KeyboardInterrupt or any driver-side error: stop everything, after saying what every
@@ -240,6 +249,7 @@ class Attempt:
         elif isinstance(event, Failed):
             self._step(core.RankFailed(event.failure))
         elif isinstance(event, Hello):
+            self.info.display.rank_up(event.rank, event.host)
             self._step(core.CheckedIn(event.rank, event.host, event.partition))
         elif isinstance(event, Progress):
             self.stalls.progress(event.rank, event.at, event.time)
@@ -329,8 +339,10 @@ class Attempt:
         start_seconds = getattr(self.state, "start_seconds", None)
         started = (f"ranks started in {start_seconds:.2f} s" if start_seconds is not None
                    else "ranks rendezvoused through Spark")
-        log.info("sparktrain: run %s of %s finished in %.2f s (%s); rank 0 returned %s", self.info.run_id,
-                 self.info.fn_name, self.info.elapsed(), started, returned)
+        # The display's summary says so where the user looks (verbose >= 1); the log keeps it for debugging.
+        log.debug("sparktrain: run %s of %s finished in %.2f s (%s); rank 0 returned %s", self.info.run_id,
+                  self.info.fn_name, self.info.elapsed(), started, returned)
+        self.info.display.outcome = f"{self.info.fn_name} finished ({started}); rank 0 returned {returned}"
         return value
 
     def _write_tails(self) -> None:

@@ -12,6 +12,10 @@ from ..spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
 from .cluster import without_pyspark_warnings
 
 
+#: Seconds between two hushes of Spark's console progress bar (it stays away 500 ms after each).
+HUSH_SECONDS = 0.3
+
+
 class Job(Protocol):
     """A run's ranks at work in the background. ``on_done`` (given to the constructor) is called
     once, from the job's own thread, when it ends."""
@@ -84,6 +88,7 @@ class BarrierJob(_Background):
         self.group = group
         self.description = description
         self._collect = collect
+        self._hushed = float("-inf")
 
     @property
     def rows(self) -> list | None:
@@ -100,6 +105,13 @@ class BarrierJob(_Background):
 
     def cancel(self) -> None:
         self.view.cancel(self.group)
+
+    def hush(self, now: float) -> None:
+        """While the stage runs, keep Spark's console progress bar off the ranks' lines (every
+        HUSH_SECONDS at most: the bar stays away 500 ms after each call)."""
+        if not self.done() and now - self._hushed >= HUSH_SECONDS:
+            self._hushed = now
+            self.view.hush_console_progress()
 
 
 class SparkJob(BarrierJob):

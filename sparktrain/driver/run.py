@@ -107,6 +107,7 @@ def run(
     source = _stage_input(a.frames, size)
     info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=stdout, stderr=stderr,
                    timestamps=prefix_output_with_timestamp, timeout=a.timeout, verbose=verbose)
+    info.display.attach(log)
     # A lost executor is usually replaced within seconds; a retried gang needs all its slots back.
     retry_wait = max(RETRY_CAPACITY_WAIT, cfg.capacity_wait)
     return run_attempts(info, spec, lambda s, on_done: view.job(s, a.fn_name, on_done, source, profile),

@@ -39,6 +39,10 @@ class Output:
     stream: str
     line: str
     time: float
+    #: The line being drawn (a progress bar) as it stands, not a finished line (see ``display``).
+    live: bool = False
+    #: A finished line that was a progress bar (it was redrawn in place first).
+    drawn: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +232,7 @@ class DriverServer:
 
     def _dispatch(self, rank: int, msg: protocol.FromRank) -> None:
         if isinstance(msg, protocol.Output):
-            self.events.put(Output(rank, msg.stream, msg.line, msg.time))
+            self.events.put(Output(rank, msg.stream, msg.line, msg.time, bool(msg.live), bool(msg.drawn)))
         elif isinstance(msg, protocol.Failed):
             self.events.put(Failed(rank, msg.failure))
         elif isinstance(msg, protocol.Beat) and msg.at is not None:

@@ -77,6 +77,10 @@ class ClusterView:
     def cancel(self, name: str) -> None:
         pass
 
+    def hush_console_progress(self) -> None:
+        """Keep Spark's console progress bar (``[Stage 4:> (0 + 3) / 3]``) from drawing over the ranks'
+        lines for the next half second, where this view's Spark draws one."""
+
     def job(self, spec: TaskSpec, fn_name: str, on_done: Callable[[], None], source=None, profile=None) -> Job:
         raise NotImplementedError
 
@@ -112,6 +116,8 @@ class SparkView(ClusterView):
         self.spark = spark
         self.sc = spark.sparkContext
         super().__init__(cluster.spark_conf(self.sc))
+        #: Spark's ConsoleProgressBar (a Py4J object), False where Spark draws none; None: not asked yet.
+        self._progress_bar = None
 
     def driver_host(self) -> str:
         return self.conf.get("spark.driver.host", "127.0.0.1")
@@ -145,6 +151,15 @@ class SparkView(ClusterView):
 
     def cancel(self, name: str) -> None:
         self.sc.cancelJobGroup(name)
+
+    def hush_console_progress(self) -> None:
+        # Spark draws the bar (spark.ui.showConsoleProgress) from a timer every 200 ms, for every
+        # active stage, and not within 500 ms of its finishAll(), which also erases what it drew.
+        if self._progress_bar is None:
+            bar = self.sc._jsc.sc().progressBar()
+            self._progress_bar = bar.get() if bar.isDefined() else False
+        if self._progress_bar:
+            self._progress_bar.finishAll()
 
     def job(self, spec, fn_name, on_done, source=None, profile=None) -> Job:
         return SparkJob(self, spec, fn_name, on_done, source, profile)

@@ -2,8 +2,9 @@
 
 :class:`RankIO` holds what the task knows of its rank while it runs: the channel to the driver,
 the output tail kept for a failure report, and the copy of the output written to storage
-(``log_url``). :meth:`RankIO.pump` forwards the rank process's output, line by line, until the
-process exits or the driver says stop.
+(``log_url``). :meth:`RankIO.pump` forwards the rank process's output, line by line as a terminal
+would show it (``termline``: no ``\\r``, ``\\b`` or escape codes), until the process exits or the
+driver says stop; the line being drawn (a progress bar) goes to the driver as a live line too.
 """
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ from ..errors import RankFailure
 from ..spec import TaskSpec
 from .stacks import StackDump, beat
 from .supervisor import ChildProcess
+from .termline import TermLine
 
 #: Lines of output each rank keeps for its failure report.
 TAIL_LINES = 100
 #: Longest output line forwarded; longer lines are split.
 MAX_LINE = 16 * 1024
+#: Seconds between two sends of a stream's line being drawn (a progress bar's state).
+LIVE_SECONDS = 0.25
 class RankIO:
     """The state of one rank while it runs."""
 
@@ -57,6 +61,8 @@ class RankIO:
         #: The native engine's progress record of the rank (sent with every beat), once it is known.
         self.progress_path: str | None = None
         self.stacks = StackDump()
+        #: When (monotonic) each stream's line being drawn was last sent (see _live).
+        self._live_sent: dict[str, float] = {}
 
     def open_log(self) -> None:
         if self.spec.log_target is None or not self.show:
@@ -112,18 +118,18 @@ class RankIO:
         if self.log is not None:
             self.log.add(stream, line, time.time())
         if self.chan is not None:
-            self.send(protocol.Output(stream, line, time.time()))
+            self.send(protocol.Output(stream, line, time.time(), drawn=getattr(line, "drawn", False) or None))
         if self.chan is None:
             print(f"[{self.rank}]<{stream}>:{line}", file=sys.stderr if stream == "stderr" else sys.stdout)
 
     def pump(self, child: ChildProcess) -> None:
         """Forward the child's output until it exits or the driver says stop."""
         sel = selectors.DefaultSelector()
-        buffers = {}
+        terms = {}
         for stream, f in (("stdout", child.stdout), ("stderr", child.stderr)):
             os.set_blocking(f.fileno(), False)
             sel.register(f.fileno(), selectors.EVENT_READ, stream)
-            buffers[stream] = b""
+            terms[stream] = TermLine(MAX_LINE)
         sel.register(child.stacks, selectors.EVENT_READ, "stacks")
         driver_sock = self.chan.sock if self.chan is not None else None
         if driver_sock is not None:
@@ -143,6 +149,8 @@ class RankIO:
                     beat_at = now
                     self.send(beat(self.progress_path if self.spec.stall_warning else None))
                 self._check_driver(child, now)
+                for stream, term in terms.items():
+                    self._live(stream, term, now)
                 stacks = self.stacks.done(now)
                 if stacks is not None:
                     self.send(protocol.Stacks(stacks))
@@ -165,10 +173,12 @@ class RankIO:
                         open_pipes -= 1
                         if not open_pipes and self.ended_at is None:
                             self.ended_at = time.time()
-                        if buffers[key.data]:
-                            self.emit(key.data, buffers[key.data].decode(errors="replace"))
+                        for line in terms[key.data].close():
+                            self.emit(key.data, line)
                         continue
-                    buffers[key.data] = self._lines(key.data, buffers[key.data] + chunk)
+                    for line in terms[key.data].feed_bytes(chunk):
+                        self.emit(key.data, line)
+                    self._live(key.data, terms[key.data], time.monotonic())
                 self.flush_log()
                 if child.exited():
                     self.ended_at = self.ended_at or time.time()
@@ -194,14 +204,16 @@ class RankIO:
                              f"{limit:g} s): its host {self.host} is cut off from the driver, or the driver stopped")
         child.stop(self.spec.grace_period)
 
-    def _lines(self, stream: str, data: bytes) -> bytes:
-        *lines, rest = data.split(b"\n")
-        for raw in lines:
-            self.emit(stream, raw.rstrip(b"\r").decode(errors="replace"))
-        while len(rest) > MAX_LINE:
-            self.emit(stream, rest[:MAX_LINE].decode(errors="replace"))
-            rest = rest[MAX_LINE:]
-        return rest
+    def _live(self, stream: str, term: TermLine, now: float) -> None:
+        """Send the line being drawn (a progress bar) as it stands, at most every LIVE_SECONDS per
+        stream; the driver decides whether and how to show it. Its finished state comes as a line."""
+        if not term.changed or self.chan is None or not self.show \
+                or now - self._live_sent.get(stream, 0.0) < LIVE_SECONDS:
+            return
+        self._live_sent[stream] = now
+        text = term.seen()
+        if text:  # an empty line being drawn is a line just finished: that line has gone already
+            self.send(protocol.Output(stream, text, time.time(), live=True))
 
     def _on_driver_message(self, child: ChildProcess) -> None:
         try:

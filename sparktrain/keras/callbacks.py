@@ -35,7 +35,8 @@ class BroadcastGlobalVariablesCallback(Callback):
 
     The model's variables are broadcast before training starts, so every rank begins from the
     same weights even if they were initialized differently; after the first batch, the
-    optimizer's state (created lazily by Keras) is broadcast too. At the start it also checks
+    optimizer's state (created lazily by Keras) is broadcast too, and so are the weights of a
+    model that had none before (built by that batch, for want of an input shape). At the start it also checks
     that every rank will run the same number of steps per epoch.
 
     Variables local to each rank are never broadcast: those in ``local_variables`` (a variable
@@ -84,7 +85,11 @@ class BroadcastGlobalVariablesCallback(Callback):
         _tfc().init()
         check_equal_steps(self.params.get("steps") if self.params else None)
         agree_on_overflow(self.model)
-        _tfc().broadcast_variables(self._global(self.model.variables), self.root_rank)
+        # A model given no input shape (Horovod's MNIST example builds one so) is built by its first
+        # batch; tf_keras refuses to list its weights before. Its broadcast waits for that batch's end,
+        # as Horovod's always did.
+        if getattr(self.model, "built", True):
+            _tfc().broadcast_variables(self._global(self.model.variables), self.root_rank)
         self._done_first_batch = False
 
     def on_train_batch_end(self, batch, logs=None):

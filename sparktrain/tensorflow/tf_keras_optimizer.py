@@ -68,11 +68,12 @@ def distributed_class(base: type) -> type:
     if cls is None:
         legacy = issubclass(base, tf_keras.optimizers.legacy.Optimizer)
         hooks = {"_compute_gradients": _legacy_compute_gradients, "get_gradients": _legacy_get_gradients} if legacy \
-            else {"compute_gradients": _compute_gradients}
+            else {"compute_gradients": _compute_gradients, "_compute_gradients": _current_compute_gradients}
         cls = type(base.__name__, (base,), {
             **hooks,
             "apply_gradients": _apply_gradients,
             "register_local_var": register_local_var,
+            "_agg_helper": property(_aggregation),
             "_sparktrain_distributed": True,
             "_sparktrain_base": base,
             "__module__": base.__module__,
@@ -85,6 +86,15 @@ def distributed_class(base: type) -> type:
 def _compute_gradients(self, loss, var_list, tape=None):
     pairs = type(self)._sparktrain_base.compute_gradients(self, loss, var_list, tape)
     return _reduced_pairs(self, pairs)
+
+
+def _current_compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+    # Horovod's wrapper gave every optimizer the legacy name and signature, and Keras 2 code calls it
+    # (Horovod's own tests do); tf_keras' current optimizers have no grad_loss.
+    if grad_loss is not None:
+        raise InvalidArgumentError("grad_loss is not supported by tf_keras' current optimizers (it is by "
+                                   "tf.keras.optimizers.legacy.*): leave it None, or use a legacy optimizer")
+    return self.compute_gradients(loss, var_list, tape)
 
 
 def _legacy_compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
@@ -166,6 +176,26 @@ def _accumulated(self, grads: list, variables: list, reduction: GradientReductio
     for i, g in zip(present, reduced):
         out[i] = g
     return out
+
+
+class _Aggregation:
+    """What Horovod's Keras 2 wrapper showed of its local aggregation as ``optimizer._agg_helper``,
+    which Keras 2 code and Horovod's tests read: ``counter``, the passes since the last update."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    @property
+    def counter(self):
+        tf = _tf()
+        passes = _passes(self._optimizer)
+        n = _reduction_of(self._optimizer).backward_passes_per_step
+        return tf.constant(0, tf.int64) if passes is None else passes.count % n
+
+
+def _aggregation(self) -> _Aggregation | None:
+    """``_agg_helper``: None without local aggregation (``backward_passes_per_step=1``), as in Horovod."""
+    return None if _reduction_of(self).backward_passes_per_step == 1 else _Aggregation(self)
 
 
 def _apply_gradients(self, grads_and_vars, *args, **kwargs):

@@ -13,17 +13,20 @@ from sklearn.datasets import load_digits
 
 import sparktrain.keras as hvd
 
-parser = argparse.ArgumentParser(description="Keras digits example")
-parser.add_argument("--epochs", type=int, default=4)
-parser.add_argument("--batch-size", type=int, default=32)
-parser.add_argument("--lr", type=float, default=0.002, help="learning rate of one process")
-parser.add_argument("--warmup-epochs", type=int, default=1)
-parser.add_argument("--fp16-allreduce", action="store_true", help="use fp16 compression during allreduce")
-parser.add_argument("--backward-passes-per-step", type=int, default=1)
-parser.add_argument("--checkpoint-dir", default="./checkpoints")
+parser = argparse.ArgumentParser(description="Train a small convnet on the 8x8 digits on every rank")
+parser.add_argument("--epochs", type=int, default=4, help="passes over each rank's shard")
+parser.add_argument("--batch-size", type=int, default=32, help="examples per batch on each rank")
+parser.add_argument("--lr", type=float, default=0.002,
+                    help="the rate for one rank; the script multiplies it by the number of ranks")
+parser.add_argument("--warmup-epochs", type=int, default=1,
+                    help="epochs over which the rate climbs to its scaled value")
+parser.add_argument("--fp16-allreduce", action="store_true", help="send gradients between ranks as float16")
+parser.add_argument("--backward-passes-per-step", type=int, default=1,
+                    help="batches whose gradients each rank adds up before one exchange and update")
+parser.add_argument("--checkpoint-dir", default="./checkpoints", help="folder for rank 0's checkpoint of each epoch")
 args = parser.parse_args()
 
-# Horovod: initialize Horovod.
+# Join the other ranks before anything else.
 hvd.init()
 
 # The same shuffled split on every worker; each worker trains on its own shard.
@@ -47,11 +50,11 @@ model = keras.Sequential([
     keras.layers.Dense(10, activation="softmax"),
 ])
 
-# Horovod: adjust learning rate based on number of workers.
+# A step averages the gradients of every rank's batch, so the rate grows with the number of ranks.
 scaled_lr = args.lr * hvd.size()
 opt = keras.optimizers.Adam(scaled_lr)
 
-# Horovod: add Horovod DistributedOptimizer.
+# The wrapper averages gradients across ranks before each update.
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
 opt = hvd.DistributedOptimizer(opt, compression=compression,
                                backward_passes_per_step=args.backward_passes_per_step,
@@ -60,25 +63,25 @@ opt = hvd.DistributedOptimizer(opt, compression=compression,
 model.compile(loss=keras.losses.SparseCategoricalCrossentropy(), optimizer=opt, metrics=["accuracy"])
 
 callbacks = [
-    # Horovod: broadcast initial variable states from rank 0 to all other processes.
+    # Every rank starts from rank 0's weights.
     hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-    # Horovod: average metrics among workers at the end of every epoch.
+    # The epoch's logged metrics are the mean over ranks, not rank 0's alone.
     hvd.callbacks.MetricAverageCallback(),
-    # Horovod: scale the learning rate up gradually over the first epochs.
+    # The scaled rate is reached step by step, not at the first batch.
     hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=args.warmup_epochs, verbose=1),
-    # Horovod: then halve it every epoch from epoch 3 on.
+    # From the third epoch on, each epoch runs at half the rate of the one before.
     hvd.callbacks.LearningRateScheduleCallback(initial_lr=scaled_lr, multiplier=0.5, start_epoch=2),
 ]
 
-# Horovod: save checkpoints only on worker 0 to prevent other workers from corrupting them.
+# One writer: rank 0 saves; two ranks writing the same file could leave it torn.
 if hvd.rank() == 0:
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(args.checkpoint_dir, "checkpoint-{epoch}.keras")))
 
-# Horovod: write logs on worker 0.
+# Progress lines from rank 0 only.
 verbose = 2 if hvd.rank() == 0 else 0
 
-# Horovod: each worker sees 1 / size of the data per epoch.
+# An epoch is one pass over this rank's shard, a 1/size part of the training rows.
 model.fit(dataset, steps_per_epoch=len(x_train) // args.batch_size, callbacks=callbacks, epochs=args.epochs,
           verbose=verbose)
 

@@ -12,22 +12,24 @@ import tensorflow as tf
 
 import sparktrain.tensorflow as hvd
 
-parser = argparse.ArgumentParser(description="TensorFlow 2 synthetic benchmark",
+parser = argparse.ArgumentParser(description="Images per second of a model trained on random data on every rank",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--fp16-allreduce", action="store_true", default=False, help="use fp16 compression during allreduce")
+parser.add_argument("--fp16-allreduce", action="store_true", default=False,
+                    help="send gradients between ranks as float16")
 parser.add_argument("--model", type=str, default="small",
                     help="'small' (a few convolutions) or a model name from keras.applications")
-parser.add_argument("--image-size", type=int, default=32)
-parser.add_argument("--batch-size", type=int, default=8, help="input batch size")
-parser.add_argument("--num-warmup-batches", type=int, default=2, help="number of warm-up batches that don't count")
-parser.add_argument("--num-batches-per-iter", type=int, default=3, help="number of batches per benchmark iteration")
-parser.add_argument("--num-iters", type=int, default=3, help="number of benchmark iterations")
+parser.add_argument("--image-size", type=int, default=32, help="height and width of the random images")
+parser.add_argument("--batch-size", type=int, default=8, help="images in each rank's batch")
+parser.add_argument("--num-warmup-batches", type=int, default=2,
+                    help="batches run and left out of the timing, after the first")
+parser.add_argument("--num-batches-per-iter", type=int, default=3, help="batches timed together as one measurement")
+parser.add_argument("--num-iters", type=int, default=3, help="how many measurements to take")
 args = parser.parse_args()
 
-# Horovod: initialize Horovod.
+# Join the other ranks before anything else.
 hvd.init()
 
-# Set up standard model.
+# The model to time: a small convnet, or one of keras.applications by name.
 if args.model == "small":
     model = keras.Sequential([
         keras.Input((args.image_size, args.image_size, 3)),
@@ -44,61 +46,53 @@ opt.build(model.trainable_variables)
 
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
 
-data = tf.random.uniform([args.batch_size, args.image_size, args.image_size, 3])
-target = tf.random.uniform([args.batch_size, 1], minval=0, maxval=999, dtype=tf.int64)
+images = tf.random.uniform([args.batch_size, args.image_size, args.image_size, 3])
+labels = tf.random.uniform([args.batch_size, 1], minval=0, maxval=999, dtype=tf.int64)
 
 
 @tf.function
-def benchmark_step(first_batch):
-    # Horovod: use DistributedGradientTape
+def train_step(then_broadcast):
     with tf.GradientTape() as tape:
-        probs = model(data, training=True)
-        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(target, probs))
-
-    # Horovod: add Horovod Distributed GradientTape.
-    tape = hvd.DistributedGradientTape(tape, compression=compression)
-
-    gradients = tape.gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(gradients, model.trainable_variables))
-
-    # Horovod: broadcast initial variable states from rank 0 to all other processes.
-    # This is necessary to ensure consistent initialization of all workers when
-    # training is started with random weights or restored from a checkpoint.
-    #
-    # Note: broadcast should be done after the first gradient step to ensure optimizer
-    # initialization.
-    if first_batch:
+        predictions = model(images, training=True)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, predictions))
+    # Wrapped, the tape returns gradients averaged across ranks.
+    averaged = hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(averaged, model.trainable_variables))
+    # Ranks start with different random weights: after the first step, when the optimizer's own
+    # variables exist too, every rank takes rank 0's.
+    if then_broadcast:
         hvd.broadcast_variables(model.variables, root_rank=0)
         hvd.broadcast_variables(opt.variables, root_rank=0)
 
 
-def log(s, nl=True):
-    if hvd.rank() != 0:
-        return
-    print(s, end="\n" if nl else "")
+def log(line):
+    """Print on rank 0 alone: one report, not one per rank."""
+    if hvd.rank() == 0:
+        print(line)
 
 
+def seconds_for(steps):
+    return timeit.timeit(lambda: train_step(then_broadcast=False), number=steps)
+
+
+device = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+# The report's lines read as Horovod's benchmark prints them, so that its numbers can be compared.
 log(f"Model: {args.model}")
 log(f"Batch size: {args.batch_size}")
-device = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
 log(f"Number of {device}s: {hvd.size()}")
 
-# Warm-up
-log("Running warmup...")
-benchmark_step(first_batch=True)
-timeit.timeit(lambda: benchmark_step(first_batch=False), number=args.num_warmup_batches)
+# Untimed: the first step traces the function and broadcasts; a few more settle the caches.
+log("Warming up...")
+train_step(then_broadcast=True)
+seconds_for(args.num_warmup_batches)
 
-# Benchmark
-log("Running benchmark...")
-img_secs = []
-for x in range(args.num_iters):
-    time = timeit.timeit(lambda: benchmark_step(first_batch=False), number=args.num_batches_per_iter)
-    img_sec = args.batch_size * args.num_batches_per_iter / time
-    log(f"Iter #{x}: {img_sec:.1f} img/sec per {device}")
-    img_secs.append(img_sec)
+log("Timing...")
+rates = []
+for i in range(args.num_iters):
+    rates.append(args.batch_size * args.num_batches_per_iter / seconds_for(args.num_batches_per_iter))
+    log(f"Iter #{i}: {rates[-1]:.1f} img/sec per {device}")
 
-# Results
-img_sec_mean = np.mean(img_secs)
-img_sec_conf = 1.96 * np.std(img_secs)
-log(f"Img/sec per {device}: {img_sec_mean:.1f} +-{img_sec_conf:.1f}")
-log(f"Total img/sec on {hvd.size()} {device}(s): {hvd.size() * img_sec_mean:.1f} +-{hvd.size() * img_sec_conf:.1f}")
+# The mean, and 1.96 standard deviations either side of it; the total is the mean times the ranks.
+mean, spread = np.mean(rates), 1.96 * np.std(rates)
+log(f"Img/sec per {device}: {mean:.1f} +-{spread:.1f}")
+log(f"Total img/sec on {hvd.size()} {device}(s): {hvd.size() * mean:.1f} +-{hvd.size() * spread:.1f}")
