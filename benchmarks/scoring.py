@@ -117,7 +117,7 @@ def measure(spark, df, store: str, hidden: int, rows: int, batch_size: int, core
     """One model's table rows, and transform's warm rows/s per core against one process's predict."""
     from sparktrain import storage
     from sparktrain.ml import KerasModel
-    from sparktrain.ml.training import keras_bytes
+    from sparktrain.ml.portable import keras_bytes
 
     model = _model(hidden)
     url = storage.put_bytes(f"file://{store}/model-{hidden}.keras", keras_bytes(model))  # committed, as fit writes it

@@ -124,6 +124,14 @@ def _pairs_loss(y_true, y_pred):
     return keras.ops.mean(keras.ops.square(keras.ops.reshape(y_pred, (-1, 2, 2)) - y_true))
 
 
+def _pairs_gap(y_true, y_pred):
+    """A metric as Keras 2 code wrote them: TensorFlow's own ops, which take both sides in one dtype
+    (tf_keras cast the labels to the prediction's; Keras 3 hands them over as they come)."""
+    import tensorflow as tf
+
+    return tf.reduce_mean(tf.abs(tf.reshape(y_pred, (-1, 2, 2)) - y_true))
+
+
 def test_label_shapes_reshape_the_labels_and_stacked_columns_feed_a_shaped_input(spark, tmp_path):
     import keras
     from pyspark.sql import functions as F
@@ -137,12 +145,14 @@ def test_label_shapes_reshape_the_labels_and_stacked_columns_feed_a_shaped_input
     model = keras.Sequential([keras.Input((2, 2)), keras.layers.Flatten(), keras.layers.Dense(4)])
     # A Keras ModelCheckpoint that keeps weights only: the trained model has the best epoch's weights.
     keep = keras.callbacks.ModelCheckpoint("w.weights.h5", monitor="loss", save_best_only=True, save_weights_only=True)
-    est = KerasEstimator(model=model, optimizer=keras.optimizers.Adam(1e-2), loss=_pairs_loss,
+    # The double columns reach the float32 model as float32: the label (array<double>) too, so _pairs_gap works.
+    est = KerasEstimator(model=model, optimizer=keras.optimizers.Adam(1e-2), loss=_pairs_loss, metrics=[_pairs_gap],
                          feature_cols=[f"c{i}" for i in range(4)], label_cols=["target"], label_shapes=[(2, 2)],
                          batch_size=8, epochs=3, num_proc=2, store=f"file://{tmp_path}/store", verbose=0, env=ENV,
                          run_id="pairs", checkpoint_callback=keep)
     history = est.fit(df).getHistory()
     assert len(history["loss"]) == 3 and history["loss"][-1] < history["loss"][0], history
+    assert len(history["_pairs_gap"]) == 3 and history["_pairs_gap"][-1] < history["_pairs_gap"][0], history
     best = int(np.argmin(history["loss"])) + 1
     run = tmp_path / "store" / "pairs"
     assert _weights(str(run / "model.keras")) == _weights(str(run / "checkpoints" / f"epoch-{best:04d}.keras"))

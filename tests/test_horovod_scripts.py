@@ -122,3 +122,56 @@ def test_keras_2_script_trains_on_tf_keras_through_sparktrain_run(tmp_path):
     assert len(one) == 1, one  # verbose=0 on rank 1: its result line alone
     # Rank 0 alone wrote a checkpoint each epoch, in the directory the command ran in.
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [f"checkpoint-{e}.h5" for e in range(1, 5)]
+
+
+def _epoch_logs(stdout: str) -> list[dict[str, float]]:
+    """Rank 0's end-of-epoch Keras lines (verbose=2), as {metric: value}, on either Keras."""
+    return [{k: float(v) for k, v in re.findall(r"(\w+): ([\d.]+(?:e[+-]?\d+)?)", line)}
+            for line in rank_lines(re.sub(r"^\S+ \S+ (?=\[\d\]<)", "", stdout, flags=re.M), 0)
+            if "val_exp_rmspe: " in line]
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("keras_line", ["keras", pytest.param("tf_keras", marks=pytest.mark.keras2)])
+def test_a_sales_estimator_script_trains_scores_and_reloads_on_either_keras(tmp_path, keras_line):
+    """Horovod's Rossmann estimator example in shape, on a made-up table of its kind: 15 named inputs
+    (embeddings for 11 categorical ones), a custom activation and a custom metric in custom_objects,
+    BestModelCheckpoint on val_exp_rmspe, a boolean validation column and a double log-sales label,
+    which reaches the metric (tf.exp(y_true) - tf.exp(y_pred)) as the float32 of the model's output.
+    On Keras 3 with Adam(learning_rate=...), and on Keras 2 as written for it: TF_USE_LEGACY_KERAS=1,
+    tf.keras and Adam(lr=...); the model trains, scores and is scored again after saving and loading,
+    with tf_keras where it was built with it."""
+    if keras_line == "tf_keras":
+        pytest.importorskip("tf_keras")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYSPARK_PYTHON=sys.executable, SPARKTRAIN_COLLECTIVE_TIMEOUT="60")
+    env.pop("PYSPARK_GATEWAY_PORT", None)
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    if keras_line == "tf_keras":
+        env["TF_USE_LEGACY_KERAS"] = "1"
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "keras_spark_sales_estimator.py"), "--num-proc", "2",
+                           "--epochs", "3", "--width", "32", "--data-dir", str(tmp_path),
+                           "--work-dir", str(tmp_path / "store"), "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=420, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert f"Trained with: {keras_line}" in out, proc.stdout[-3000:]
+    epochs = _epoch_logs(proc.stdout)
+    assert len(epochs) == 3, epochs
+    assert all({"loss", "exp_rmspe", "val_loss", "val_exp_rmspe"} <= set(e) for e in epochs), epochs
+    assert epochs[-1]["loss"] < epochs[0]["loss"], epochs
+    by_epoch = next(line for line in out if line.startswith("Validation RMSPE by epoch: "))
+    history = [float(v) for v in by_epoch.split(": ", 1)[1].split(", ")]
+    assert len(history) == 3 and f"Lowest validation RMSPE: {min(history):f}" in out
+    # The history holds the epochs' metrics averaged over the ranks, as rank 0's Keras lines print them.
+    assert history == pytest.approx([e["val_exp_rmspe"] for e in epochs], abs=1e-4)
+    forecast = open(tmp_path / "forecast.csv").read().splitlines()
+    assert forecast[0] == "Id,Sales_pred" and len(forecast) == 1 + 24 * 10, forecast[:3]
+    assert sorted(int(row.split(",")[0]) for row in forecast[1:]) == list(range(1, 241))
+    assert all(0 < float(row.split(",")[1]) < float("inf") for row in forecast[1:]), forecast[:5]
+    assert "Loaded model stage scores the same: True" in out and "Loaded pipeline scores the same: True" in out
+    assert f"Loaded estimator: optimizer {keras_line}.Adam, model {keras_line}" in out, proc.stdout[-2000:]
+    runs = os.listdir(tmp_path / "store" / "runs")
+    run = tmp_path / "store" / "runs" / runs[0]
+    assert len(runs) == 1 and (run / "model.keras").exists(), runs
+    assert sorted(n for n in os.listdir(run / "checkpoints") if n.endswith(".keras")) == [
+        f"epoch-{e:04d}.keras" for e in (1, 2, 3)]

@@ -1,5 +1,6 @@
-"""Spark ML stages: :class:`KerasEstimator` trains a Keras 3 model on a DataFrame across the cluster,
-and the :class:`KerasModel` it returns scores DataFrames, alone or inside a ``pyspark.ml`` Pipeline.
+"""Spark ML stages: :class:`KerasEstimator` trains a Keras model (Keras 3, or tf_keras for Keras 2
+code) on a DataFrame across the cluster, and the :class:`KerasModel` it returns scores DataFrames,
+alone or inside a ``pyspark.ml`` Pipeline.
 
     from sparktrain.ml import KerasEstimator
     est = KerasEstimator(model=model, optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy",

@@ -40,7 +40,8 @@ def check(schema, columns: Sequence[str], what: str, param: str) -> list[str]:
         if not k:
             raise InvalidArgumentError(
                 f"{param}: column {c!r} is {fields[c].simpleString()}; {what} must be numeric, array<numeric> or an "
-                "ml Vector (cast it, or assemble it with pyspark.ml.feature.VectorAssembler)")
+                "ml Vector (cast it, index strings with pyspark.ml.feature.StringIndexer, or assemble it with "
+                "pyspark.ml.feature.VectorAssembler)")
         kinds.append(k)
     return kinds
 

@@ -16,7 +16,7 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..errors import InvalidArgumentError, UnsupportedError
-from . import columns, shapes
+from . import columns, dtypes, lines, shapes
 from .backend import SparkBackend
 from .params import ESTIMATOR, NO_EFFECT, NOT_SUPPORTED, set_defaults, with_params
 from .persistence import StageReader, StageWriter
@@ -34,8 +34,14 @@ START_METHODS = ("fork", "spawn", "forkserver")
 
 @with_params(ESTIMATOR)
 class KerasEstimator(Estimator, MLReadable, MLWritable):
-    """Train a Keras 3 model data-parallel on a DataFrame: ``KerasEstimator(...).fit(df)`` gives a
+    """Train a Keras model data-parallel on a DataFrame: ``KerasEstimator(...).fit(df)`` gives a
     :class:`~sparktrain.ml.KerasModel` whose ``transform`` scores DataFrames.
+
+    The model is Keras 3 (``import keras``) or tf_keras (Keras 2: ``tf.keras`` under
+    ``TF_USE_LEGACY_KERAS=1``), and the ranks train and the model scores with the Keras it was
+    built with; the optimizer, loss, metrics and callbacks must be of the same Keras. Features and
+    labels reach the model in the dtypes of its inputs and outputs (a double label column reaches a
+    float32 output as float32).
 
     The parameters are Horovod's ``horovod.spark.keras.KerasEstimator``'s (docs/estimator.md says
     which are honoured, which have no effect here and which are refused); ``store`` is a
@@ -77,23 +83,26 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
         return KerasModel(model_url=spec.model_url, history=history, run_id=spec.run_url.rsplit("/", 1)[-1],
                           feature_cols=spec.feature_cols, label_cols=spec.label_cols,
                           output_cols=self.getOutputCols() or [f"{c}__output" for c in spec.label_cols],
-                          custom_objects=spec.custom_objects, storage_options=spec.storage_options)
+                          custom_objects=spec.custom_objects, storage_options=spec.storage_options,
+                          keras_line=spec.keras_line)
 
     def _prepare(self, df):
         """Checks every parameter against ``df`` and the model; returns the ranks' spec, the fed
         DataFrames and ``sparktrain.run``'s keywords."""
         from .. import tracking
 
-        keras_model = _check_model(self.getModel())
-        run_url, model_url, options, store_env = self._store()
-        launch = self._launch(options, store_env)
+        keras_model, line = lines.check_model(self.getModel())
         if self.getOptimizer() is None or self.getLoss() is None:
             raise InvalidArgumentError("optimizer and loss must both be set, e.g. optimizer=keras.optimizers.Adam(1e-3), "
                                        "loss='sparse_categorical_crossentropy'")
+        lines.check_same_line(keras_model, self.getOptimizer(), self.getLoss(), self.getMetrics(), self.getCallbacks(),
+                              self.getCheckpointCallback())
+        callback = lines.check_checkpoint_callback(self.getCheckpointCallback(), line)
+        run_url, model_url, options, store_env = self._store()
+        launch = self._launch(options, store_env, line)
         feature_cols, label_cols, weight, kinds = self._columns(df, keras_model)
         train_df, val_df = _split(df, self.getValidation(), self.getRandomSeed())
         steps = self._steps(val_df is not None)
-        callback = _check_checkpoint_callback(self.getCheckpointCallback())
         method = self.getMpStartMethod()
         if method is not None and method not in START_METHODS:
             raise InvalidArgumentError(f"mp_start_method={method!r} must be one of {list(START_METHODS)} or None")
@@ -104,6 +113,10 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
         feature_shapes = shapes.feature_shapes(feature_cols, found, inputs, input_names)
         label_shapes = shapes.label_shapes(label_cols, found, shapes.model_shapes(keras_model.outputs), output_names,
                                            self.getLabelShapes())
+        stacked = len(keras_model.inputs) == 1 and len(feature_cols) > 1
+        feature_dtypes = dtypes.plan(df.schema, feature_cols, dtypes.of(keras_model.inputs), input_names,
+                                     "feature_cols", stacked=stacked)
+        label_dtypes = dtypes.plan(df.schema, label_cols, dtypes.of(keras_model.outputs), output_names, "label_cols")
         self._log_hints()
         needed = list(dict.fromkeys(feature_cols + label_cols + ([weight] if weight else [])))
         data = {"train": train_df.select(*needed)}
@@ -122,7 +135,7 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
             storage_options=options, mlflow=bool(tracking.mlflow_handoff(user_env=launch["env"])),
             registered_model_name=self.getRegisteredModelName(), feature_shapes=feature_shapes,
             label_shapes=label_shapes, train_steps=steps[0], val_steps=steps[1], checkpoint_callback=callback,
-            mp_start_method=method)
+            mp_start_method=method, keras_line=line, feature_dtypes=feature_dtypes, label_dtypes=label_dtypes)
         return spec, data, launch
 
     def _store(self) -> tuple[str, str, dict | None, dict]:
@@ -142,8 +155,9 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
         run_url = f"{store.rstrip('/')}/{self.getRunId() or 'keras_' + uuid.uuid4().hex[:12]}"
         return run_url, model_url_of(run_url, name), options, env
 
-    def _launch(self, options, store_env) -> dict[str, Any]:
-        """``sparktrain.run``'s keywords: the backend's, the environment, the storage options."""
+    def _launch(self, options, store_env, line: str) -> dict[str, Any]:
+        """``sparktrain.run``'s keywords: the backend's, the environment (``TF_USE_LEGACY_KERAS`` set
+        for the model's Keras line), the storage options."""
         backend, num_proc, run_kwargs, env = self.getBackend(), self.getNumProc(), {}, {}
         if backend is not None:
             if not isinstance(backend, SparkBackend):
@@ -157,8 +171,9 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
             num_proc, run_kwargs, env = backend.num_proc, backend.run_kwargs(), dict(backend.env)
         for extra in (store_env, self.getBackendEnv(), self.getEnv()):
             env.update(extra or {})
+        env = lines.rank_env(line, env)
         use_gpu = False if self.getUseGpu() is False else None  # Horovod's True: a GPU where there is one
-        return {"num_proc": num_proc, "verbose": self.getVerbose(), "env": env or None, "storage_options": options,
+        return {"num_proc": num_proc, "verbose": self.getVerbose(), "env": env, "storage_options": options,
                 "max_attempts": self.getMaxAttempts(), "use_gpu": use_gpu, **run_kwargs}
 
     def _columns(self, df, keras_model):
@@ -207,42 +222,6 @@ def _train_on_rank(spec):
     from .training import train
 
     return train(spec)
-
-
-def _check_model(model):
-    try:
-        import keras
-    except ImportError as e:  # pragma: no cover - the test extra installs it
-        raise InvalidArgumentError("KerasEstimator needs Keras 3 on the driver: pip install keras") from e
-    if model is None:
-        raise InvalidArgumentError("model is not set: pass model=keras.Sequential([...]) (built, not compiled)")
-    if not isinstance(model, keras.Model):
-        kind = f"{type(model).__module__}.{type(model).__qualname__}"
-        hint = (" It is a tf.keras (Keras 2) model: build it with Keras 3's `import keras`."
-                if kind.startswith(("tf_keras", "tensorflow.python.keras", "keras.src.engine")) else "")
-        raise InvalidArgumentError(f"model must be a Keras 3 keras.Model, got {kind}.{hint}")
-    try:
-        model.inputs, model.outputs
-    except (AttributeError, ValueError) as e:
-        raise InvalidArgumentError(f"model {model.name!r} is not built, so its inputs are unknown: give it an "
-                                   "input shape (keras.Input(shape=...)) before fit") from e
-    if not model.inputs:
-        raise InvalidArgumentError(f"model {model.name!r} is not built: give it keras.Input(shape=...)")
-    return model
-
-
-def _check_checkpoint_callback(callback):
-    if callback is None:
-        return None
-    import keras
-
-    if not isinstance(callback, keras.callbacks.Callback) or not hasattr(callback, "filepath"):
-        kind = f"{type(callback).__module__}.{type(callback).__qualname__}"
-        raise InvalidArgumentError(
-            f"checkpoint_callback must be a Keras callback that saves the model to its filepath, such as "
-            "keras.callbacks.ModelCheckpoint('best.keras', monitor='val_loss', save_best_only=True) or "
-            f"sparktrain.keras.callbacks.BestModelCheckpoint(monitor='val_loss'); got {kind}")
-    return callback
 
 
 def _split(df, validation, seed):

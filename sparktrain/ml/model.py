@@ -2,7 +2,8 @@
 
 Scoring is ``pyspark.ml.functions.predict_batch_udf``: each Python worker loads the model once,
 from the store, and predicts batch after batch. Only the model's URL, the custom objects and the
-storage options travel in the task closure, never the model's bytes.
+storage options travel in the task closure, never the model's bytes. The model is loaded by the
+Keras it was trained with (``keras_line``: Keras 3, or tf_keras for a Keras 2 model).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..driver.cluster import without_pyspark_warnings
+from ..kerasline import KERAS_3
 from . import columns
 from .params import MODEL, set_defaults, with_params
 from .persistence import StageReader, StageWriter
@@ -22,7 +24,8 @@ from .persistence import StageReader, StageWriter
 class KerasModel(Model, MLReadable, MLWritable):
     """A model trained by :class:`~sparktrain.ml.KerasEstimator`; ``transform`` adds one prediction
     column per label (``<label>__output``, or ``output_cols``): a float for a model output of one
-    value, an ``array<float>`` otherwise."""
+    value, an ``array<float>`` otherwise. The model is loaded by the Keras it was trained with
+    (``getKerasLine()``: ``"keras"`` for Keras 3, ``"tf_keras"`` for Keras 2)."""
 
     @keyword_only
     def __init__(self, **kwargs: Any):
@@ -41,7 +44,8 @@ class KerasModel(Model, MLReadable, MLWritable):
     def getModel(self):  # noqa: N802 - Horovod's name
         """The trained Keras model, read from the store (once per KerasModel)."""
         if self._keras_model is None:
-            self._keras_model = load(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects())
+            self._keras_model = load(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(),
+                                     self.getKerasLine())
         return self._keras_model
 
     def getHistory(self) -> dict:  # noqa: N802 - Horovod's name
@@ -65,15 +69,17 @@ class KerasModel(Model, MLReadable, MLWritable):
         in_shapes = [[int(d) if d is not None else -1 for d in t.shape[1:]] for t in model.inputs]
         with without_pyspark_warnings():
             predict = predict_batch_udf(
-                _Loader(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), out_cols, scalar),
+                _Loader(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), out_cols, scalar,
+                        self.getKerasLine()),
                 return_type=StructType(fields), batch_size=self.getBatchSize(), input_tensor_shapes=in_shapes)
         scored = "__sparktrain_scored"
         out = dataset.withColumn(scored, predict(*xs))
         return out.select("*", *[F.col(f"{scored}.{c}").alias(c) for c in out_cols]).drop(scored)
 
 
-def load(url: str, storage_options=None, custom_objects=None):
-    """The Keras model at ``url`` in the store, for prediction (not compiled)."""
+def load(url: str, storage_options=None, custom_objects=None, line: str = KERAS_3):
+    """The Keras model at ``url`` in the store, for prediction (not compiled), loaded by the Keras of
+    ``line`` (``"keras"``: Keras 3; ``"tf_keras"``)."""
     import os
     import tempfile
 
@@ -84,26 +90,26 @@ def load(url: str, storage_options=None, custom_objects=None):
     # whose ranks inherit it, keep their verbosity.
     quiet = tflog.filtered_stderr(tflog.level_from_env(unset=2))
     with quiet, tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
-        import keras
+        from .portable import load_file
 
         local = os.path.join(tmp, "model.keras")
         storage.get_file(url, local, storage_options)
-        return keras.saving.load_model(local, custom_objects=custom_objects, compile=False)
+        return load_file(local, custom_objects, line)
 
 
 class _Loader:
     """``predict_batch_udf``'s make_predict_fn: loads the model in the Python worker, once."""
 
-    def __init__(self, url, storage_options, custom_objects, out_cols, scalar):
+    def __init__(self, url, storage_options, custom_objects, out_cols, scalar, line=KERAS_3):
         self.url, self.storage_options, self.custom_objects = url, storage_options, custom_objects
-        self.out_cols, self.scalar = list(out_cols), list(scalar)
+        self.out_cols, self.scalar, self.line = list(out_cols), list(scalar), line
 
     def __call__(self):
         import inspect
 
         import numpy as np
 
-        model = load(self.url, self.storage_options, self.custom_objects)
+        model = load(self.url, self.storage_options, self.custom_objects, self.line)
         out_cols, scalar = self.out_cols, self.scalar
 
         def predict(*xs):

@@ -45,8 +45,9 @@ COMMON = (
 
 ESTIMATOR = COMMON + (
     Spec("num_proc", "the number of ranks; None: every task slot of the cluster", _INT),
-    Spec("model", "the Keras 3 model to train, built (with its input shape) and not compiled", None),
-    Spec("optimizer", "a Keras 3 optimizer; fit wraps it in sparktrain.keras.DistributedOptimizer", None),
+    Spec("model", "the Keras 3 or tf_keras model to train, built (with its input shape) and not compiled", None),
+    Spec("optimizer", "an optimizer of the model's Keras; fit wraps it in sparktrain.keras.DistributedOptimizer",
+         None),
     Spec("loss", "the loss, as model.compile takes it", None),
     Spec("loss_weights", "the loss weights, as model.compile takes them", None),
     Spec("metrics", "the metrics, as model.compile takes them", None),
@@ -118,6 +119,7 @@ MODEL = COMMON + (
     Spec("model_url", "where the trained model is, in the store (a .keras file)", _STR),
     Spec("history", "the training history: {metric: [value per epoch]}", None),
     Spec("batch_size", "rows per prediction batch", TypeConverters.toInt, 1024),
+    Spec("keras_line", "the Keras that loads the model: 'keras' (Keras 3) or 'tf_keras' (Keras 2)", _STR, "keras"),
 )
 
 

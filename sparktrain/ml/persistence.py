@@ -5,8 +5,9 @@ sizes, the store's URLs, the history. The params that are Python objects (the mo
 optimizer, loss, metrics, callbacks, custom objects, the backend, a Store) are pickled with
 cloudpickle into one binary row under ``<path>/objects``, written by Spark, so both go wherever
 ``save(path)`` points (any Hadoop filesystem). Keras objects are pickled in the form that
-``portable`` gives them, which every Keras 3 release loads back (Keras 3.2's optimizers and
-models do not pickle). ``storage_options`` and a Store's credentials are never saved: set them
+``portable`` gives them, which every Keras 3 release and tf_keras load back (Keras 3.2's and
+tf_keras' optimizers, and Keras 3.2's models, do not pickle); a tf_keras model comes back a
+tf_keras model. A KerasModel's Keras (``keras_line``) is one of its JSON params. ``storage_options`` and a Store's credentials are never saved: set them
 again after ``load``, or give the executors their credentials another way (their environment, a
 managed identity). A KerasModel's trained model stays in the store and is read from there
 through fsspec.

@@ -1,15 +1,17 @@
-"""Keras objects in a form that pickles on every Keras 3 release, and back.
+"""Keras objects in a form that pickles on every Keras 3 release and on tf_keras, and back.
 
 Keras 3.2's optimizers hold weak references, so ``pickle``/``cloudpickle`` refuse them ("cannot
-pickle 'weakref.ReferenceType' object"), and a pickled Keras 3.2 model does not load back
-("'TrackedList' object has no attribute 'tracker'"). Keras's own serialization works on every
-Keras 3 release, so the estimator ships and saves them that way:
+pickle 'weakref.ReferenceType' object"), as they refuse tf_keras' optimizers, and a pickled Keras
+3.2 model does not load back ("'TrackedList' object has no attribute 'tracker'"). Keras's own
+serialization works on every Keras 3 release and on tf_keras, so the estimator ships and saves
+them that way, each rebuilt by the Keras line it came from (``kerasline.line_of``):
 
 - an optimizer, loss, metric or learning-rate schedule travels as its class and its
   ``get_config()``, rebuilt with ``from_config``. The class itself is pickled, so a class defined
   in a notebook needs no ``custom_objects``. An object whose ``from_config(get_config())`` fails
   (a custom metric without ``get_config``) travels as itself, as before;
-- a model travels as the bytes of its ``.keras`` file.
+- a model travels as the bytes of its ``.keras`` file and its line, and is loaded back with
+  ``keras.saving.load_model`` or ``tf_keras.models.load_model``.
 
 Lists, tuples and dicts of them (``metrics=[...]``, a loss per output) are walked. Keras is
 imported only where a value needs it.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple
 
+from ..kerasline import KERAS_3, TF_KERAS, line_of
+
 
 class KerasObject(NamedTuple):
     """An optimizer, loss, metric or schedule, as its class and config."""
@@ -27,8 +31,9 @@ class KerasObject(NamedTuple):
 
 
 class KerasModelFile(NamedTuple):
-    """A model, as the bytes of its ``.keras`` file."""
+    """A model, as the bytes of its ``.keras`` file, and the Keras line that loads it."""
     data: bytes
+    line: str = KERAS_3
 
 
 def pack(value: Any) -> Any:
@@ -39,13 +44,16 @@ def pack(value: Any) -> Any:
         return {k: pack(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(pack(v) for v in value)
-    keras = sys.modules.get("keras")  # a Keras object cannot exist before keras is imported
+    line = line_of(value)
+    keras = sys.modules.get(line) if line else None  # a Keras object cannot exist before its Keras is imported
     if keras is None:
         return value
     if isinstance(value, keras.Model):
-        return KerasModelFile(keras_bytes(value))
+        return KerasModelFile(keras_bytes(value), line)
     kinds = (keras.optimizers.Optimizer, keras.losses.Loss, keras.metrics.Metric,
              keras.optimizers.schedules.LearningRateSchedule)
+    if line == TF_KERAS:
+        kinds += (keras.optimizers.legacy.Optimizer,)
     if not isinstance(value, kinds):
         return value
     config = value.get_config()
@@ -59,12 +67,18 @@ def pack(value: Any) -> Any:
 def unpack(value: Any, custom_objects: dict | None = None) -> Any:
     """The inverse of :func:`pack`: each :class:`KerasObject` and :class:`KerasModelFile` rebuilt."""
     if isinstance(value, KerasObject):
-        import keras
+        if line_of(value.cls) == TF_KERAS:
+            import tf_keras
 
-        with keras.saving.custom_object_scope(custom_objects or {}):
+            scope = tf_keras.utils.custom_object_scope(custom_objects or {})
+        else:
+            import keras
+
+            scope = keras.saving.custom_object_scope(custom_objects or {})
+        with scope:
             return value.cls.from_config(dict(value.config))
     if isinstance(value, KerasModelFile):
-        return load_bytes(value.data, custom_objects)
+        return load_bytes(value.data, custom_objects, value.line)
     if isinstance(value, dict):
         return {k: unpack(v, custom_objects) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
@@ -73,7 +87,7 @@ def unpack(value: Any, custom_objects: dict | None = None) -> Any:
 
 
 def keras_bytes(model) -> bytes:
-    """``model`` as the bytes of a ``.keras`` file."""
+    """``model`` (Keras 3 or tf_keras) as the bytes of a ``.keras`` file."""
     import os
     import tempfile
 
@@ -84,15 +98,24 @@ def keras_bytes(model) -> bytes:
             return f.read()
 
 
-def load_bytes(data: bytes, custom_objects):
-    """The model whose ``.keras`` file's bytes are ``data`` (not compiled)."""
+def load_bytes(data: bytes, custom_objects, line: str = KERAS_3):
+    """The model whose ``.keras`` file's bytes are ``data`` (not compiled), loaded by ``line``."""
     import os
     import tempfile
-
-    import keras
 
     with tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:
             f.write(data)
-        return keras.saving.load_model(path, custom_objects=custom_objects, compile=False)
+        return load_file(path, custom_objects, line)
+
+
+def load_file(path: str, custom_objects, line: str = KERAS_3):
+    """The model saved at local ``path`` (not compiled), loaded by the Keras of ``line``."""
+    if line == TF_KERAS:
+        import tf_keras
+
+        return tf_keras.models.load_model(path, custom_objects=custom_objects, compile=False)
+    import keras
+
+    return keras.saving.load_model(path, custom_objects=custom_objects, compile=False)

@@ -1,5 +1,6 @@
-"""What every rank runs for ``KerasEstimator.fit``: Keras 3's ``fit`` on the rank's shard of the fed
-DataFrames, and rank 0's writes to the store.
+"""What every rank runs for ``KerasEstimator.fit``: ``model.fit`` on the rank's shard of the fed
+DataFrames, with the Keras the model was built with (Keras 3, or tf_keras where the estimator set
+``TF_USE_LEGACY_KERAS=1`` for a Keras 2 model), and rank 0's writes to the store.
 
 A run's place in the store is ``<store>/<run_id>/`` (a Store's: ``<prefix>/runs/<run_id>/``):
 
@@ -8,8 +9,10 @@ A run's place in the store is ``<store>/<run_id>/`` (a Store's: ``<prefix>/runs/
 - ``model.keras`` (a Store's ``checkpoint_filename``): the trained model, written by rank 0 once
   the last epoch is done: the model that rank 0's checkpoint callback kept, where it kept one.
 
-Each rank reshapes its features to the model's inputs and its labels to their shapes (decided on
-the driver, shapes.py), and runs ``train_steps_per_epoch`` batches per epoch where it is set.
+Each rank casts its features to the dtypes of the model's inputs and its labels to those of its
+outputs (dtypes.py), reshapes them to the model's inputs and their shapes (shapes.py), all decided
+on the driver and done once, in the input pipeline; and it runs ``train_steps_per_epoch`` batches
+per epoch where it is set.
 
 A run that finds checkpoints under its ``run_id`` (a retried attempt, or a fit given the
 ``run_id`` of an unfinished one) resumes after the latest, and its history starts with the epochs
@@ -57,6 +60,9 @@ class TrainSpec(NamedTuple):
     val_steps: int | None
     checkpoint_callback: Any  # rank 0's; its file becomes the trained model
     mp_start_method: str | None
+    keras_line: str = "keras"  # kerasline.KERAS_3 or TF_KERAS: the Keras the ranks train with
+    feature_dtypes: list | None = None  # per model input: the dtype its column(s) are cast to, or None
+    label_dtypes: list | None = None  # per label column, likewise
 
 
 def checkpoints_of(run_url: str) -> str:
@@ -84,19 +90,23 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
     import contextlib
     import tempfile
 
-    import keras
-
-    import sparktrain.keras as hvd
-
-    from .portable import load_bytes, unpack
-
     if spec.mp_start_method:
         import multiprocessing
 
         multiprocessing.set_start_method(spec.mp_start_method, force=True)
-    from ..keras.on_jax import on_jax, saving
+    _check_served(spec.keras_line)
+    import sparktrain.keras as hvd
 
+    from ..kerasline import KERAS_3
+    from .lines import keras_of
+    from .portable import load_bytes, unpack
+
+    keras = keras_of(spec.keras_line)
     hvd.init()
+    if spec.keras_line == KERAS_3:
+        from ..keras.on_jax import on_jax, saving
+    else:  # tf_keras runs on TensorFlow only
+        on_jax, saving = (lambda: False), contextlib.nullcontext
     jax = on_jax()  # Keras 3 on JAX: keras.distribution reduces the gradients, not DistributedOptimizer
     if jax:
         keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
@@ -105,7 +115,7 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
     prefix = checkpoints_of(spec.run_url)
     model, initial_epoch = hvd.restore(prefix, spec.storage_options, custom_objects=spec.custom_objects)
     if model is None:
-        model = load_bytes(spec.model, spec.custom_objects)
+        model = load_bytes(spec.model, spec.custom_objects, spec.keras_line)
         optimizer = unpack(spec.optimizer, spec.custom_objects)
         if not jax:
             optimizer = hvd.DistributedOptimizer(optimizer, compression=spec.compression or hvd.Compression.none,
@@ -140,9 +150,22 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
     return history_of(spec.run_url, spec.storage_options, spec.epochs)
 
 
+def _check_served(line: str) -> None:
+    """Refuse to train where this process's ``tf.keras`` is not the model's Keras (an environment
+    that overrode the estimator's ``TF_USE_LEGACY_KERAS``)."""
+    from .. import kerasline
+    from ..errors import SparkTrainError
+
+    if kerasline.served() != line:
+        raise SparkTrainError(
+            f"this rank serves {kerasline.describe(kerasline.served())} ({kerasline.LEGACY_ENV}="
+            f"{os.environ.get(kerasline.LEGACY_ENV)}), and the model is {kerasline.describe(line)}: leave "
+            f"{kerasline.LEGACY_ENV} to the estimator, which sets it from the model")
+
+
 def _datasets(spec: TrainSpec):
-    """The rank's training and validation datasets: reshaped to the model's inputs (and the labels
-    to their shapes), and cut to the steps per epoch asked for."""
+    """The rank's training and validation datasets: cast and reshaped to the model's inputs (and
+    the labels to their dtypes and shapes), and cut to the steps per epoch asked for."""
     import sparktrain.data as data
 
     features = spec.feature_cols[0] if len(spec.feature_cols) == 1 else list(spec.feature_cols)
@@ -151,7 +174,7 @@ def _datasets(spec: TrainSpec):
     label = spec.label_cols[0] if len(spec.label_cols) == 1 else dict(zip(spec.output_names, spec.label_cols))
     ds = data.dataset(features, label, batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.random_seed,
                       sample_weight=spec.sample_weight_col)
-    ds = _reshaped(ds, spec)
+    ds = _fitted(ds, spec)
     if spec.train_steps:
         # Each epoch takes the next batches of a new pass over the shard: with shuffle, a new order.
         ds = ds.repeat().take(spec.train_steps)
@@ -159,7 +182,7 @@ def _datasets(spec: TrainSpec):
         return ds, None
     val = data.dataset(features, label, batch_size=spec.val_batch_size, shuffle=False, name="val",
                        sample_weight=spec.sample_weight_col)
-    val = _reshaped(val, spec)
+    val = _fitted(val, spec)
     if spec.val_steps:
         val = val.repeat().take(spec.val_steps)
     return ds, val
@@ -189,7 +212,8 @@ def _batches(spec: TrainSpec):
 
         def __getitem__(self, i):
             x, y, *weight = self.inner[i % len(self.inner)]
-            return (_part(x, spec.input_names, spec.feature_shapes), _part(y, spec.output_names, spec.label_shapes),
+            return (_part(x, spec.input_names, spec.feature_shapes, _dtypes(spec.feature_dtypes, spec.input_names)),
+                    _part(y, spec.output_names, spec.label_shapes, _dtypes(spec.label_dtypes, spec.output_names)),
                     *weight)
 
         def on_epoch_end(self):
@@ -204,32 +228,42 @@ def _batches(spec: TrainSpec):
     return Cut(ds, spec.train_steps), Cut(val, spec.val_steps)
 
 
-def _part(value, names, shapes):
-    """A batch's features or labels (an array, or a dict by input name) reshaped to ``shapes``."""
+def _dtypes(dtypes, names) -> list:
+    return list(dtypes) if dtypes is not None else [None] * len(names)
+
+
+def _part(value, names, shapes, dtypes):
+    """A batch's features or labels (an array, or a dict by input name) cast to ``dtypes`` and
+    reshaped to ``shapes``."""
     if isinstance(value, dict):
-        return {k: _part(v, [k], [shapes[names.index(k)]]) for k, v in value.items()}
+        return {k: _part(v, [k], [shapes[names.index(k)]], [dtypes[names.index(k)]]) for k, v in value.items()}
+    value = value if dtypes[0] is None else value.astype(dtypes[0])
     return value if shapes[0] is None else value.reshape((-1, *shapes[0]))
 
 
-def _reshaped(ds, spec: TrainSpec):
-    """``ds`` with each feature reshaped to its model input's shape and each label to its shape."""
-    if not any(s is not None for s in [*spec.feature_shapes, *spec.label_shapes]):
+def _fitted(ds, spec: TrainSpec):
+    """``ds`` with each feature cast to its model input's dtype and reshaped to its shape, and each
+    label cast to its output's dtype and reshaped to its shape: one map, in the input pipeline."""
+    feature_dtypes = _dtypes(spec.feature_dtypes, spec.input_names)
+    label_dtypes = _dtypes(spec.label_dtypes, spec.output_names)
+    if not any(s is not None for s in [*spec.feature_shapes, *spec.label_shapes, *feature_dtypes, *label_dtypes]):
         return ds
     import tensorflow as tf
 
-    def one(tensor, shape):
+    def one(tensor, shape, dtype):
+        tensor = tensor if dtype is None else tf.cast(tensor, dtype)
         return tensor if shape is None else tf.reshape(tensor, (-1, *shape))
 
-    def part(value, names, shapes):
+    def part(value, names, shapes, dtypes):
         if isinstance(value, dict):
-            return {k: one(v, shapes[names.index(k)]) for k, v in value.items()}
-        return one(value, shapes[0])
+            return {k: one(v, shapes[names.index(k)], dtypes[names.index(k)]) for k, v in value.items()}
+        return one(value, shapes[0], dtypes[0])
 
-    def reshape(x, y, *weight):
-        return (part(x, spec.input_names, spec.feature_shapes), part(y, spec.output_names, spec.label_shapes),
-                *weight)
+    def fit(x, y, *weight):
+        return (part(x, spec.input_names, spec.feature_shapes, feature_dtypes),
+                part(y, spec.output_names, spec.label_shapes, label_dtypes), *weight)
 
-    return ds.map(reshape)
+    return ds.map(fit)
 
 
 def _checkpoint_file(callback, tmp: str | None) -> str | None:
