@@ -13,7 +13,8 @@ import sparktrain
 from conftest import module_spark
 from helpers import read_ranks, record_rank, weights_digest
 
-pytestmark = pytest.mark.timeout(120)
+# The Horovod users' tier (-m keras2): HorovodRunner is their notebooks' entry point.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.keras2]
 
 spark = module_spark("local[2]")
 

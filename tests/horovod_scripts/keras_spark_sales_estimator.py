@@ -118,8 +118,9 @@ def encode(df, vocabulary, continuous):
     for column in continuous:
         df = df.withColumn(column, F.coalesce(df[column].cast(T.FloatType()), F.lit(0.0)))
     for column, values in vocabulary.items():
-        known = F.array(*[F.lit(v) for v in values])
-        df = df.withColumn(column, (F.array_position(known, df[column]) - 1).cast(T.IntegerType()))
+        # A literal map from value to index (array_position takes no column before Spark 4).
+        index = F.create_map(*[part for i, v in enumerate(values) for part in (F.lit(v), F.lit(i))])
+        df = df.withColumn(column, index[df[column]].cast(T.IntegerType()))
     return df
 
 
