@@ -116,6 +116,13 @@ def read_time(outdir: str, name: str) -> float:
 from sparktrain.demo import digits  # noqa: E402,F401 - the demo's data loader, shared by the tests
 
 
+def same_on_every_rank(ranks: dict[int, dict], key: str):
+    """What every rank recorded under ``key``, asserted to be the same everywhere."""
+    values = {repr(got[key]) for got in ranks.values()}
+    assert len(values) == 1, (key, values)
+    return ranks[0][key]
+
+
 def weights_digest(weights) -> str:
     import hashlib
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sparktrain
-from helpers import digits, read_ranks, record_rank, weights_digest
+from helpers import digits, read_ranks, record_rank, same_on_every_rank, weights_digest
 
 pytest.importorskip("tensorflow")
 
@@ -309,12 +309,6 @@ def ranks(tmp_path_factory):
     found = read_ranks(str(outdir))
     assert sorted(found) == [0, 1, 2]
     return {r: info["got"] for r, info in found.items()}, outdir
-
-
-def same_on_every_rank(ranks, key):
-    values = {repr(got[key]) for got in ranks.values()}
-    assert len(values) == 1, (key, values)
-    return ranks[0][key]
 
 
 @pytest.mark.timeout(400)

@@ -12,7 +12,7 @@ import os
 import pytest
 
 import sparktrain
-from helpers import digits, read_ranks, record_rank, weights_digest
+from helpers import digits, read_ranks, record_rank, same_on_every_rank, weights_digest
 
 pytest.importorskip("tf_keras")
 pytestmark = pytest.mark.keras2
@@ -186,12 +186,6 @@ def ranks(tmp_path_factory):
     found = read_ranks(str(outdir))
     assert sorted(found) == [0, 1]
     return {r: info["got"] for r, info in found.items()}, outdir
-
-
-def same_on_every_rank(ranks, key):
-    values = {repr(got[key]) for got in ranks.values()}
-    assert len(values) == 1, (key, values)
-    return ranks[0][key]
 
 
 @pytest.mark.timeout(400)

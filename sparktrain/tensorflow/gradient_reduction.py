@@ -118,3 +118,12 @@ def reduce_gradients(grads: list, variables: list, reduction: GradientReduction)
         out = [g if g is None else tf.IndexedSlices(g.values * passes, g.indices, g.dense_shape)
                if isinstance(g, tf.IndexedSlices) else g * tf.cast(passes, g.dtype) for g in out]
     return out
+
+
+def distributed_namespace(base: type, **methods) -> dict:
+    """The class body of ``base``'s distributed subclass, on either Keras line: ``methods`` (its
+    reduction hooks), ``register_local_var``, the marker, and ``base``'s name and module (so a saved
+    model names the user's class and loads without sparktrain)."""
+    return {**methods, "register_local_var": register_local_var, "_sparktrain_distributed": True,
+            "__module__": base.__module__,
+            "__doc__": f"{base.__name__} whose gradients are reduced over every sparktrain rank."}

@@ -14,8 +14,8 @@ from .. import kerasline
 from ..errors import InvalidArgumentError
 from .collectives import allreduce, global_process_set
 from .compression import Compression
-from .gradient_reduction import (GradientReduction, _check_arguments, _reduction_of, local_variables,  # noqa: F401
-                                 reduce_gradients, register_local_var)
+from .gradient_reduction import (GradientReduction, _check_arguments, _reduction_of, distributed_namespace,  # noqa: F401
+                                 local_variables, reduce_gradients, register_local_var)
 from .ops import Average, Min
 from .runtime import size
 
@@ -189,14 +189,8 @@ def _distributed_class(base: type) -> type:
         return _AgreeingLossScale()
     cls = _wrapped_classes.get(base)
     if cls is None:
-        cls = type(base.__name__, (base,), {
-            "_backend_update_step": _backend_update_step,
-            "_clip_gradients": _clip_gradients,
-            "register_local_var": register_local_var,
-            "_sparktrain_distributed": True,
-            "__module__": base.__module__,
-            "__doc__": f"{base.__name__} whose gradients are reduced over every sparktrain rank.",
-        })
+        cls = type(base.__name__, (base,), distributed_namespace(
+            base, _backend_update_step=_backend_update_step, _clip_gradients=_clip_gradients))
         _wrapped_classes[base] = cls
     return cls
 

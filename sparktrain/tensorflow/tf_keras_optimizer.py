@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import InvalidArgumentError
-from .gradient_reduction import GradientReduction, _reduction_of, local_variables, reduce_gradients, register_local_var
+from .gradient_reduction import (GradientReduction, _reduction_of, distributed_namespace, local_variables,
+                                 reduce_gradients)
 
 __all__ = ["distributed", "distributed_class", "local_variables"]
 
@@ -69,16 +70,8 @@ def distributed_class(base: type) -> type:
         legacy = issubclass(base, tf_keras.optimizers.legacy.Optimizer)
         hooks = {"_compute_gradients": _legacy_compute_gradients, "get_gradients": _legacy_get_gradients} if legacy \
             else {"compute_gradients": _compute_gradients, "_compute_gradients": _current_compute_gradients}
-        cls = type(base.__name__, (base,), {
-            **hooks,
-            "apply_gradients": _apply_gradients,
-            "register_local_var": register_local_var,
-            "_agg_helper": property(_aggregation),
-            "_sparktrain_distributed": True,
-            "_sparktrain_base": base,
-            "__module__": base.__module__,
-            "__doc__": f"{base.__name__} whose gradients are reduced over every sparktrain rank.",
-        })
+        cls = type(base.__name__, (base,), distributed_namespace(
+            base, **hooks, apply_gradients=_apply_gradients, _agg_helper=property(_aggregation), _sparktrain_base=base))
         _classes[base] = cls
     return cls
 
