@@ -1,4 +1,8 @@
-"""Ranks of the native engine as plain forked processes, for tests/test_native_*.py: no Spark."""
+"""Ranks of the native engine as plain processes, for tests/test_native_*.py: no Spark.
+
+They start from a fork server (:data:`CONTEXT`), not as forks of the test process: that process has
+threads (xdist's, OpenBLAS's, a test's proxy), and a fork of a threaded process may deadlock in the
+child (Python 3.12+ warns of it at every fork)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +15,7 @@ import time
 import traceback
 import uuid
 
+import cloudpickle
 import numpy as np
 
 from sparktrain import engine
@@ -58,10 +63,40 @@ def digest(a) -> str:
 
 
 SECRET = b"test-secret"
+#: Where the ranks start: one server per test process, started at its first run_ranks, forks each
+#: rank. Their functions travel by cloudpickle (lambdas and a test's local functions too); their
+#: other arguments by multiprocessing (sockets, and this context's Events and Barriers, which a test
+#: makes with ``CONTEXT.Event()``); the environment is the test process's at the call, as a fork's.
+CONTEXT = multiprocessing.get_context("forkserver")
+#: The server imports this module (numpy and the engine's Python) once, so that each rank starts
+#: as quickly as a fork did; with one BLAS thread, so that importing numpy starts no thread there.
+_SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, listeners, spin, encrypt=False):
+def _start_server() -> None:
+    from multiprocessing import forkserver
+
+    CONTEXT.set_forkserver_preload([__name__])
+    # Python 3.11's server is handed sys.path but does not use it: it finds this module by PYTHONPATH.
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**_SERVER_ENV, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rank_main(rank, n, hosts, ports, name, tcp, timeout, pickled_fn, args, queue, listeners, spin, encrypt, environ):
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        fn = cloudpickle.loads(pickled_fn)
         comm = engine.Communicator(rank, n, hosts, ports, SECRET, name, timeout=timeout, force_tcp=tcp,
                                    listener=listeners.get(rank), spin=spin, encrypt=encrypt)
         try:
@@ -76,7 +111,7 @@ def _rank_main(rank, n, hosts, ports, name, tcp, timeout, fn, args, queue, liste
 def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float = 60.0, name: str | None = None,
               on_start=None, wait: float = 120.0, listeners=None, heartbeat=None, spin: float | None = None,
               encrypt: bool = False, dial=None):
-    """Run ``fn(comm, *args)`` on ``n`` forked ranks; {rank: ("ok", value) or ("error", text)}.
+    """Run ``fn(comm, *args)`` on ``n`` ranks; {rank: ("ok", value) or ("error", text)}.
 
     ``encrypt``: the ring in AES-256-GCM records. ``dial``: {rank: {peer: port}}, where that rank
     connects to reach that peer instead of the peer's own port (a proxy between them).
@@ -84,7 +119,8 @@ def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float =
     ``on_start(processes)`` runs once they are started (to kill one, say). Ranks that never
     report (killed ones) are missing from the answer.
     """
-    ctx = multiprocessing.get_context("fork")
+    _start_server()
+    ctx = CONTEXT
     queue = ctx.Queue()
     hosts = hosts or [LOOPBACK] * n
     ports = free_ports(n)
@@ -94,7 +130,8 @@ def run_ranks(n: int, fn, *args, tcp: bool = False, hosts=None, timeout: float =
     name = name or f"test-{uuid.uuid4().hex[:8]}"
     dial = dial or {}
     procs = [ctx.Process(target=_rank_main, args=(r, n, hosts, [dial.get(r, {}).get(k, p) for k, p in enumerate(ports)],
-                                                  name, tcp, timeout, fn, args, queue, listeners, spin, encrypt))
+                                                  name, tcp, timeout, cloudpickle.dumps(fn), args, queue, listeners,
+                                                  spin, encrypt, dict(os.environ)))
              for r in range(n)]
     for p in procs:
         p.start()

@@ -6,7 +6,6 @@ that follow them, and a leader killed on a ring of four. Exits 0 when every rank
 answer."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import sys
@@ -57,7 +56,7 @@ def main() -> int:
                 any(v.get(k) != [float(n)] * 3 for v in values for k in v if k.endswith(" then")):
             failures.append(f"disagreements {kw} {deviants}: {results}")
     # A leader killed mid-allreduce on a ring of four: the abort record goes round to every survivor.
-    started = multiprocessing.get_context("fork").Event()
+    started = nr.CONTEXT.Event()
 
     def kill_rank_2(procs):
         if started.wait(60):

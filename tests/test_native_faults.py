@@ -4,7 +4,6 @@ Plain forked ranks (tests/native_ranks.py), no Spark.
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import signal
@@ -41,7 +40,7 @@ PIPELINED = 3 << 19  # float32: 6 MiB, pipelined across hosts (native/pipeline.c
 ], ids=["shm3", "shm2-spinning", "tcp3", "tcp4", "hosts-nonleader", "hosts-leader", "pipelined-nonleader",
         "pipelined-leader"])
 def test_a_rank_killed_inside_an_allreduce_fails_every_other_naming_it(n, tcp, hosts, victim, spin, size):
-    started = multiprocessing.get_context("fork").Event()
+    started = nr.CONTEXT.Event()
     name = f"test-kill-{uuid.uuid4().hex[:8]}"
     timeout = 30
 
@@ -138,7 +137,7 @@ def test_a_stranger_without_the_secret_is_refused_and_the_run_goes_on():
 
 @pytest.mark.parametrize("tcp", [False, True], ids=["shm", "tcp"])
 def test_a_rank_that_never_calls_makes_the_others_time_out(tcp):
-    arrived = multiprocessing.get_context("fork").Barrier(3)
+    arrived = nr.CONTEXT.Barrier(3)
     results = nr.run_ranks(3, nr.one_rank_never_comes, 2, arrived, tcp=tcp, timeout=2)
     assert results[2] == ("ok", "never called"), results
     for r in (0, 1):

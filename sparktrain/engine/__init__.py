@@ -5,7 +5,7 @@ rank sits), ``handshake`` (the ring's authenticated connections), ``ragged`` (wh
 alltoall compare first), ``communicator`` (the :class:`Communicator`), ``progress`` (reading where a
 rank's collectives stand), and here, a communicator from a rank's environment.
 
-The engine is a small C library built into the package (``sparktrain/_collective*.so``) and
+The engine is a small C library built into the package (``sparktrain/_collective.so``) and
 loaded with ctypes, which releases the GIL for every call. Within a host the ranks meet in
 shared memory; between hosts, one leader per host joins a TCP ring. This module owns the
 policy the library leaves to its caller: the topology, the deadline, and the ring's

@@ -1,4 +1,4 @@
-"""Loading the engine's C library (``sparktrain/_collective*.so``) and its ABI: return codes, the
+"""Loading the engine's C library (``sparktrain/_collective.so``) and its ABI: return codes, the
 ops and dtypes it knows, and the configuration struct it is created with."""
 from __future__ import annotations
 
@@ -80,11 +80,14 @@ _lib_lock = threading.Lock()
 
 
 def _library_path() -> str | None:
+    """``$SPARKTRAIN_NATIVE_LIBRARY``, else the package's ``_collective.so`` (in site-packages from a
+    wheel, in the checkout's ``sparktrain/`` in an editable install), else one a checkout built
+    before the file lost its interpreter suffix (``_collective.cpython-311-x86_64-linux-gnu.so``)."""
     override = os.environ.get(LIBRARY_ENV)
     if override:
         return override
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package: sparktrain/_collective*.so
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
+    for suffix in (".so", *importlib.machinery.EXTENSION_SUFFIXES):
         path = os.path.join(here, "_collective" + suffix)
         if os.path.exists(path):
             return path
@@ -99,7 +102,7 @@ def library():
             return _lib
         path = _library_path()
         if path is None:
-            _lib_error = ("sparktrain's native collective engine was not built (no sparktrain/_collective*.so); "
+            _lib_error = ("sparktrain's native collective engine was not built (no sparktrain/_collective.so); "
                           "reinstall sparktrain where gcc is available: pip install -e . or pip install sparktrain")
             return None
         try:
