@@ -160,6 +160,39 @@ def state_and_files(got, hvd, tf, r, outdir, x, y):
         got["mixed_refused"] = f"{type(e).__name__}: {e}"
 
 
+def tracking_checkpoints_and_elastic(got, hvd, tf, r, outdir, x, y):
+    """MLflowLogger (rank 0 logs to a file store; the model with MLflow's TensorFlow flavour),
+    RemoteCheckpoint and restore, and the elastic callbacks keeping a KerasState current."""
+    os.environ["MLFLOW_TRACKING_URI"] = f"file://{outdir}/mlruns"
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # a file store is enough here (no server to start)
+    model = _model(tf, 0)
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    logger = hvd.callbacks.MLflowLogger(batch_size=32)
+    model.fit(x[:320], y[:320], batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+        logger,
+        hvd.callbacks.RemoteCheckpoint(f"file://{outdir}/remote/epoch-{{epoch}}.keras", monitor="loss"),
+        hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=4)])
+    got["elastic_state"] = [state.epoch, state.batch]
+    hvd.allreduce(tf.constant(0.0))  # rank 0 has written its checkpoints and logged the model
+    restored, epoch = hvd.restore(f"file://{outdir}/remote")
+    got["restored"] = [epoch, type(restored).__module__.split(".")[0], type(restored.optimizer).__name__,
+                       getattr(type(restored.optimizer), "_sparktrain_distributed", False)]
+    if r == 0:
+        import mlflow
+
+        run = mlflow.get_run(logger.run_id)
+        models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
+                                             filter_string=f"source_run_id='{run.info.run_id}'")
+        requirements = open(mlflow.artifacts.download_artifacts(
+            f"runs:/{run.info.run_id}/model/requirements.txt", dst_path=f"{outdir}/deps")).read().split()
+        got["mlflow"] = [sorted(run.data.metrics), run.data.params.get("num_proc"), [m.name for m in models],
+                         [q.split("==")[0] for q in requirements if q.startswith(("tf_keras", "tensorflow"))]]
+
+
 def tf_keras_checks(outdir):
     import tensorflow as tf
 
@@ -176,6 +209,7 @@ def tf_keras_checks(outdir):
     accumulation(got, hvd, tf, x, y)
     schedules(got, hvd, tf, x, y)
     state_and_files(got, hvd, tf, r, outdir, x, y)
+    tracking_checkpoints_and_elastic(got, hvd, tf, r, outdir, x, y)
     record_rank(outdir, got=got)
 
 
@@ -254,3 +288,12 @@ def test_load_model_state_sync_batch_norm_and_the_refused_mix(ranks):
     assert module.startswith("sparktrain.tensorflow.tf_keras") and mean == [1.0, 1.0, 1.0]
     refused = same_on_every_rank(ranks, "mixed_refused")
     assert refused.startswith("InvalidArgumentError") and "tf_keras" in refused and "Keras 3" in refused, refused
+
+
+def test_mlflow_remote_checkpoints_and_the_elastic_callbacks_on_tf_keras(ranks):
+    ranks, _ = ranks
+    assert same_on_every_rank(ranks, "elastic_state") == [2, 0]  # two epochs done, at an epoch's end
+    assert same_on_every_rank(ranks, "restored") == [2, "tf_keras", "Adam", True]
+    metrics, num_proc, models, pinned = ranks[0]["mlflow"]
+    assert {"loss", "accuracy"} <= set(metrics) and num_proc == "2" and models == ["model"], ranks[0]["mlflow"]
+    assert sorted(pinned) == ["tensorflow", "tf_keras"], pinned  # the model's Keras is tf_keras
