@@ -30,13 +30,14 @@ READS = {"test_quickstart": "01-quickstart.ipynb",
 
 
 class Recording(nbclient.NotebookClient):
-    """nbclient's client, which also keeps, per cell, the text of every update of a display in
-    place (``update_display_data``): the notebook keeps only each display's last state."""
+    """nbclient's client, which also keeps, per cell, the text of every display and every update of a
+    display in place (``display_data``, ``update_display_data``): the notebook keeps only each
+    display's last state."""
 
     updates: dict[int, list[str]] = {}
 
     def process_message(self, msg, cell, cell_index):
-        if msg["msg_type"] == "update_display_data":
+        if msg["msg_type"] in ("display_data", "update_display_data"):
             self.updates.setdefault(cell_index, []).append(msg["content"].get("data", {}).get("text/plain", ""))
         return super().process_message(msg, cell, cell_index)
 
@@ -152,8 +153,11 @@ def test_quickstart(executed):
     at_index = [i for i, cell in enumerate(executed["_notebook", "01-quickstart.ipynb"].cells)
                 if cell.cell_type == "code"][at]
     live = [u for u in updates.get(at_index, []) if u.startswith("[0]<stdout>:") and "━" in u]
-    assert live, updates.get(at_index)  # an epoch here is about a second: a few states of the bar, each in place
+    assert live, updates.get(at_index)  # an epoch here is about a second: a state or a few of the bar, shown in place
     assert not [u for u in updates.get(at_index, []) if u.startswith("[1]")]
+    bar_displays = [o for o in executed["_notebook", "01-quickstart.ipynb"].cells[at_index].outputs
+                    if o.output_type == "display_data" and "━" in o.get("data", {}).get("text/plain", "")]
+    assert bar_displays == []  # every live bar was emptied when its epoch's final line came
     assert "finished" in train_cell and "rank 0 returned" in train_cell and "2 ranks" in train_cell, train_cell
     size = int(re.search(r"rank 0 returned a checkpoint of (\d+) bytes", train_cell).group(1))
     assert size > 10_000 and (executed["_workdir"] / "digits-cnn.keras").stat().st_size == size
