@@ -237,8 +237,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "spark: needs a real Spark session")
     config.addinivalue_line("markers", "multihost: runs on simulated hosts (tests/simhosts.py); needs root")
     config.addinivalue_line("markers", "jax: Keras 3 on JAX; the JAX tier, run after jax is installed: pytest -m jax")
-    config.addinivalue_line("markers", "keras2: Keras 2 code on tf_keras (TF_USE_LEGACY_KERAS=1); the Keras 2 tier: "
-                                       "pytest -m 'keras2 and not multihost'")
+    config.addinivalue_line("markers", "keras2: Horovod users' code as they wrote it: Keras 2 on tf_keras "
+                                       "(TF_USE_LEGACY_KERAS=1), their scripts, HorovodRunner; the Horovod users' "
+                                       "tier: pytest -m 'keras2 and not multihost'")
     config.addinivalue_line("markers", "slow: the slow multi-host tier, run before a release rather than in "
                                        "CI: pytest -m 'multihost and slow' -n 0")
 

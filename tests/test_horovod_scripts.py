@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("sklearn")
+# The Horovod users' tier (-m keras2): their scripts as they wrote them, on Keras 3 and on tf_keras.
+pytestmark = pytest.mark.keras2
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_scripts")
 
@@ -90,7 +92,6 @@ def test_keras_spark_estimator_script_trains_and_scores_a_dataframe(tmp_path):
     assert len(runs) == 1 and os.path.exists(tmp_path / "store" / "runs" / runs[0] / "model.keras"), runs
 
 
-@pytest.mark.keras2
 @pytest.mark.timeout(300)
 def test_keras_2_script_trains_on_tf_keras_through_sparktrain_run(tmp_path):
     """A horovodrun-style Keras 2 script (Horovod's tensorflow2_keras_mnist.py in shape) under
@@ -131,8 +132,7 @@ def _epoch_logs(stdout: str) -> list[dict[str, float]]:
             if "val_exp_rmspe: " in line]
 
 
-@pytest.mark.timeout(480)
-@pytest.mark.keras2  # the Horovod users' tier, both lines: the Keras 3 run is the same script with learning_rate=
+@pytest.mark.timeout(480)  # both lines: the Keras 3 run is the same script with learning_rate=
 @pytest.mark.parametrize("keras_line", ["keras", "tf_keras"])
 def test_a_sales_estimator_script_trains_scores_and_reloads_on_either_keras(tmp_path, keras_line):
     """Horovod's Rossmann estimator example in shape, on a made-up table of its kind: 15 named inputs

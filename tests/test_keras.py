@@ -178,6 +178,7 @@ def legacy_strategy_fit(outdir):
     return accuracy
 
 
+@pytest.mark.keras2  # Keras 2 code under MultiWorkerMirroredStrategy: the Horovod users' tier
 def test_tf_keras_strategy_path_trains(tmp_path):
     accuracy = sparktrain.run(legacy_strategy_fit, args=(str(tmp_path),), num_proc=-2,
                               env={**ENV, "TF_USE_LEGACY_KERAS": "1"}, verbose=0)

@@ -397,11 +397,16 @@ print("PLAIN JOB DONE", flush=True)
 
 
 def train():
+    import sys
     import time
     import sparktrain
     for i in range(6):
-        print(f"step {i}", flush=True)
+        print(f"step {i}", file=sys.stderr, flush=True)
+        # A bar of its own, redrawn with a carriage return and erased with backspaces, as Keras draws.
+        sys.stdout.write("\\b" * 20 + f"\\r  {i + 1}/6 [{'=' * (i + 1):<6}]")
+        sys.stdout.flush()
         time.sleep(0.5)  # a slow loop: the stage runs for 3 s, long enough for Spark to draw its bar
+    print(" done", flush=True)
     return sparktrain.rank()
 
 
@@ -450,5 +455,9 @@ def test_sparks_console_progress_bar_stays_off_the_ranks_lines_in_a_terminal(tmp
     text = b"".join(chunks).decode(errors="replace")
     plain, _, ours = text.partition("PLAIN JOB DONE")
     assert "[Stage 0:" in plain, plain[-2000:]  # Spark does draw its bar on this terminal
-    assert "RESULT 0" in ours and "[0]<stdout>:step 5" in ours, ours[-2000:]
+    assert "RESULT 0" in ours and "[0]<stderr>:step 5" in ours, ours[-2000:]
     assert "[Stage" not in ours, ours[-2000:]
+    # The rank's bar: redrawn in place on the terminal's bottom line, never a backspace, and its last
+    # state once as a line.
+    assert "\b" not in ours and re.search(r"\r\[0\]<stdout>:  [1-5]/6 \[=+ *\]", ours), ours[-2000:]
+    assert "[0]<stdout>:  6/6 [======] done" in ours, ours[-2000:]
