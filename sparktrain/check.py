@@ -15,8 +15,8 @@ import sys
 from typing import Any, Callable, Mapping, TextIO
 
 from . import __version__, check_capabilities as capabilities, nics, settings, versions
-from .driver import capacity, cluster, preflight, probe, spark_errors, views
-from .errors import ClusterConfigError, InsufficientResourcesError
+from .driver import capacity, cluster, config, preflight, probe, spark_errors, views
+from .errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
 PACKAGES = (*versions.PACKAGES, "keras")
@@ -113,8 +113,14 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
         report.fail(f"Spark {spark.version} is too old: sparktrain launches ranks with mapInArrow(barrier=True), "
                     "new in Spark 3.5. Upgrade the cluster to Spark 3.5 or later")
 
+    try:  # the settings as a run here would resolve them (without its arguments and env=)
+        values = config.settings_of(conf)
+    except InvalidArgumentError as e:
+        report.fail(str(e))
+        values = config.settings_of({}, {})
+    encrypted = settings.encrypts(values.encryption, conf)
     try:
-        preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf))
+        preflight.check_cluster_conf(conf, values.allow_unencrypted, encrypted, values.cpu_collectives)
         report.ok("barrier mode: dynamic allocation is off, so every rank can be gang-scheduled")
     except ClusterConfigError as e:
         report.fail(str(e))
@@ -165,11 +171,11 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     if report.failures:
         report.line("  (the probing barrier stage is skipped until the problems above are fixed)")
     else:
-        tasks = _probe(report, view, size, use_gpu, timeout)
+        tasks = _probe(report, view, size, use_gpu, timeout, values.rendezvous)
     _versions(report, driver, tasks)
-    _hosts(report, driver, tasks, conf)
+    _hosts(report, driver, tasks, values.nics)
     capabilities.engines(report, driver, tasks)
-    capabilities.encryption(report, driver, tasks, conf)
+    capabilities.encryption(report, driver, tasks, values.encryption, encrypted)
     _backends(report, driver, tasks)
 
 
@@ -232,9 +238,8 @@ def _local_facts() -> dict:
     return probe.facts_function()(PACKAGES, tuple(BACKENDS))
 
 
-def _probe(report: Report, view, size: int, use_gpu: bool, timeout: float) -> list[dict]:
+def _probe(report: Report, view, size: int, use_gpu: bool, timeout: float, rendezvous: str) -> list[dict]:
     """Run one barrier stage of ``size`` tasks; each reports what it sees. Returns their reports."""
-    conf = view.conf
     # Ranks check in where run() listens: the driver, or this client over Spark Connect.
     host = view.driver_host()
     found = probe.run(view, size, host, PACKAGES, tuple(BACKENDS), timeout=timeout,
@@ -256,7 +261,6 @@ def _probe(report: Report, view, size: int, use_gpu: bool, timeout: float) -> li
         else:
             report.ok("GPUs: " + ", ".join(f"task {t['task']} got GPU {','.join(t['gpus'])}" for t in tasks))
     unreachable = [t for t in tasks if t["reach"]]
-    rendezvous = settings.resolve("rendezvous", conf=conf)
     if not unreachable:
         report.ok(f"every task reached the {view.here} at {host} (ranks check in there)")
     elif view.here == "client" and rendezvous != "driver":
@@ -335,10 +339,9 @@ def _versions(report: Report, driver: dict, tasks: list[dict]) -> None:
 _where = capabilities.where
 
 
-def _hosts(report: Report, driver: dict, tasks: list[dict], conf: Mapping[str, str]) -> None:
+def _hosts(report: Report, driver: dict, tasks: list[dict], chosen: tuple[str, ...] | None) -> None:
     """What each executor host offers its ranks: the CPUs a task's process can use (its affinity mask
     capped by its cgroup quota) and its networks, with the address the nics setting picks there."""
-    chosen = settings.resolve("nics", conf=conf)
     report.line()
     report.line("Hosts (CPUs a task can use: affinity and cgroup quota; networks" +
                 (f"; nics={','.join(chosen)})" if chosen else ")"))

@@ -2,9 +2,6 @@
 CPU collectives run on, and whether it can encrypt (``sparktrain.check`` prints them)."""
 from __future__ import annotations
 
-from typing import Mapping
-
-from . import settings
 
 
 def where(tasks: list[dict]) -> str:
@@ -30,15 +27,14 @@ def engines(report: Report, driver: dict, tasks: list[dict]) -> None:
                     "available so that its native engine is built")
 
 
-def encryption(report, driver: dict, tasks: list[dict], conf: Mapping[str, str]) -> None:
+def encryption(report, driver: dict, tasks: list[dict], setting: str, on: bool) -> None:
     """Whether the driver and each executor can encrypt (libcrypto for the channel and the native
-    ring), and whether this conf's runs would be encrypted."""
+    ring), and whether this conf's runs would be (``setting`` resolved, to ``on``)."""
     report.line()
     report.line("Encryption (spark.sparktrain.encryption)")
-    on = settings.encrypted(None, conf=conf)
     able = [t for t in tasks if not t.get("crypto")]
     here = driver.get("crypto")
-    report.field("encryption", f"{settings.resolve('encryption', conf=conf)}: runs here are "
+    report.field("encryption", f"{setting}: runs here are "
                  f"{'encrypted' if on else 'not encrypted'}; driver: {'can encrypt' if not here else 'cannot'}"
                  + (f"; executors: can encrypt on {len(able)} of {len(tasks)}" if tasks else ""))
     cannot = [t for t in tasks if t.get("crypto")]

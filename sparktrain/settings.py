@@ -6,97 +6,13 @@ Pure: the Spark conf is passed in as a mapping-like getter.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 from . import nics, worker_env
-from .errors import InvalidArgumentError
-
-
-def parse_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
-    """A positive, finite number of seconds; echoes the bad value otherwise."""
-    if value is None and allow_none:
-        return None
-    given = value
-    if isinstance(value, str):
-        try:
-            value = float(value.strip().removesuffix("s"))
-        except ValueError:
-            raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {given!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value <= 0:
-        hint = " (use None for no limit)" if allow_none else ""
-        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {given!r}{hint}")
-    return float(value)
-
-
-def parse_seconds_or_off(name: str, value: Any) -> float:
-    """A positive number of seconds, or 0 for off."""
-    if (type(value) in (int, float) and value == 0) or (isinstance(value, str) and value.strip().lower() in
-                                                         ("0", "0s", "0.0", "off")):
-        return 0.0
-    try:
-        return parse_seconds(name, value)
-    except InvalidArgumentError as e:
-        raise InvalidArgumentError(f"{e}; 0 turns it off") from None
-
-
-def parse_spin(name: str, value: Any) -> str | float:
-    """``"auto"``, or a number of seconds from 0 to 1 (how long a collective's wait spins)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    given = value
-    if isinstance(value, str):
-        try:
-            value = float(value.strip().removesuffix("s"))
-        except ValueError:
-            value = None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise InvalidArgumentError(f"{name} must be 'auto' or a number of seconds from 0 to 1 (0.002 spins 2 ms; "
-                                   f"0 sleeps at once), got {given!r}")
-    return float(value)
-
-
-def parse_positive_int(name: str, value: Any) -> int:
-    """A whole number of at least 1; echoes the bad value otherwise."""
-    given = value
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a whole number of at least 1, got {given!r}")
-    return value
-
-
-def parse_gc_threshold(name: str, value: Any) -> str:
-    """``"python"``, or three whole numbers for ``gc.set_threshold``, as ``"700,10,100"``.
-
-    >>> parse_gc_threshold("gc_threshold", (700, 10, 100))
-    '700,10,100'
-    """
-    if isinstance(value, str) and value.strip().lower() == "python":
-        return "python"
-    parts = value.split(",") if isinstance(value, str) else value
-    try:
-        counts = [int(p.strip()) if isinstance(p, str) else p for p in parts]
-    except (TypeError, ValueError):
-        counts = None
-    if (not counts or len(counts) != 3 or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
-            or counts[0] == 0):
-        raise InvalidArgumentError(f"{name} must be three whole numbers as gc.set_threshold takes them, the first "
-                                   f"above 0 ('700,10,100'), or 'python' for Python's own; got {value!r}")
-    return ",".join(str(c) for c in counts)
-
-
-def parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
-        return False
-    raise InvalidArgumentError(f"{name} must be true or false, got {value!r}")
+from .parsers import (choice as _choice, parse_bool, parse_gc_threshold, parse_positive_int, parse_seconds,
+                      parse_seconds_or_off, parse_spin, url as _url)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +25,7 @@ class Setting:
     parse: Callable[[str, Any], Any]
     doc: str
     #: Where it is read: "driver", "rank" (the rank's process or task, from its environment) or "both".
-    #: ``run`` parses every rank-read one before launch (:data:`READ_IN_RANK`).
+    #: ``run`` resolves every one before launch; the rank-read ones reach the ranks in their env.
     read_in: str = "driver"
 
 
@@ -148,7 +64,6 @@ SETTINGS = {
         Setting("log_url", "SPARKTRAIN_LOG_URL", "spark.sparktrain.logUrl", None, lambda n, v: _url(n, v),
                 "fsspec URL (a prefix) where ranks also write their output; the driver prints it from there "
                 "when the ranks cannot reach it (Spark Connect); 'none' turns it off"),
-        # Read in the rank; run() passes the Spark conf's value on in the rank's env.
         Setting("elastic_url", "SPARKTRAIN_ELASTIC_URL", "spark.sparktrain.elasticUrl", None, lambda n, v: _url(n, v),
                 "fsspec URL (a prefix) where elastic state.commit() writes the training state, under the run's id, "
                 "so that a later attempt of the run (max_attempts) resumes from it; 'none' turns it off",
@@ -166,11 +81,10 @@ SETTINGS = {
                 "that matches. None: the addresses Spark knows the driver and the executors by"),
         Setting("capacity_wait", "SPARKTRAIN_CAPACITY_WAIT", "spark.sparktrain.capacityWait", 10.0,
                 parse_seconds, "seconds to wait for executors to register before the slot check fails"),
-        # Read in the rank's process, where there is no Spark conf: give it with run(env=...).
+        # Read in the rank's process; no Spark conf key: give it with run(env=...) or the driver's environment.
         Setting("collective_timeout", "SPARKTRAIN_COLLECTIVE_TIMEOUT", None, 600.0, parse_seconds,
                 "seconds a collective waits for the other ranks before it fails (sparktrain.tensorflow.init)",
                 read_in="rank"),
-        # Read in the rank; run() passes the Spark conf's value on in the rank's env.
         Setting("cpu_collectives", "SPARKTRAIN_CPU_COLLECTIVES", "spark.sparktrain.cpuCollectives", "native",
                 lambda n, v: _choice(n, v, ("native", "tensorflow")),
                 "the engine of collectives on CPU: 'native' (sparktrain's shared memory and TCP ring, where it "
@@ -235,50 +149,20 @@ def spark_encryption(conf: Mapping[str, str]) -> list[str]:
     return [k for k in SPARK_ENCRYPTION if str(conf.get(k, "false")).strip().lower() == "true"]
 
 
-def encrypted(argument: Any = None, *, conf: Mapping[str, str] | None = None,
-              environ: Mapping[str, str] | None = None) -> bool:
-    """Whether a run encrypts its channel and ring: the ``encryption`` setting, 'auto' following Spark's.
+def encrypts(value: str, conf: Mapping[str, str] | None) -> bool:
+    """Whether a run encrypts its channel and ring, given the resolved ``encryption`` setting:
+    'auto' follows Spark's own encryption in ``conf``.
 
-    >>> encrypted(None, conf={"spark.network.crypto.enabled": "true"}, environ={})
-    True
+    >>> encrypts("auto", {"spark.network.crypto.enabled": "true"}), encrypts("auto", {}), encrypts("on", {})
+    (True, False, True)
     """
-    value = resolve("encryption", argument, conf=conf, environ=environ)
     return value == "on" or (value == "auto" and bool(spark_encryption(conf or {})))
 
 
-#: Settings the ranks read from their environment (the table's ``read_in``); ``run`` checks them
-#: first, on the driver, so that a bad value fails before launch, not in every rank.
+#: Settings the ranks read from their environment (the table's ``read_in``): ``run`` resolves them
+#: on the driver, refusing a bad value before launch, and hands each rank the value it resolved
+#: (``driver.taskspec``); the rank parses them once, at its start (``sparktrain.rank_settings``).
 READ_IN_RANK = tuple(name for name, s in SETTINGS.items() if s.read_in in ("rank", "both"))
-
-
-def rank_env(env: Mapping[str, str], conf: Mapping[str, str]) -> dict[str, str]:
-    """``env`` plus, for settings read in the rank, the Spark conf's value where ``env`` lacks one.
-
-    >>> rank_env({}, {"spark.sparktrain.cpuCollectives": "tensorflow"})
-    {'SPARKTRAIN_CPU_COLLECTIVES': 'tensorflow'}
-    """
-    out = dict(env)
-    for name in READ_IN_RANK:
-        s = SETTINGS[name]
-        if s.env not in out and conf.get(s.conf) not in (None, ""):
-            out[s.env] = str(s.parse(s.conf, conf.get(s.conf)))
-    return out
-
-
-def _url(name: str, value: Any) -> str:
-    """An fsspec URL, or "" for "none" (turned off)."""
-    if isinstance(value, str) and value.strip().lower() in ("none", "off"):
-        return ""
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidArgumentError(f"{name} must be an fsspec URL such as abfss://container@account.dfs.core.windows.net/"
-                                   f"tmp or s3://bucket/tmp, got {value!r}")
-    return value.strip()
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value.strip().lower() not in choices:
-        raise InvalidArgumentError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return value.strip().lower()
 
 
 def resolve(name: str, argument: Any = None, *, conf: Mapping[str, str] | None = None,
@@ -297,6 +181,89 @@ def resolve(name: str, argument: Any = None, *, conf: Mapping[str, str] | None =
     if conf is not None and s.conf is not None and conf.get(s.conf) not in (None, ""):
         return s.parse(s.conf, conf.get(s.conf))
     return s.default
+
+
+def parse_value(name: str, value: Any) -> Any:
+    """One setting's value as given by argument, parsed as the table parses it (named in errors)."""
+    return SETTINGS[name].parse(name, value)
+
+
+def check_environ(environ: Mapping[str, str]) -> None:
+    """Parse every setting that ``environ`` gives, so that a bad one fails now, naming the variable."""
+    for s in SETTINGS.values():
+        if environ.get(s.env) not in (None, ""):
+            s.parse(s.env, environ[s.env])
+
+
+class Resolved(Mapping):
+    """Settings resolved once, read by attribute (``values.start_timeout``) or by name; frozen.
+
+    ``origin(name)`` says where a value came from: "argument", "environment", "conf" or "default".
+    """
+
+    def __init__(self, values: Mapping[str, Any], origins: Mapping[str, str]):
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "_origins", dict(origins))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("resolved settings are frozen")
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def origin(self, name: str) -> str:
+        return self._origins[name]
+
+    def __repr__(self) -> str:
+        return f"Resolved({self._values!r})"
+
+
+def resolve_all(arguments: Mapping[str, Any] | None = None, *, conf: Mapping[str, str] | None,
+                environ: Mapping[str, str], names=None) -> Resolved:
+    """Every setting of the table (or of ``names``), each by :func:`resolve`'s order; a bad value
+    raises naming where it came from.
+
+    >>> v = resolve_all({"grace_period": 2}, conf={"spark.sparktrain.rendezvous": "driver"}, environ={})
+    >>> v.grace_period, v.rendezvous, v.origin("rendezvous"), v.origin("start_timeout")
+    (2.0, 'driver', 'conf', 'default')
+    """
+    arguments = arguments or {}
+    values, origins = {}, {}
+    for name in SETTINGS if names is None else names:
+        s, given = SETTINGS[name], arguments.get(name)
+        values[name] = resolve(name, given, conf=conf, environ=environ)
+        origins[name] = ("argument" if given is not None else
+                         "environment" if environ.get(s.env) not in (None, "") else
+                         "conf" if conf is not None and s.conf is not None and conf.get(s.conf) not in (None, "")
+                         else "default")
+    return Resolved(values, origins)
+
+
+def as_text(value: Any) -> str:
+    """A parsed value written back as its environment variable takes it.
+
+    >>> as_text(True), as_text(30.0), as_text(""), as_text("tcp")
+    ('1', '30.0', 'none', 'tcp')
+    """
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value == "":
+        return "none"  # a URL setting turned off
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 #: Settings that are still accepted but no longer do anything (each warns once per process when set).

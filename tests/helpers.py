@@ -204,3 +204,17 @@ def digits_mlp_accuracy(weights, x, y) -> float:
 
     w1, b1, w2, b2 = weights
     return float(np.mean(np.argmax(np.maximum(x @ w1 + b1, 0) @ w2 + b2, axis=1) == y))
+
+
+def handed_env(env: dict, conf: dict, environ: dict | None = None) -> dict:
+    """The settings' environment the ranks get, as ``run`` resolves it on the driver from ``env=``,
+    the driver's environment ``environ`` and the Spark ``conf`` (``driver.taskspec.settings_env``)."""
+    from types import SimpleNamespace
+
+    from sparktrain import settings
+    from sparktrain.driver import config, taskspec
+
+    values = config.settings_of(conf, {**(environ or {}), **env})
+    cfg = SimpleNamespace(args=SimpleNamespace(env=env), settings=values,
+                          encrypted=settings.encrypts(values.encryption, conf))
+    return taskspec.settings_env(cfg)

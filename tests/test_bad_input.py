@@ -108,6 +108,55 @@ def test_the_table_has_at_least_twenty_cases():
     assert len(CASES) >= 20
 
 
+#: A bad value of every setting the ranks read (``settings.READ_IN_RANK``), and words of its error.
+RANK_SETTINGS_BAD = {
+    "collective_timeout": ("abc", "must be a positive number of seconds, got 'abc'"),
+    "cpu_collectives": ("gloo", "must be one of native, tensorflow; got 'gloo'"),
+    "cpu_transport": ("rdma", "must be one of auto, tcp; got 'rdma'"),
+    "spin_wait": ("fast", "must be 'auto' or a number of seconds from 0 to 1"),
+    "tf_kernels": ("maybe", "must be true or false, got 'maybe'"),
+    "pin_cores": ("always", "must be one of auto, on, off; got 'always'"),
+    "gc_threshold": ("700,10", "must be three whole numbers"),
+    "encryption": ("yes", "must be one of auto, on, off; got 'yes'"),
+    "elastic_url": ("  ", "must be an fsspec URL"),
+    "legacy_keras": ("keras2", "must be true or false, got 'keras2'"),
+}
+
+
+def test_every_rank_read_setting_has_a_bad_value_here():
+    from sparktrain import settings
+
+    assert set(RANK_SETTINGS_BAD) == set(settings.READ_IN_RANK)
+
+
+@pytest.mark.parametrize("where", ["env", "conf"])
+@pytest.mark.parametrize("name", sorted(RANK_SETTINGS_BAD))
+def test_a_bad_value_of_a_setting_the_ranks_read_is_refused_before_launch(spark, name, where, tmp_path):
+    from sparktrain import settings
+
+    s, (bad, words) = settings.SETTINGS[name], RANK_SETTINGS_BAD[name]
+    if where == "conf" and s.conf is None:
+        pytest.skip(f"{name} has no Spark conf key: only env= gives it")
+    key = s.env if where == "env" else s.conf
+    conf = spark.sparkContext._conf
+    if where == "conf":
+        conf.set(key, bad)
+    before = _jobs_started(spark)
+    try:
+        with pytest.raises(sparktrain.InvalidArgumentError) as e:
+            sparktrain.run(touch, args=(str(tmp_path / "ran"),), num_proc=2, verbose=0,
+                           env={key: bad} if where == "env" else None)
+    finally:
+        if where == "conf":
+            conf._jconf.remove(key)
+    assert key in str(e.value) and words in str(e.value), str(e.value)
+    assert _jobs_started(spark) == before and not (tmp_path / "ran").exists()
+
+
+def touch(path):
+    open(path, "w").close()
+
+
 def returns_unpicklable():
     import threading
 

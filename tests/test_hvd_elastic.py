@@ -123,12 +123,14 @@ def test_without_a_url_commits_stay_in_memory_and_several_attempts_are_refused(t
 
 
 def test_the_elastic_url_reaches_the_ranks_from_the_spark_conf():
+    from helpers import handed_env
+
     from sparktrain import settings
 
     conf = {"spark.sparktrain.elasticUrl": "abfss://ckpt@acct.dfs.core.windows.net/elastic"}
-    assert settings.rank_env({}, conf)["SPARKTRAIN_ELASTIC_URL"] == "abfss://ckpt@acct.dfs.core.windows.net/elastic"
+    assert handed_env({}, conf)["SPARKTRAIN_ELASTIC_URL"] == "abfss://ckpt@acct.dfs.core.windows.net/elastic"
     # run(env=...) wins over the conf, and "none" turns it off.
-    assert settings.rank_env({"SPARKTRAIN_ELASTIC_URL": "/mnt/elastic"}, conf)["SPARKTRAIN_ELASTIC_URL"] == "/mnt/elastic"
+    assert handed_env({"SPARKTRAIN_ELASTIC_URL": "/mnt/elastic"}, conf)["SPARKTRAIN_ELASTIC_URL"] == "/mnt/elastic"
     assert settings.resolve("elastic_url", environ={"SPARKTRAIN_ELASTIC_URL": "none"}) == ""
     with pytest.raises(sparktrain.InvalidArgumentError, match="elastic_url must be an fsspec URL"):
         settings.resolve("elastic_url", 5)

@@ -151,12 +151,12 @@ def test_a_rank_runs_train_fn_under_the_gc_threshold_setting(env, expected):
 
 
 def test_the_gc_threshold_in_the_spark_conf_reaches_the_rank_in_its_canonical_form():
-    from sparktrain import settings
+    from helpers import handed_env
 
-    assert settings.rank_env({}, {"spark.sparktrain.gcThreshold": " 2000 ,5,50"}) == {
-        "SPARKTRAIN_GC_THRESHOLD": "2000,5,50"}
-    assert settings.rank_env({"SPARKTRAIN_GC_THRESHOLD": "python"}, {"spark.sparktrain.gcThreshold": "1,1,1"}) == {
-        "SPARKTRAIN_GC_THRESHOLD": "python"}
+    assert handed_env({}, {"spark.sparktrain.gcThreshold": " 2000 ,5,50"}) == {
+        "SPARKTRAIN_GC_THRESHOLD": "2000,5,50", "SPARKTRAIN_ENCRYPTION": "off"}
+    assert handed_env({"SPARKTRAIN_GC_THRESHOLD": "python"}, {"spark.sparktrain.gcThreshold": "1,1,1"}) == {
+        "SPARKTRAIN_GC_THRESHOLD": "python", "SPARKTRAIN_ENCRYPTION": "off"}
 
 
 @pytest.mark.parametrize("value", ["700,10", "0,10,10", "a,b,c", "700,-1,10"])

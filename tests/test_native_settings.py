@@ -7,10 +7,12 @@ import os
 
 import pytest
 
-from sparktrain import engine, settings, worker_env
+from sparktrain import engine, rank_settings, settings, worker_env
 from sparktrain.errors import InvalidArgumentError
 from sparktrain.executor import rankenv
 from sparktrain.executor import rendezvous as task
+
+from helpers import handed_env
 
 
 def test_cpu_collectives_resolves_env_over_conf_and_refuses_others():
@@ -24,8 +26,13 @@ def test_cpu_collectives_resolves_env_over_conf_and_refuses_others():
 
 def test_the_spark_conf_reaches_the_rank_through_its_env_unless_env_says_otherwise():
     conf = {"spark.sparktrain.cpuCollectives": "tensorflow", "spark.sparktrain.cpuTransport": "tcp"}
-    assert settings.rank_env({}, conf) == {"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow", "SPARKTRAIN_CPU_TRANSPORT": "tcp"}
-    assert settings.rank_env({"SPARKTRAIN_CPU_COLLECTIVES": "native"}, conf)["SPARKTRAIN_CPU_COLLECTIVES"] == "native"
+    assert handed_env({}, conf) == {"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow", "SPARKTRAIN_CPU_TRANSPORT": "tcp",
+                                 "SPARKTRAIN_ENCRYPTION": "off"}
+    assert handed_env({"SPARKTRAIN_CPU_COLLECTIVES": "native"}, conf)["SPARKTRAIN_CPU_COLLECTIVES"] == "native"
+    # The driver's own environment reaches the ranks too, as the driver resolved it; the defaults do not.
+    handed = handed_env({}, {}, {"SPARKTRAIN_SPIN_WAIT": "0.01s", "SPARKTRAIN_TF_KERNELS": "false"})
+    assert handed == {"SPARKTRAIN_SPIN_WAIT": "0.01", "SPARKTRAIN_TF_KERNELS": "0", "SPARKTRAIN_ENCRYPTION": "off"}
+    assert rank_settings.parse(handed).spin_wait == 0.01 and rank_settings.parse(handed).tf_kernels is False
 
 
 @pytest.mark.parametrize("task_cpus, cores, local_size, threads", [
@@ -121,7 +128,7 @@ def test_spin_wait_is_auto_or_seconds_and_a_bad_value_fails_on_the_driver_naming
     assert settings.resolve("spin_wait", environ={}) == "auto"
     assert settings.resolve("spin_wait", environ={"SPARKTRAIN_SPIN_WAIT": "0"}) == 0.0
     assert settings.resolve("spin_wait", environ={"SPARKTRAIN_SPIN_WAIT": "0.005"}) == 0.005
-    assert settings.rank_env({}, {"spark.sparktrain.spinWait": "0.001"}) == {"SPARKTRAIN_SPIN_WAIT": "0.001"}
+    assert handed_env({}, {"spark.sparktrain.spinWait": "0.001"})["SPARKTRAIN_SPIN_WAIT"] == "0.001"
     for bad in ("-1", "2", "fast", "nan"):
         with pytest.raises(InvalidArgumentError, match=f"SPARKTRAIN_SPIN_WAIT must be 'auto' or a number "
                                                        f"of seconds from 0 to 1.*got '{bad}'"):

@@ -7,7 +7,7 @@ import pytest
 
 import sparktrain
 from sparktrain import settings
-from sparktrain.driver import capacity, preflight
+from sparktrain.driver import capacity, config, preflight
 from sparktrain.errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
 
 
@@ -138,23 +138,30 @@ def test_pickling_payload_round_trips():
 
 def test_dynamic_allocation_refused_with_fix():
     with pytest.raises(ClusterConfigError, match="spark.dynamicAllocation.enabled=false"):
-        preflight.check_cluster_conf({"spark.dynamicAllocation.enabled": "true"}, False)
+        _cluster_check({"spark.dynamicAllocation.enabled": "true"})
+
+
+def _cluster_check(conf, allow_unencrypted=False, environ=None, **arguments):
+    """``check_cluster_conf`` with the values ``run`` would resolve from these."""
+    values = config.settings_of(conf, environ or {}, arguments)
+    preflight.check_cluster_conf(conf, allow_unencrypted, settings.encrypts(values.encryption, conf),
+                                 values.cpu_collectives)
 
 
 @pytest.mark.parametrize("key", settings.SPARK_ENCRYPTION)
 def test_sparks_encryption_turns_sparktrains_on_and_off_is_refused_unless_allowed(key):
     conf, clear = {key: "true"}, {}
-    assert settings.encrypted(None, conf=conf, environ={}) and not settings.encrypted(None, conf=clear, environ={})
-    preflight.check_cluster_conf(conf, False, environ={})  # auto: encrypted, so no refusal
-    for off in ({"encryption": "off", "environ": {}}, {"environ": {"SPARKTRAIN_ENCRYPTION": "off"}}):
+    assert settings.encrypts("auto", conf) and not settings.encrypts("auto", clear)
+    _cluster_check(conf)  # auto: encrypted, so no refusal
+    for off in ({"encryption": "off"}, {"environ": {"SPARKTRAIN_ENCRYPTION": "off"}}):
         with pytest.raises(ClusterConfigError, match=f"{key}=true.*spark.sparktrain.encryption=auto or on.*"
                                                      "spark.sparktrain.allowUnencrypted=true"):
-            preflight.check_cluster_conf(conf, False, **off)
-        preflight.check_cluster_conf(conf, True, **off)
-    assert settings.encrypted(None, conf={**conf, "spark.sparktrain.encryption": "off"}, environ={}) is False
-    assert settings.encrypted("on", conf=clear, environ={}) is True
+            _cluster_check(conf, **off)
+        _cluster_check(conf, True, **off)
+    assert config.settings_of({**conf, "spark.sparktrain.encryption": "off"}, {}).encryption == "off"
+    assert settings.encrypts(config.settings_of(clear, {}, {"encryption": "on"}).encryption, clear) is True
     with pytest.raises(ClusterConfigError, match="cpu_collectives='tensorflow'.*not encrypt"):
-        preflight.check_cluster_conf(conf, False, environ={"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"})
+        _cluster_check(conf, environ={"SPARKTRAIN_CPU_COLLECTIVES": "tensorflow"})
     with pytest.raises(InvalidArgumentError, match="encryption must be one of auto, on, off; got 'yes'"):
         settings.resolve("encryption", "yes")
 
@@ -168,8 +175,8 @@ def test_encryption_on_where_no_libcrypto_loads_is_refused_saying_why(monkeypatc
     assert crypto.unavailable().startswith("no OpenSSL libcrypto could be loaded (tried libcrypto-absent.so.0)")
     with pytest.raises(ClusterConfigError, match="encryption is on .*, but this driver cannot encrypt: no OpenSSL "
                                                  "libcrypto could be loaded .*or set spark.sparktrain.encryption=off"):
-        preflight.check_cluster_conf({}, False, "on", environ={})
-    preflight.check_cluster_conf({}, False, "off", environ={})
+        _cluster_check({}, encryption="on")
+    _cluster_check({}, encryption="off")
 
 
 def test_use_gpu_without_gpu_conf():

@@ -13,7 +13,7 @@ import uuid
 from typing import IO, Any, Callable, Mapping
 
 from .. import payload as payloads
-from .. import settings
+from .. import settings, tracking, versions
 from ..errors import InvalidArgumentError, PicklingFailedError
 from . import capacity, cluster, preflight
 from .capacity import TaskResources
@@ -72,6 +72,12 @@ class RunConfig:
     spill_url: str | None
     #: Whether the channel and the ring between hosts are encrypted (the ``encryption`` setting).
     encrypted: bool = False
+    #: Every setting of the table, resolved once against the arguments, ``env=``, the driver's
+    #: environment and the conf (``settings.Resolved``); the ranks' spec is projected from it.
+    settings: settings.Resolved | None = None
+    #: The driver's versions (``sparktrain.versions``) and its MLflow hand-off for rank 0.
+    versions: dict | None = None
+    mlflow: dict | None = None
 
     @property
     def master(self) -> str:
@@ -87,17 +93,13 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
     args, kwargs, env = preflight.check_arguments(
         train_fn, args, kwargs, env, stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks)
     asked = capacity.check_resources(resources, use_gpu)
-    for name in settings.READ_IN_RANK:  # a bad value fails here, not in every rank
-        settings.resolve(name, environ={**os.environ, **env})
+    settings.check_environ({**os.environ, **env})  # a bad value fails here, before any session
     start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
     timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
-    if max_attempts is not None:
-        max_attempts = settings.resolve("max_attempts", max_attempts)
-    if nics is not None:
-        nics = settings.resolve("nics", nics)
-    if encryption is not None:
-        encryption = settings.resolve("encryption", encryption)
-    backend = settings.resolve("backend", backend, environ={**os.environ, **env})  # a bad name fails here
+    max_attempts, nics, encryption, backend = (
+        None if value is None else settings.parse_value(name, value)
+        for name, value in (("max_attempts", max_attempts), ("nics", nics), ("encryption", encryption),
+                            ("backend", backend)))
     if local and data is not None:
         raise InvalidArgumentError(
             "data= feeds a DataFrame through the run's Spark stage, and local mode runs without Spark. Use "
@@ -123,27 +125,37 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         start_timeout=start_timeout, timeout=timeout, max_attempts=max_attempts)
 
 
+def settings_of(conf: Mapping[str, str], environ: Mapping[str, str] | None = None,
+                arguments: Mapping[str, Any] | None = None) -> settings.Resolved:
+    """Every setting, resolved once: ``arguments`` > ``environ`` (the driver's environment with
+    ``env=`` over it) > ``conf`` > the default. A bad value raises naming where it came from."""
+    return settings.resolve_all(arguments, conf=conf, environ=os.environ if environ is None else environ)
+
+
 def resolve(a: Arguments, view) -> RunConfig:
     """The run's settings against ``view``'s conf (``views.ClusterView``); refuses, before launch,
-    what the cluster cannot do."""
+    what the cluster cannot do, and any bad value of a setting the ranks read."""
     conf = view.conf
     environ = {**os.environ, **a.env}
-    encrypted = settings.encrypted(a.encryption, conf=conf, environ=environ)
+    values = settings_of(conf, environ, {"start_timeout": a.start_timeout, "max_attempts": a.max_attempts,
+                                         "nics": a.nics, "encryption": a.encryption, "backend": a.backend,
+                                         "log_url": a.log_url})
+    settings.warn_retired(conf, environ)
+    encrypted = settings.encrypts(values.encryption, conf)
+    common = dict(settings=values, encrypted=encrypted, max_attempts=values.max_attempts,
+                  versions=versions.collect(), mlflow=_mlflow_handoff(a.run_id, a.env))
     if a.local:
         return RunConfig(args=a, conf=conf, driver_host="127.0.0.1", rendezvous="driver", use_gpu=bool(a.use_gpu),
                          stage=None, task_cpus=a.asked.cpus if a.asked is not None else None, capacity_wait=0.0,
-                         max_attempts=settings.resolve("max_attempts", a.max_attempts, conf=conf), log_target=None,
-                         spill_url=None, encrypted=encrypted)
-    preflight.check_cluster_conf(conf, settings.resolve("allow_unencrypted", conf=conf), a.encryption, environ)
-    rendezvous = settings.resolve("rendezvous", conf=conf)
-    view.check_python(rendezvous)
+                         log_target=None, spill_url=None, **common)
+    preflight.check_cluster_conf(conf, values.allow_unencrypted, encrypted, values.cpu_collectives)
+    view.check_python(values.rendezvous)
     driver_host = view.driver_host()
-    nics = settings.resolve("nics", a.nics, conf=conf)
-    if nics:
+    if values.nics:
         from .. import nics as networks
 
-        driver_host = networks.own_address(nics, "the driver")
-        log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(nics), driver_host)
+        driver_host = networks.own_address(values.nics, "the driver")
+        log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(values.nics), driver_host)
     use_gpu = a.use_gpu
     if use_gpu is None:
         use_gpu = bool(a.asked.gpus) if a.asked is not None and a.asked.gpus is not None \
@@ -156,12 +168,19 @@ def resolve(a: Arguments, view) -> RunConfig:
     task_cpus = stage.cpus if stage is not None else \
         None if local_master else capacity.default_task_resources(conf).cpus
     return RunConfig(
-        args=dataclasses.replace(a, nics=nics), conf=conf, driver_host=driver_host,
-        rendezvous=view.default_rendezvous(rendezvous, driver_host, a.run_id), use_gpu=use_gpu, stage=stage,
-        task_cpus=task_cpus, capacity_wait=settings.resolve("capacity_wait", conf=conf),
-        max_attempts=settings.resolve("max_attempts", a.max_attempts, conf=conf),
-        log_target=_log_target(a.log_url, a.storage_options, conf), spill_url=_spill_url(view.master, conf),
-        encrypted=encrypted)
+        args=dataclasses.replace(a, nics=values.nics), conf=conf, driver_host=driver_host,
+        rendezvous=view.default_rendezvous(values.rendezvous, driver_host, a.run_id), use_gpu=use_gpu, stage=stage,
+        task_cpus=task_cpus, capacity_wait=values.capacity_wait,
+        log_target=_log_target(values.log_url, a.storage_options), spill_url=_spill_url(view.master, values.spill_url),
+        **common)
+
+
+def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
+    """What rank 0 needs to log into the driver's MLflow run (``sparktrain.tracking``); None without MLflow."""
+    handoff = tracking.mlflow_handoff(user_env=env)
+    if handoff:
+        log.debug("sparktrain: run %s: rank 0 logs to MLflow %s", run_id, tracking.describe(handoff))
+    return handoff or None
 
 
 def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
@@ -179,10 +198,8 @@ def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> b
         raise PicklingFailedError(f"cannot pickle storage_options for {url!r}: {type(e).__name__}") from None
 
 
-def _log_target(log_url: str | None, storage_options: Mapping[str, Any] | None,
-                conf: Mapping[str, str]) -> bytes | None:
+def _log_target(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
     """``(log_url, storage_options)`` pickled for the ranks, or None when no log_url is set."""
-    url = settings.resolve("log_url", log_url, conf=conf)
     if not url:
         return None
     from .. import storage
@@ -193,9 +210,9 @@ def _log_target(log_url: str | None, storage_options: Mapping[str, Any] | None,
     return cloudpickle.dumps((url, dict(storage_options or {})))
 
 
-def _spill_url(master: str, conf: Mapping[str, str]) -> str | None:
-    """Where rank 0 spills a value too large for Spark's result path; None: it fails instead."""
-    url = settings.resolve("spill_url", conf=conf)
+def _spill_url(master: str, url: str | None) -> str | None:
+    """Where rank 0 spills a value too large for Spark's result path (the ``spill_url`` setting);
+    None: it fails instead."""
     if url == "":
         return None  # spilling turned off
     if url is None and cluster.on_this_host(master):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 from .. import settings, worker_env
 from ..errors import InsufficientResourcesError, InvalidArgumentError, RankFailedError, SparkTrainError, UnsupportedError
+from . import config
 from . import supervision as core
 
 log = logging.getLogger("sparktrain")
@@ -71,7 +72,7 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
             f"task slot(s). Lower min_num_proc, or use a master with more slots")
     env[worker_env.ELASTIC_ID] = elastic_id = uuid.uuid4().hex[:12]
     state = worker_env.elastic_file(elastic_url, elastic_id, worker_env.ELASTIC_STATE)
-    grow_after = settings.resolve("elastic_grow_after", environ={**os.environ, **env}, conf=conf)
+    grow_after = config.settings_of(conf, {**os.environ, **env}).elastic_grow_after
     options = run_kwargs.get("storage_options")
     resets, size, reason, attempt = 0, first, "", 0
     while True:
@@ -117,7 +118,7 @@ def _check(num_proc, env: Mapping[str, str], run_kwargs: Mapping[str, Any]):
     if view is None or not view.lists_executors:
         raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
                                "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
-    elastic_url = settings.resolve("elastic_url", environ={**os.environ, **env}, conf=view.conf)
+    elastic_url = config.settings_of(view.conf, {**os.environ, **env}).elastic_url
     if not elastic_url:
         raise InvalidArgumentError(
             "run_elastic resumes each attempt from the last state.commit(), which needs a place every attempt can read: "

@@ -189,10 +189,11 @@ def _conf_true(conf: Mapping[str, str], key: str) -> bool:
     return str(conf.get(key, "false")).strip().lower() == "true"
 
 
-def check_cluster_conf(conf: Mapping[str, str], allow_unencrypted: bool, encryption: str | None = None,
-                       environ: Mapping[str, str] | None = None) -> None:
+def check_cluster_conf(conf: Mapping[str, str], allow_unencrypted: bool, encrypted: bool,
+                       cpu_collectives: str) -> None:
     """Refuse settings barrier-mode training cannot work with, and training traffic in clear where
-    Spark's own is encrypted (``encryption``: the run's argument, or None for the env and conf)."""
+    Spark's own is encrypted. The values are the run's resolved settings (``driver.config``):
+    ``encrypted`` whether the run encrypts, ``cpu_collectives`` its CPU engine."""
     if _conf_true(conf, "spark.dynamicAllocation.enabled"):
         raise ClusterConfigError(
             "spark.dynamicAllocation.enabled=true: barrier mode needs every rank running at once on a fixed "
@@ -200,7 +201,7 @@ def check_cluster_conf(conf: Mapping[str, str], allow_unencrypted: bool, encrypt
             "spark.dynamicAllocation.enabled=false with a fixed spark.executor.instances for training"
         )
     spark_on = settings.spark_encryption(conf)
-    on = settings.encrypted(encryption, conf=conf, environ=environ)
+    on = encrypted
     if spark_on and not on and not allow_unencrypted:
         raise ClusterConfigError(
             f"{spark_on[0]}=true, but sparktrain's encryption is off, so its training traffic (collectives and the "
@@ -213,8 +214,7 @@ def check_cluster_conf(conf: Mapping[str, str], allow_unencrypted: bool, encrypt
         if why:
             raise ClusterConfigError(f"encryption is on (spark.sparktrain.encryption), but this driver cannot "
                                      f"encrypt: {why}; or set spark.sparktrain.encryption=off")
-        engine = settings.resolve("cpu_collectives", conf=conf, environ=environ)
-        if engine == "tensorflow" and not allow_unencrypted:
+        if cpu_collectives == "tensorflow" and not allow_unencrypted:
             raise ClusterConfigError(
                 "encryption is on, but cpu_collectives='tensorflow' moves gradients over TensorFlow's own ring, "
                 "which sparktrain does not encrypt. Use cpu_collectives='native' (encrypted between hosts), or set "

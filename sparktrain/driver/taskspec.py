@@ -1,12 +1,10 @@
-"""The :class:`~sparktrain.spec.TaskSpec` a run gives every rank of every attempt, from its
-resolved :class:`~sparktrain.driver.config.RunConfig`."""
+"""The :class:`~sparktrain.spec.TaskSpec` a run gives every rank of every attempt: a projection
+of its resolved :class:`~sparktrain.driver.config.RunConfig`, reading nothing else."""
 from __future__ import annotations
 
 import logging
-import os
-from typing import Mapping
 
-from .. import settings, tracking, versions
+from .. import settings
 from ..spec import TaskSpec
 from . import preflight
 from .config import RunConfig
@@ -14,32 +12,36 @@ from .config import RunConfig
 log = logging.getLogger("sparktrain")
 
 
+def settings_env(cfg: RunConfig) -> dict[str, str]:
+    """``env=``, with every setting the ranks read that the driver resolved from an argument, ``env=``,
+    its environment or the conf (``settings.READ_IN_RANK``) written as its variable in canonical
+    form: the driver's value reaches every rank, which parses it once at its start
+    (``sparktrain.rank_settings``).
+    Encryption is always written: the driver's resolution, 'auto' included, decides it."""
+    values, out = cfg.settings, dict(cfg.args.env)
+    for name in settings.READ_IN_RANK:
+        s = settings.SETTINGS[name]
+        if values.origin(name) != "default" and values[name] is not None:
+            out[s.env] = settings.as_text(values[name])
+    out[settings.SETTINGS["encryption"].env] = "on" if cfg.encrypted else "off"
+    return out
+
+
 def task_spec(cfg: RunConfig, size: int, max_result_bytes: int, tails_without_channel: bool) -> TaskSpec:
     """The spec every rank of every attempt gets; each attempt adds its number and its channel's
     secret. ``tails_without_channel``: the view's (``views.ClusterView``)."""
-    a, conf = cfg.args, cfg.conf
-    environ = {**os.environ, **a.env}
-    settings.warn_retired(conf, environ)
-    user_env = {**settings.rank_env(a.env, conf), settings.SETTINGS["encryption"].env: "on" if cfg.encrypted else "off"}
-    legacy_keras = settings.resolve("legacy_keras", environ=environ, conf=conf)
-    if legacy_keras is not None:  # tf.keras is decided in the rank's process, from its environment
-        user_env[settings.SETTINGS["legacy_keras"].env] = "1" if legacy_keras else "0"
+    a, values = cfg.args, cfg.settings
     spec = TaskSpec(
         run_id=a.run_id, size=size, payload=a.payload, secret=b"",
         driver_address=(cfg.driver_host, 0) if cfg.rendezvous != "barrier" else None,
         use_gpu=cfg.use_gpu, output_ranks=preflight.normalize_output_ranks(a.output_ranks, size),
-        max_result_bytes=max_result_bytes,
-        start_timeout=settings.resolve("start_timeout", a.start_timeout, conf=conf),
-        grace_period=settings.resolve("grace_period", conf=conf),
-        heartbeat_timeout=settings.resolve("heartbeat_timeout", conf=conf),
-        stall_warning=settings.resolve("stall_warning", environ=environ, conf=conf),
-        user_env=user_env, checkpoint=a.checkpoint, encrypted=cfg.encrypted,
-        spill_url=cfg.spill_url, versions=versions.collect(), tf_log_level=0 if a.verbose == 2 else 2,
+        max_result_bytes=max_result_bytes, start_timeout=values.start_timeout, grace_period=values.grace_period,
+        heartbeat_timeout=values.heartbeat_timeout, stall_warning=values.stall_warning,
+        user_env=settings_env(cfg), checkpoint=a.checkpoint, encrypted=cfg.encrypted,
+        spill_url=cfg.spill_url, versions=cfg.versions, tf_log_level=0 if a.verbose == 2 else 2,
         feed=tuple(a.frames or ()), return_output=tails_without_channel and cfg.rendezvous == "barrier"
-        and cfg.log_target is None, log_target=cfg.log_target,
-        mlflow=_mlflow_handoff(a.run_id, a.env), task_cpus=cfg.task_cpus, nics=a.nics,
-        backend=settings.resolve("backend", a.backend, environ=environ, conf=conf),
-        jax_cpu_devices=settings.resolve("jax_cpu_devices", environ=environ, conf=conf),
+        and cfg.log_target is None, log_target=cfg.log_target, mlflow=cfg.mlflow, task_cpus=cfg.task_cpus,
+        nics=a.nics, backend=values.backend, jax_cpu_devices=values.jax_cpu_devices,
     )
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s "
@@ -47,11 +49,3 @@ def task_spec(cfg: RunConfig, size: int, max_result_bytes: int, tails_without_ch
               a.timeout, cfg.rendezvous, spec.grace_period, spec.max_result_bytes, cfg.max_attempts,
               cfg.capacity_wait, spec.spill_url, cfg.stage or "default profile", cfg.task_cpus, cfg.encrypted)
     return spec
-
-
-def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
-    """What rank 0 needs to log into the driver's MLflow run (``sparktrain.tracking``); None without MLflow."""
-    handoff = tracking.mlflow_handoff(user_env=env)
-    if handoff:
-        log.debug("sparktrain: run %s: rank 0 logs to MLflow %s", run_id, tracking.describe(handoff))
-    return handoff or None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 
-from .. import settings, worker_env
+from .. import rank_settings, settings, worker_env
 from .communicator import SPIN_S, Communicator, default_spin, split_rows
 from .loader import (_ABI_VERSION, BROKEN, DTYPES, KEY_FILE_ENV, LIBRARY_ENV, MISMATCH, OPS, PEER, TIMEOUT,  # noqa: F401
                       CollectiveError, _library_path, available, crypto_unavailable, library, unavailable_reason)
@@ -59,8 +59,9 @@ def contract(timeout: float | None = None, environ=None) -> dict:
     ``encrypt`` (the arguments of :class:`Communicator`; a process set's communicator uses them too).
     ``encrypt`` follows SPARKTRAIN_ENCRYPTION, which ``run`` sets to what it resolved ("auto" here,
     where no Spark conf is at hand, is off)."""
+    values = rank_settings.current() if environ is None else rank_settings.parse(environ)
     environ = os.environ if environ is None else environ
-    timeout = settings.resolve("collective_timeout", timeout, environ=environ)
+    timeout = values.collective_timeout if timeout is None else settings.parse_value("collective_timeout", timeout)
     try:
         cluster = json.loads(environ["TF_CONFIG"])["cluster"]["worker"]
         rank, size = int(environ["SPARKTRAIN_RANK"]), int(environ["SPARKTRAIN_SIZE"])
@@ -73,10 +74,10 @@ def contract(timeout: float | None = None, environ=None) -> dict:
                               "sparktrain.run?")
     with open(key_file, "rb") as f:
         key = f.read()
-    spin = settings.resolve("spin_wait", environ=environ)
+    spin = values.spin_wait
     return dict(rank=rank, size=size, hosts=[w.rsplit(":", 1)[0] for w in cluster],
                 ports=[int(w.rsplit(":", 1)[1]) for w in cluster], secret=key,
                 name=f"{environ.get('SPARKTRAIN_RUN_ID', 'run')}-a{environ.get('SPARKTRAIN_ATTEMPT', '1')}",
-                timeout=timeout, force_tcp=settings.resolve("cpu_transport", environ=environ) == "tcp",
+                timeout=timeout, force_tcp=values.cpu_transport == "tcp",
                 spin=None if spin == "auto" else spin, progress=environ.get(worker_env.PROGRESS_FILE),
-                encrypt=settings.resolve("encryption", environ=environ) == "on")
+                encrypt=values.encryption == "on")

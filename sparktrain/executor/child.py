@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import Any, Mapping
 
-from .. import tracking, worker_env
+from .. import rank_settings, tracking, worker_env
 from ..errors import InvalidArgumentError, type_name
 from ..localfiles import replaced_atomically, write_atomically
 
@@ -114,15 +114,10 @@ def _pin_cores() -> None:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
 
 
-def _set_gc_threshold() -> None:
+def _set_gc_threshold(value: str) -> None:
     """The ``gc_threshold`` setting, before anything of the user's loads: with Python's own, the
     oldest generation is traversed again each time the heap grows by a quarter, several times over
     while TensorFlow and Keras import."""
-    value = os.environ.get(worker_env.GC_THRESHOLD, "").strip() or worker_env.GC_THRESHOLD_DEFAULT
-    if value != worker_env.GC_THRESHOLD_DEFAULT:
-        from .. import settings  # only for a value of the user's, checked as the driver checks it
-
-        value = settings.parse_gc_threshold(worker_env.GC_THRESHOLD, value)
     if value != "python":
         gc.set_threshold(*(int(n) for n in value.split(",")))
 
@@ -152,7 +147,8 @@ def main(argv: list[str]) -> int:
         os.environ.update(message["env"])
         _pin_cores()
     try:
-        _set_gc_threshold()
+        # The rank's settings, parsed once (the driver refused bad values before launch).
+        _set_gc_threshold(rank_settings.load().gc_threshold)
     except InvalidArgumentError as e:
         _report_error(workdir, e)
         return 1

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from .. import cpus, settings, tracking, worker_env
+from .. import cpus, rank_settings, tracking, worker_env
 from ..errors import SparkTrainError
 from ..spec import TaskSpec
 
@@ -72,7 +72,7 @@ def _write_key(workdir: str, key: bytes) -> str:
 def _pinned_cores(spec, topo: Mapping[str, int]) -> list[int] | None:
     """The cores this rank keeps to, or None. By default ("auto") only where the ranks own the
     machine: local mode and local masters, whose task CPUs are not counted (``spec.task_cpus`` None)."""
-    mode = settings.resolve("pin_cores", environ={**os.environ, **spec.user_env})
+    mode = rank_settings.parse({**os.environ, **spec.user_env}).pin_cores
     if mode == "off" or (mode == "auto" and spec.task_cpus is not None) or not hasattr(os, "sched_getaffinity"):
         return None
     return worker_env.rank_cores(sorted(os.sched_getaffinity(0)), topo["local_rank"], topo["local_size"])

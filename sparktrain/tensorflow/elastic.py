@@ -39,7 +39,7 @@ import pickle
 from typing import Any, Callable
 
 from .. import context as _ctx
-from .. import settings
+from .. import rank_settings
 from .. import worker_env
 from . import resize
 from ..errors import HostsUpdatedInterrupt, InvalidArgumentError, SparkTrainError
@@ -61,7 +61,7 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
 
 def state_url() -> str | None:
     """Where this run's committed state lives, or None when the ``elastic_url`` setting is not given."""
-    prefix = settings.resolve("elastic_url")
+    prefix = rank_settings.current().elastic_url
     if not prefix:
         return None
     return worker_env.elastic_file(prefix, worker_env.elastic_id(os.environ), STATE_NAME)

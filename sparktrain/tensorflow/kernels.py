@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 
-from .. import settings
+from .. import rank_settings
 
 #: ``SPARKTRAIN_CACHE_DIR``: where compiled kernels are kept (default ``~/.cache/sparktrain``).
 CACHE_ENV = "SPARKTRAIN_CACHE_DIR"
@@ -186,7 +186,7 @@ def load():
     with _lock:
         if _loaded is not None or _failure is not None:
             return _loaded
-        if not settings.resolve("tf_kernels"):
+        if not rank_settings.current().tf_kernels:
             _failure = "turned off (SPARKTRAIN_TF_KERNELS=0)"
             return None
         try:

@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from .. import context as _ctx
-from .. import settings, worker_env
+from .. import rank_settings, worker_env
 
 #: Seconds between rank 0's looks for the marker.
 LOOK_SECONDS = 1.0
@@ -25,7 +25,7 @@ LOOK_SECONDS = 1.0
 
 def marker_url() -> str | None:
     """Where ``run_elastic``'s driver puts this attempt's marker, or None outside ``run_elastic``."""
-    prefix, attempt = settings.resolve("elastic_url"), os.environ.get(worker_env.ELASTIC_ATTEMPT)
+    prefix, attempt = rank_settings.current().elastic_url, os.environ.get(worker_env.ELASTIC_ATTEMPT)
     if not prefix or not attempt:
         return None
     return worker_env.elastic_file(prefix, worker_env.elastic_id(os.environ), f"resize-{attempt}")

@@ -15,7 +15,7 @@ import os
 import threading
 
 from .. import context as _ctx
-from .. import settings
+from .. import rank_settings, settings
 from ..errors import InvalidArgumentError, SparkTrainError
 
 #: Default seconds a collective may wait for its peers before failing (DeadlineExceeded).
@@ -84,7 +84,8 @@ def init(timeout: float | None = None, comm=None, process_sets=None) -> None:
         hooks["check"](process_sets)
     with state.lock:
         if not state.initialized:
-            timeout = settings.resolve("collective_timeout", timeout)
+            timeout = rank_settings.current().collective_timeout if timeout is None else \
+                settings.parse_value("collective_timeout", timeout)
             tf = _tf()
             # Inside a tf.function (or a graph) the strategy below would be built in that graph, and
             # later eager collectives would find no runtime: bring everything up eagerly instead.
@@ -161,7 +162,7 @@ def shutdown() -> None:
 def cpu_engine() -> str:
     """The CPU engine the settings ask for, or TensorFlow's ring (with one warning) where the
     native engine is not available."""
-    wanted = settings.resolve("cpu_collectives")
+    wanted = rank_settings.current().cpu_collectives
     if wanted == "tensorflow":
         return "tensorflow"
     from .. import engine

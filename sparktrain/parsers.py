@@ -1,0 +1,111 @@
+"""How a setting's value is parsed, from an argument, an environment variable or a Spark conf
+value: each parser takes the name to blame and the value, and returns it parsed or raises
+``InvalidArgumentError`` naming both and the fix. Pure.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import InvalidArgumentError
+
+
+def parse_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    """A positive, finite number of seconds; echoes the bad value otherwise."""
+    if value is None and allow_none:
+        return None
+    given = value
+    if isinstance(value, str):
+        try:
+            value = float(value.strip().removesuffix("s"))
+        except ValueError:
+            raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {given!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        hint = " (use None for no limit)" if allow_none else ""
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {given!r}{hint}")
+    return float(value)
+
+
+def parse_seconds_or_off(name: str, value: Any) -> float:
+    """A positive number of seconds, or 0 for off."""
+    if (type(value) in (int, float) and value == 0) or (isinstance(value, str) and value.strip().lower() in
+                                                         ("0", "0s", "0.0", "off")):
+        return 0.0
+    try:
+        return parse_seconds(name, value)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{e}; 0 turns it off") from None
+
+
+def parse_spin(name: str, value: Any) -> str | float:
+    """``"auto"``, or a number of seconds from 0 to 1 (how long a collective's wait spins)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    given = value
+    if isinstance(value, str):
+        try:
+            value = float(value.strip().removesuffix("s"))
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise InvalidArgumentError(f"{name} must be 'auto' or a number of seconds from 0 to 1 (0.002 spins 2 ms; "
+                                   f"0 sleeps at once), got {given!r}")
+    return float(value)
+
+
+def parse_positive_int(name: str, value: Any) -> int:
+    """A whole number of at least 1; echoes the bad value otherwise."""
+    given = value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a whole number of at least 1, got {given!r}")
+    return value
+
+
+def parse_gc_threshold(name: str, value: Any) -> str:
+    """``"python"``, or three whole numbers for ``gc.set_threshold``, as ``"700,10,100"``.
+
+    >>> parse_gc_threshold("gc_threshold", (700, 10, 100))
+    '700,10,100'
+    """
+    if isinstance(value, str) and value.strip().lower() == "python":
+        return "python"
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        counts = [int(p.strip()) if isinstance(p, str) else p for p in parts]
+    except (TypeError, ValueError):
+        counts = None
+    if (not counts or len(counts) != 3 or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
+            or counts[0] == 0):
+        raise InvalidArgumentError(f"{name} must be three whole numbers as gc.set_threshold takes them, the first "
+                                   f"above 0 ('700,10,100'), or 'python' for Python's own; got {value!r}")
+    return ",".join(str(c) for c in counts)
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise InvalidArgumentError(f"{name} must be true or false, got {value!r}")
+
+
+def url(name: str, value: Any) -> str:
+    """An fsspec URL, or "" for "none" (turned off)."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "off"):
+        return ""
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgumentError(f"{name} must be an fsspec URL such as abfss://container@account.dfs.core.windows.net/"
+                                   f"tmp or s3://bucket/tmp, got {value!r}")
+    return value.strip()
+
+
+def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise InvalidArgumentError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value.strip().lower()
