@@ -15,11 +15,11 @@ the other in this invocation, each as one ``sparktrain.run``:
   tf_keras (``TF_USE_LEGACY_KERAS=1``: Horovod users' Keras 2 code);
 - ``one process (Keras 3)``: one rank, Keras 3 with the plain Adam, all the data, the global batch.
 
-The data are scikit-learn's bundled 8x8 digits (``sparktrain.demo.digits``, nothing is
+The data are scikit-learn's bundled 8x8 digits (``sparktrain.cli.demo.digits``, nothing is
 downloaded), tiled ``--repeat-data`` times and cut to a whole number of global batches, so every
 contender runs the same steps per epoch on the same samples. Every rank feeds its data through
 the same in-memory ``tf.data`` pipeline (slices, batch, repeat, prefetch; no shuffling). The model is
-``sparktrain.demo.build_cnn``'s CNN (or an MLP with ``--model mlp``), built layer for layer with
+``sparktrain.cli.demo.build_cnn``'s CNN (or an MLP with ``--model mlp``), built layer for layer with
 Keras 3 or tf_keras. Every contender compiles with Adam(0.001 x global batch / 32), the loss and the
 accuracy metric, without XLA.
 
@@ -72,7 +72,7 @@ def load_data(repeat: int, global_batch: int):
     """The digits training images as (N, 8, 8, 1), tiled ``repeat`` times, cut to whole global batches."""
     import numpy as np
 
-    from sparktrain.demo import digits
+    from sparktrain.cli.demo import digits
 
     (x, y), _ = digits()
     x = np.tile(x, (repeat, 1))
@@ -84,10 +84,10 @@ def load_data(repeat: int, global_batch: int):
 def build_model(k, kind: str):
     """The same layers with Keras 3 (``k`` = keras) or tf_keras (``k`` = tf_keras).
 
-    ``cnn`` is ``sparktrain.demo.build_cnn``'s network.
+    ``cnn`` is ``sparktrain.cli.demo.build_cnn``'s network.
     """
     if kind == "cnn":
-        from sparktrain.demo import build_cnn
+        from sparktrain.cli.demo import build_cnn
 
         return build_cnn(k)
     layers = [
@@ -539,7 +539,7 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, default=96, help="global batch (default 96 = 3 ranks x 32)")
     p.add_argument("--num-proc", type=int, default=3, help="ranks of the distributed contenders (default 3)")
     p.add_argument("--model", choices=("cnn", "mlp"), default="cnn",
-                   help="cnn: sparktrain.demo.build_cnn's network (default); mlp: 64-256-128-10")
+                   help="cnn: sparktrain.cli.demo.build_cnn's network (default); mlp: 64-256-128-10")
     p.add_argument("--rounds", type=int, default=2,
                    help="run all contenders this many times, in turn, pooling their timed epochs (default 2)")
     p.add_argument("--spark", action="store_true",

@@ -10,7 +10,7 @@ after the other in this invocation, each as one ``sparktrain.run`` on the same S
   broadcast callback; each rank fits its shard ``x[rank::size]`` with the per-rank batch (the
   native engine reduces the gradients).
 
-The data are the bundled 8x8 digits (``sparktrain.demo.digits``) tiled ``--repeat-data`` times and
+The data are the bundled 8x8 digits (``sparktrain.cli.demo.digits``) tiled ``--repeat-data`` times and
 cut to whole global batches; the model an MLP (64-256-256-10). A callback in rank 0 times each epoch;
 the first (compiling, warming up) is dropped and the median of the rest gives samples/s. Ratio:
 JAX's samples/s over TensorFlow's, measured in this run.
@@ -40,7 +40,7 @@ def train(backend: str, repeat: int, global_batch: int, epochs: int):
 
     import sparktrain
     import sparktrain.keras as hvd
-    from sparktrain.demo import digits
+    from sparktrain.cli.demo import digits
 
     hvd.init()  # first: on JAX, layers made before it would draw their seeds before Keras agrees on one
     (x, y), _ = digits()

@@ -11,7 +11,7 @@ import os
 import threading
 import warnings
 
-from . import worker_env as _we
+from .seam import worker_env as _we
 from .errors import SparkTrainError
 
 _warned = False

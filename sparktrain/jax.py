@@ -19,7 +19,7 @@ import os
 import warnings
 from typing import Mapping, Sequence
 
-from . import worker_env
+from .seam import worker_env
 from .errors import InvalidArgumentError, SparkTrainError
 
 

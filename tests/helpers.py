@@ -113,7 +113,7 @@ def read_time(outdir: str, name: str) -> float:
         return float(f.read())
 
 
-from sparktrain.demo import digits  # noqa: E402,F401 - the demo's data loader, shared by the tests
+from sparktrain.cli.demo import digits  # noqa: E402,F401 - the demo's data loader, shared by the tests
 
 
 def same_on_every_rank(ranks: dict[int, dict], key: str):

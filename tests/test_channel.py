@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from sparktrain import channel, protocol
+from sparktrain.seam import channel, protocol
 from sparktrain.errors import RankFailure
 from sparktrain.driver.server import DriverServer, Hello, Output, Refused
 

@@ -49,7 +49,7 @@ def test_check_passes_on_local_3():
     assert re.search(r"^  encryption +auto: runs here are not encrypted; driver: can encrypt; executors: can "
                      r"encrypt on 3 of 3$", out, re.M), out
     # One host: the driver's, with its 3 tasks, each process free to use every CPU of this machine.
-    from sparktrain.cpus import usable_cpus
+    from sparktrain.host.cpus import usable_cpus
 
     cpus = usable_cpus()
     hosts = [line for line in out.splitlines() if re.match(rf"  (the driver|\S+ \(3 task\(s\)\)) +{cpus} CPU\(s\); ", line)]

@@ -98,7 +98,7 @@ def test_a_failing_rank_fails_the_command_with_its_error(script):
 
 def test_ranks_run_the_text_read_on_the_driver_where_the_file_is_missing(tmp_path):
     """Executors that do not share the driver's filesystem get the script's text, run as __main__."""
-    code = ("import sys\nfrom sparktrain.script import run_script\n"
+    code = ("import sys\nfrom sparktrain.cli.script import run_script\n"
             "run_script('/nowhere/jobs/train.py', b'import os, sys\\nprint(sys.argv, __name__, "
             "os.path.basename(__file__))\\n', ['--epochs', '2'])\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)

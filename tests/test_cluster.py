@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from sparktrain import localfiles, settings
+from sparktrain.host import localfiles
+from sparktrain import settings
 from sparktrain.driver import cluster, spark_errors
 from sparktrain.errors import InvalidArgumentError
 

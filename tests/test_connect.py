@@ -224,7 +224,7 @@ def test_too_few_slots_are_refused_with_figures_before_launch(spark):
 
 
 def test_other_versions_on_the_executors_fail_at_once(spark, monkeypatch):
-    from sparktrain import versions
+    from sparktrain.seam import versions
 
     real = versions.collect()
     monkeypatch.setattr(versions, "collect", lambda: dict(real, cloudpickle="0.0.1"))
@@ -237,7 +237,7 @@ def test_other_versions_on_the_executors_fail_at_once(spark, monkeypatch):
 def test_an_executors_python_of_another_minor_version_is_refused_before_launch(spark, tmp_path, monkeypatch):
     # As the classic path's version tests do, the client claims other versions; the probe that
     # chooses the rendezvous has reported the executors' Python, once per session.
-    from sparktrain import versions
+    from sparktrain.seam import versions
     from sparktrain.driver import connect, views
 
     real = versions.collect()
@@ -340,7 +340,7 @@ def test_a_client_without_py4j_or_pyspark_core_runs(spark):
 
 
 def test_check_reports_a_connect_session(spark):
-    from sparktrain import check
+    from sparktrain.cli import check
 
     out = io.StringIO()
     code = check.run_check(lambda: (spark, False), num_proc=3, out=out, timeout=120)

@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from sparktrain import cpus, worker_env
+from sparktrain.host import cpus
+from sparktrain.seam import worker_env
 
 
 def _tree(root, files: dict[str, str]) -> None:
@@ -65,7 +66,8 @@ def test_ranks_confined_to_fewer_cores_than_they_are_do_not_spin():
         pytest.skip("needs 2 cores to show the difference")
     code = textwrap.dedent("""
         import os
-        from sparktrain import cpus, engine
+        from sparktrain.host import cpus
+        from sparktrain import engine
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
         print(cpus.usable_cpus(), engine.default_spin(1), engine.default_spin(2))
     """)

@@ -34,7 +34,8 @@ def test_generated_tables_list_every_setting_and_contract_variable():
         import contract_tables
     finally:
         sys.path.remove(os.path.join(DOCS, "_ext"))
-    from sparktrain import settings, worker_env
+    from sparktrain import settings
+    from sparktrain.seam import worker_env
 
     table = contract_tables.settings_table()
     for s in settings.SETTINGS.values():

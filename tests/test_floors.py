@@ -33,7 +33,7 @@ def test_an_older_release_is_refused_at_import_with_the_version_and_the_fix(tmp_
 
 
 def test_the_floors_themselves_pass():
-    from sparktrain.versions import FLOORS, below_floor
+    from sparktrain.seam.versions import FLOORS, below_floor
 
     assert below_floor(dict(FLOORS)) == []
     assert below_floor({"tensorflow": "2.16.1", "keras": "3.2.1"}) == []  # Databricks 15.4 LTS ML

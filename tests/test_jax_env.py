@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 import sparktrain
-from sparktrain import settings, tflog, worker_env
+from sparktrain import settings
+from sparktrain.host import tflog
+from sparktrain.seam import worker_env
 from sparktrain.executor import rankenv
-from sparktrain.spec import TaskSpec
+from sparktrain.seam.spec import TaskSpec
 
 
 def test_the_backend_resolves_argument_then_keras_backend_then_spark_conf():

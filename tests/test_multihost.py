@@ -188,7 +188,7 @@ def test_check_reports_what_each_host_offers_its_ranks(cluster, monkeypatch):
     import io
     import re
 
-    from sparktrain.check import run_check
+    from sparktrain.cli.check import run_check
 
     hosts, _, session = cluster
     monkeypatch.setenv("SPARKTRAIN_NICS", f"{hosts.data_subnet}.0/24")

@@ -13,7 +13,8 @@ import threading
 
 import pytest
 
-from sparktrain import crypto, engine
+from sparktrain.seam import crypto
+from sparktrain import engine
 from sparktrain.engine.loader import _ERRLEN
 
 import native_ranks as nr
@@ -64,7 +65,7 @@ def _open(lib, key, iv, aad, ct, tag):
 
 
 def test_hkdf_and_aes_gcm_give_the_published_answers_and_open_refuses_any_change():
-    """The engine's (native/crypto.c) and the channel's (sparktrain.crypto)."""
+    """The engine's (native/crypto.c) and the channel's (sparktrain.seam.crypto)."""
     assert crypto.unavailable() is None
     for salt, ikm, info, okm in HKDF_VECTORS:
         assert crypto.hkdf_sha256(salt, ikm, info, len(okm)) == okm

@@ -64,7 +64,7 @@ def test_allreduce_matches_numpy_with_waits_that_spin_or_sleep_at_once(n, spin):
 
 
 def test_waits_spin_by_default_only_where_the_hosts_ranks_have_cores_of_their_own():
-    from sparktrain import cpus
+    from sparktrain.host import cpus
 
     cores = cpus.usable_cpus()
     for n in sorted({1, 2, cores, cores + 1} - {0}):

@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-from sparktrain import engine, rank_settings, settings, worker_env
+from sparktrain import engine, settings
+from sparktrain.settings import rank as rank_settings
+from sparktrain.seam import worker_env
 from sparktrain.errors import InvalidArgumentError
 from sparktrain.executor import rankenv
 from sparktrain.executor import rendezvous as task

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparktrain import nics, settings
+from sparktrain.host import nics
+from sparktrain import settings
 from sparktrain.errors import InvalidArgumentError
 
 TABLE = {"lo": ["127.0.0.1", "::1"], "eth0": ["192.168.7.5", "fd00::5"], "ib0": ["10.1.2.3"], "eth1": ["10.9.0.4"]}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from sparktrain import payload
+from sparktrain.seam import payload
 
 SHOW = textwrap.dedent("""
     import pickle, sys, traceback

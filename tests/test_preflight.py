@@ -167,7 +167,7 @@ def test_sparks_encryption_turns_sparktrains_on_and_off_is_refused_unless_allowe
 
 
 def test_encryption_on_where_no_libcrypto_loads_is_refused_saying_why(monkeypatch):
-    from sparktrain import crypto
+    from sparktrain.seam import crypto
 
     monkeypatch.setattr(crypto, "_LIBS", ("libcrypto-absent.so.0",))
     monkeypatch.setattr(crypto, "_lib", None)

@@ -6,9 +6,9 @@ import pickle
 
 import pytest
 
-from sparktrain import protocol
+from sparktrain.seam import protocol
 from sparktrain.errors import RankFailure
-from sparktrain.protocol import RANK, DRIVER, ProtocolError
+from sparktrain.seam.protocol import RANK, DRIVER, ProtocolError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import sparktrain
-from sparktrain import worker_env
+from sparktrain.seam import worker_env
 from sparktrain.driver import capacity
 from sparktrain.driver.capacity import TaskResources
 from sparktrain.errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError

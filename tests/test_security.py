@@ -16,7 +16,7 @@ import pytest
 
 import sparktrain
 from helpers import read_ranks, record_rank, wait_for_file
-from sparktrain import channel, protocol
+from sparktrain.seam import channel, protocol
 from conftest import module_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(120)]
@@ -141,7 +141,7 @@ def test_the_secret_appears_in_no_log_error_job_description_or_environment(spark
 
 
 def test_an_executor_with_other_versions_fails_at_once_with_a_diff(spark, monkeypatch):
-    from sparktrain import versions
+    from sparktrain.seam import versions
 
     real = versions.collect()
     driver = dict(real, cloudpickle="0.0.1")  # the driver claims another cloudpickle than the executors run

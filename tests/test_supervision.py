@@ -12,10 +12,10 @@ import pytest
 
 from sparktrain.driver import supervision as core
 from sparktrain.driver.attempt import RunInfo, run_attempts
-from sparktrain.protocol import RankError
+from sparktrain.seam.protocol import RankError
 from sparktrain.errors import (RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError,
                                RunTimeoutError, SparkTrainError, StartTimeoutError)
-from sparktrain.spec import TaskSpec
+from sparktrain.seam.spec import TaskSpec
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -29,7 +29,7 @@ def spawn_and_wait(outdir):
     import time
 
     grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    from sparktrain.localfiles import write_atomically
+    from sparktrain.host.localfiles import write_atomically
 
     pids = {"child": os.getpid(), "grandchild": grandchild.pid}
     write_atomically(os.path.join(outdir, "pids.json"), json.dumps(pids).encode())  # whole, for the waiter
@@ -101,7 +101,7 @@ def wait_ignoring_sigterm(outdir):
 def test_a_rank_killed_elsewhere_reports_its_own_failure_even_when_a_stop_reached_its_task_first(tmp_path, killer):
     from sparktrain.executor.output import RankIO
     from sparktrain.executor.task import _raise_failure
-    from sparktrain.spec import TaskSpec
+    from sparktrain.seam.spec import TaskSpec
 
     work = _workdir(tmp_path, wait_ignoring_sigterm, str(tmp_path))
     child = ChildProcess(work, _env())

@@ -9,7 +9,7 @@ import textwrap
 def test_filtered_stderr_drops_start_up_lines_below_the_level_and_keeps_the_rest():
     code = textwrap.dedent("""
         import os
-        from sparktrain import tflog
+        from sparktrain.host import tflog
         with tflog.filtered_stderr(2):
             os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n")
             os.write(2, b"I0000 00:00:1795556702.796779    4534 port.cc:153] oneDNN custom operations are on.\\n")
@@ -40,7 +40,7 @@ def test_filtered_stderr_drops_start_up_lines_below_the_level_and_keeps_the_rest
 
 
 def test_at_level_0_every_line_shows():
-    from sparktrain.tflog import StartupFilter
+    from sparktrain.host.tflog import StartupFilter
 
     shown = StartupFilter(0, no_gpu=True)
     for line in ("I0000 00:00:1.5 1 port.cc:153] oneDNN custom operations are on.",
@@ -53,7 +53,7 @@ def test_at_level_0_every_line_shows():
 
 
 def test_the_level_from_the_environment_and_the_callers_default_when_unset():
-    from sparktrain.tflog import level_from_env
+    from sparktrain.host.tflog import level_from_env
 
     assert level_from_env({}) == 0  # TensorFlow's own default
     assert level_from_env({}, unset=2) == 2  # a caller that quiets TensorFlow unless told otherwise

@@ -16,7 +16,7 @@ import sparktrain
 from conftest import module_spark
 from helpers import read_ranks, record_rank
 from mlflow_server import mlflow_server  # noqa: F401 - the fixture
-from sparktrain import tracking
+from sparktrain.seam import tracking
 from sparktrain.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,7 +70,7 @@ def test_secrets_are_redacted_wherever_sparktrain_shows_them():
                "MLFLOW_TRACKING_PASSWORD": TOKEN, "DATABRICKS_TOKEN": TOKEN, "MLFLOW_RUN_ID": "r1"}
     line = tracking.describe(handoff)
     assert TOKEN not in line and "MLFLOW_TRACKING_TOKEN=<redacted>" in line and "https://me:<redacted>@" in line
-    from sparktrain.spec import TaskSpec
+    from sparktrain.seam.spec import TaskSpec
 
     spec = TaskSpec(run_id="x", size=1, payload=b"", secret=b"", driver_address=None, use_gpu=False,
                     output_ranks=None, max_result_bytes=0, start_timeout=1.0, grace_period=1.0,

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from sparktrain import worker_env as we
+from sparktrain.seam import worker_env as we
 
 
 def test_topology_single_host():

@@ -1,7 +1,7 @@
 """Writes the settings table and the env-contract table from the code before Sphinx reads the pages.
 
 ``settings.md`` and ``env-contract.md`` include the files this writes, so the tables cannot
-drift from ``sparktrain.settings.SETTINGS`` and ``sparktrain.worker_env.CONTRACT``.
+drift from ``sparktrain.settings.SETTINGS`` and ``sparktrain.seam.worker_env.CONTRACT``.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def settings_table() -> str:
 
 
 def env_table() -> str:
-    from sparktrain import worker_env
+    from sparktrain.seam import worker_env
 
     rows = ["| variable | value |", "|---|---|"]
     for names, meaning in worker_env.CONTRACT:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import worker_env
+from ..seam import worker_env
 from ..errors import InvalidArgumentError, SparkTrainError
 from . import layout
 

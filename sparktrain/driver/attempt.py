@@ -14,10 +14,10 @@ import queue
 import time
 from typing import IO, Any, Callable
 
-from .. import channel
+from ..seam import channel
 from ..errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError
-from ..protocol import failures_in
-from ..spec import SPILLED, TaskSpec
+from ..seam.protocol import failures_in
+from ..seam.spec import SPILLED, TaskSpec
 from .display import Display
 from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory

@@ -12,8 +12,9 @@ import os
 import uuid
 from typing import IO, Any, Callable, Mapping
 
-from .. import payload as payloads
-from .. import settings, tracking, versions
+from ..seam import payload as payloads
+from .. import settings
+from ..seam import tracking, versions
 from ..errors import InvalidArgumentError, PicklingFailedError
 from . import capacity, cluster, preflight
 from .capacity import TaskResources
@@ -75,7 +76,7 @@ class RunConfig:
     #: Every setting of the table, resolved once against the arguments, ``env=``, the driver's
     #: environment and the conf (``settings.Resolved``); the ranks' spec is projected from it.
     settings: settings.Resolved | None = None
-    #: The driver's versions (``sparktrain.versions``) and its MLflow hand-off for rank 0.
+    #: The driver's versions (``sparktrain.seam.versions``) and its MLflow hand-off for rank 0.
     versions: dict | None = None
     mlflow: dict | None = None
 
@@ -152,7 +153,7 @@ def resolve(a: Arguments, view) -> RunConfig:
     view.check_python(values.rendezvous)
     driver_host = view.driver_host()
     if values.nics:
-        from .. import nics as networks
+        from ..host import nics as networks
 
         driver_host = networks.own_address(values.nics, "the driver")
         log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(values.nics), driver_host)
@@ -176,7 +177,7 @@ def resolve(a: Arguments, view) -> RunConfig:
 
 
 def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:
-    """What rank 0 needs to log into the driver's MLflow run (``sparktrain.tracking``); None without MLflow."""
+    """What rank 0 needs to log into the driver's MLflow run (``sparktrain.seam.tracking``); None without MLflow."""
     handoff = tracking.mlflow_handoff(user_env=env)
     if handoff:
         log.debug("sparktrain: run %s: rank 0 logs to MLflow %s", run_id, tracking.describe(handoff))

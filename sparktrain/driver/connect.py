@@ -22,7 +22,7 @@ import socket
 import sys
 from typing import Mapping
 
-from .. import versions
+from ..seam import versions
 from ..errors import ClusterConfigError
 from . import cluster, jobs
 from . import probe as executor_probe

@@ -22,7 +22,8 @@ import time
 import uuid
 from typing import Any, Callable, Mapping
 
-from .. import settings, worker_env
+from .. import settings
+from ..seam import worker_env
 from ..errors import InsufficientResourcesError, InvalidArgumentError, RankFailedError, SparkTrainError, UnsupportedError
 from . import config
 from . import supervision as core

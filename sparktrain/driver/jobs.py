@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Protocol
 
-from ..spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
+from ..seam.spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
 from .cluster import without_pyspark_warnings
 
 

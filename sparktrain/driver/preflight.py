@@ -11,7 +11,8 @@ import logging
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
-from .. import crypto, settings, tracking, worker_env
+from ..seam import crypto, tracking, worker_env
+from .. import settings
 from ..errors import (ClusterConfigError, InvalidArgumentError,
                      PicklingFailedError)
 

@@ -48,7 +48,7 @@ def facts_function() -> Callable[[tuple, tuple], dict]:
         found = {"executable": sys.executable, "versions": {"python": platform.python_version()},
                  "backends": {}, "missing": missing}
         try:  # what ranks here could use: CPUs (affinity and cgroup quota) and networks (for nics)
-            from sparktrain import cpus, nics
+            from sparktrain.host import cpus, nics
 
             found["cpus"], found["networks"] = cpus.usable_cpus(), nics.interfaces()
         except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
@@ -60,7 +60,8 @@ def facts_function() -> Callable[[tuple, tuple], dict]:
         except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
             found["cpu_engine"] = f"unknown ({type(e).__name__})"
         try:  # whether the channel and the engine's ring could be encrypted here: None when they can
-            from sparktrain import crypto, engine
+            from sparktrain.seam import crypto
+            from sparktrain import engine
 
             found["crypto"] = crypto.unavailable() or (engine.crypto_unavailable() if engine.available() else None)
         except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table

@@ -7,7 +7,7 @@ import os
 import posixpath
 from typing import Any, Mapping
 
-from ..spec import SPILLED
+from ..seam.spec import SPILLED
 
 log = logging.getLogger("sparktrain")
 

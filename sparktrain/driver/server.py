@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Union
 
-from .. import channel, protocol
-from ..channel import AuthenticationError, Channel
+from ..seam import channel, protocol
+from ..seam.channel import AuthenticationError, Channel
 from ..errors import RankFailure
 
 log = logging.getLogger("sparktrain")
@@ -111,7 +111,7 @@ class DriverServer:
 
     def __init__(self, secret: bytes, size: int, host: str, heartbeat_timeout: float = 0.0, encrypted: bool = False):
         self.secret = secret
-        #: Every channel in AES-256-GCM (``sparktrain.channel``); else authenticated only.
+        #: Every channel in AES-256-GCM (``sparktrain.seam.channel``); else authenticated only.
         self.encrypted = encrypted
         self.size = size
         # A SimpleQueue: its put and get take no lock written in Python, so an interrupt in the

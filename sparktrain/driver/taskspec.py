@@ -1,11 +1,11 @@
-"""The :class:`~sparktrain.spec.TaskSpec` a run gives every rank of every attempt: a projection
+"""The :class:`~sparktrain.seam.spec.TaskSpec` a run gives every rank of every attempt: a projection
 of its resolved :class:`~sparktrain.driver.config.RunConfig`, reading nothing else."""
 from __future__ import annotations
 
 import logging
 
 from .. import settings
-from ..spec import TaskSpec
+from ..seam.spec import TaskSpec
 from . import preflight
 from .config import RunConfig
 
@@ -16,7 +16,7 @@ def settings_env(cfg: RunConfig) -> dict[str, str]:
     """``env=``, with every setting the ranks read that the driver resolved from an argument, ``env=``,
     its environment or the conf (``settings.READ_IN_RANK``) written as its variable in canonical
     form: the driver's value reaches every rank, which parses it once at its start
-    (``sparktrain.rank_settings``).
+    (``sparktrain.settings.rank``).
     Encryption is always written: the driver's resolution, 'auto' included, decides it."""
     values, out = cfg.settings, dict(cfg.args.env)
     for name in settings.READ_IN_RANK:

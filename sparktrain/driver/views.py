@@ -15,7 +15,7 @@ import logging
 from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import InsufficientResourcesError, InvalidArgumentError, UnsupportedError
-from ..spec import TaskSpec
+from ..seam.spec import TaskSpec
 from . import capacity as rules
 from . import cluster, connect
 from .capacity import Capacity, TaskResources

@@ -31,7 +31,9 @@ from __future__ import annotations
 import json
 import os
 
-from .. import rank_settings, settings, worker_env
+from ..settings import rank as rank_settings
+from .. import settings
+from ..seam import worker_env
 from .communicator import SPIN_S, Communicator, default_spin, split_rows
 from .loader import (_ABI_VERSION, BROKEN, DTYPES, KEY_FILE_ENV, LIBRARY_ENV, MISMATCH, OPS, PEER, TIMEOUT,  # noqa: F401
                       CollectiveError, _library_path, available, crypto_unavailable, library, unavailable_reason)
@@ -64,7 +66,7 @@ def contract(timeout: float | None = None, environ=None) -> dict:
     timeout = values.collective_timeout if timeout is None else settings.parse_value("collective_timeout", timeout)
     try:
         cluster = json.loads(environ["TF_CONFIG"])["cluster"]["worker"]
-        rank, size = int(environ["SPARKTRAIN_RANK"]), int(environ["SPARKTRAIN_SIZE"])
+        rank, size = int(environ[worker_env.RANK]), int(environ[worker_env.SIZE])
     except (KeyError, ValueError) as e:
         raise CollectiveError(f"the native engine needs the run's env contract (TF_CONFIG, SPARKTRAIN_RANK): {e}") \
             from None
@@ -77,7 +79,7 @@ def contract(timeout: float | None = None, environ=None) -> dict:
     spin = values.spin_wait
     return dict(rank=rank, size=size, hosts=[w.rsplit(":", 1)[0] for w in cluster],
                 ports=[int(w.rsplit(":", 1)[1]) for w in cluster], secret=key,
-                name=f"{environ.get('SPARKTRAIN_RUN_ID', 'run')}-a{environ.get('SPARKTRAIN_ATTEMPT', '1')}",
+                name=f"{environ.get(worker_env.RUN_ID, 'run')}-a{environ.get(worker_env.ATTEMPT, '1')}",
                 timeout=timeout, force_tcp=values.cpu_transport == "tcp",
                 spin=None if spin == "auto" else spin, progress=environ.get(worker_env.PROGRESS_FILE),
                 encrypt=values.encryption == "on")

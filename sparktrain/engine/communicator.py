@@ -8,7 +8,8 @@ import threading
 import time
 from typing import Sequence
 
-from .. import cpus, worker_env
+from ..host import cpus
+from ..seam import worker_env
 from .handshake import MODE_AEAD, MODE_CLEAR, _connect_ring, ring_keys
 from .ragged import check_ragged, meta_of, sent_rows, split_problem, splits_refused
 from .loader import (CollectiveError, crypto_unavailable, DTYPES, OPS, _Config, _DTYPE_CODES, _ERRLEN, _OP_CODES, library,
@@ -28,7 +29,7 @@ def default_spin(local_size: int, budget: int | None = None) -> float:
 
     ``budget`` defaults to what the rank's task measured (``worker_env.CPU_BUDGET``: the affinity
     mask and cgroup quota of the executor, capped by Spark's task CPUs), or else what this
-    process can use (``sparktrain.cpus.usable_cpus``).
+    process can use (``sparktrain.host.cpus.usable_cpus``).
     """
     if budget is None:
         given = os.environ.get(worker_env.CPU_BUDGET, "")

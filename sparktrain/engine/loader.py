@@ -7,7 +7,7 @@ import importlib.machinery
 import os
 import threading
 
-from .. import worker_env
+from ..seam import worker_env
 from ..errors import SparkTrainError
 
 LIBRARY_ENV = "SPARKTRAIN_NATIVE_LIBRARY"

@@ -30,9 +30,10 @@ import time
 import traceback
 from typing import Any, Mapping
 
-from .. import rank_settings, tracking, worker_env
+from ..settings import rank as rank_settings
+from ..seam import tracking, worker_env
 from ..errors import InvalidArgumentError, type_name
-from ..localfiles import replaced_atomically, write_atomically
+from ..host.localfiles import replaced_atomically, write_atomically
 
 _PR_SET_PDEATHSIG = 1
 EXIT_TERMINATED = 128 + signal.SIGTERM

@@ -14,10 +14,10 @@ import selectors
 import sys
 import time
 
-from .. import channel, protocol
-from ..tflog import StartupFilter
+from ..seam import channel, protocol
+from ..host.tflog import StartupFilter
 from ..errors import RankFailure
-from ..spec import TaskSpec
+from ..seam.spec import TaskSpec
 from .stacks import StackDump, beat
 from .supervisor import ChildProcess
 from .termline import TermLine

@@ -11,9 +11,11 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from .. import cpus, rank_settings, tracking, worker_env
+from ..host import cpus
+from ..settings import rank as rank_settings
+from ..seam import tracking, worker_env
 from ..errors import SparkTrainError
-from ..spec import TaskSpec
+from ..seam.spec import TaskSpec
 
 
 def start_env(spec: TaskSpec) -> dict[str, str]:

@@ -15,7 +15,7 @@ import socket
 import time
 from typing import Callable
 
-from .. import channel, protocol, versions
+from ..seam import channel, protocol, versions
 from ..errors import SparkTrainError, VersionMismatchError
 from .output import RankIO
 

@@ -7,11 +7,11 @@ import os
 import traceback
 from typing import Iterator
 
-from .. import protocol
+from ..seam import protocol
 from ..errors import RankFailure, ResultTooLargeError, SparkTrainError, type_name
-from ..localfiles import file_chunks
-from ..protocol import RankError
-from ..spec import SPILLED
+from ..host.localfiles import file_chunks
+from ..seam.protocol import RankError
+from ..seam.spec import SPILLED
 from .child import EXIT_NOT_LET_GO
 from .output import RankIO
 

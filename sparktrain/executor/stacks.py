@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .. import protocol
+from ..seam import protocol
 from ..engine import progress
 
 #: Once the dump began, this much quiet on the pipe means it is complete.

@@ -22,10 +22,11 @@ from __future__ import annotations
 import os
 from typing import Iterator, Sequence
 
-from .. import nics, tflog, worker_env
+from ..host import nics, tflog
+from ..seam import worker_env
 from ..data import layout
 from ..errors import InvalidArgumentError, SparkTrainError
-from ..spec import OUTPUT_SEQ, RESULT_FIELDS, TaskSpec
+from ..seam.spec import OUTPUT_SEQ, RESULT_FIELDS, TaskSpec
 from . import rankenv
 from .output import RankIO
 from .rendezvous import rendezvous, reserve_port

@@ -29,7 +29,7 @@ import os
 from typing import Any, Mapping
 
 from .. import kerasline
-from ..versions import require_keras_3
+from ..seam.versions import require_keras_3
 from . import on_jax as _jax
 
 if not kerasline.legacy_requested():  # tf_keras (TF_USE_LEGACY_KERAS=1) is Keras 2 by design
@@ -38,11 +38,11 @@ if _jax.on_jax():
     from .on_jax import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,  # noqa: F401
                          shutdown, size)
     from ..errors import InvalidArgumentError
-    from ..localfiles import replaced_atomically
+    from ..host.localfiles import replaced_atomically
     from . import callbacks  # noqa: F401
 else:  # an older TensorFlow under Keras 3 fails in sparktrain.tensorflow's import, with the version and the fix
     from ..errors import InvalidArgumentError
-    from ..localfiles import replaced_atomically
+    from ..host.localfiles import replaced_atomically
     from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
     from ..tensorflow import (Compression, ProcessSet, add_process_set, cross_rank, cross_size,  # noqa: F401
                               global_process_set, init, is_initialized, local_rank, local_size, rank, reducescatter,

@@ -12,7 +12,8 @@ import warnings
 from typing import Any, Mapping
 
 from .. import context as _ctx
-from .. import kerasline, tracking, worker_env
+from .. import kerasline
+from ..seam import tracking, worker_env
 from ..errors import SparkTrainError
 from .front import LINE, Callback, keras, value
 from .on_jax import on_jax, saving

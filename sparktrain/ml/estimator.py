@@ -89,7 +89,7 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
     def _prepare(self, df):
         """Checks every parameter against ``df`` and the model; returns the ranks' spec, the fed
         DataFrames and ``sparktrain.run``'s keywords."""
-        from .. import tracking
+        from ..seam import tracking
 
         keras_model, line = lines.check_model(self.getModel())
         if self.getOptimizer() is None or self.getLoss() is None:

@@ -83,7 +83,8 @@ def load(url: str, storage_options=None, custom_objects=None, line: str = KERAS_
     import os
     import tempfile
 
-    from .. import storage, tflog
+    from .. import storage
+    from ..host import tflog
 
     # TensorFlow's start-up lines (its import, and the first op's look for a GPU) are filtered as a
     # rank's are, without changing this process's environment: a driver's later runs in local mode,

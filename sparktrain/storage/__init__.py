@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import (BackendMissingError, CorruptCheckpointError, CredentialsError, ForbiddenError,  # noqa: F401
                       NotFoundError, StorageError, UnknownSchemeError)
-from ..localfiles import file_chunks, replaced_atomically
+from ..host.localfiles import file_chunks, replaced_atomically
 from .backends import (AZURE_CLIENT, RETRIES, S3_CONFIG, StorageOptions, check_url, classify_error,  # noqa: F401
                        filesystem, retry, scheme_of)
 

@@ -27,7 +27,7 @@ optimizer wrapper), ``sync_batch_norm`` and ``timeline``.
 """
 from __future__ import annotations
 
-from ..versions import require_floor
+from ..seam.versions import require_floor
 
 require_floor("tensorflow")  # an older TensorFlow fails here, with the version found and the fix
 

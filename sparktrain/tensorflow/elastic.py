@@ -39,8 +39,8 @@ import pickle
 from typing import Any, Callable
 
 from .. import context as _ctx
-from .. import rank_settings
-from .. import worker_env
+from ..settings import rank as rank_settings
+from ..seam import worker_env
 from . import resize
 from ..errors import HostsUpdatedInterrupt, InvalidArgumentError, SparkTrainError
 

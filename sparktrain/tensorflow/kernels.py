@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 
-from .. import rank_settings
+from ..settings import rank as rank_settings
 
 #: ``SPARKTRAIN_CACHE_DIR``: where compiled kernels are kept (default ``~/.cache/sparktrain``).
 CACHE_ENV = "SPARKTRAIN_CACHE_DIR"

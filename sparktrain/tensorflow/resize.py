@@ -17,7 +17,8 @@ import threading
 from typing import Any
 
 from .. import context as _ctx
-from .. import rank_settings, worker_env
+from ..settings import rank as rank_settings
+from ..seam import worker_env
 
 #: Seconds between rank 0's looks for the marker.
 LOOK_SECONDS = 1.0

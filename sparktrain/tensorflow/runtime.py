@@ -15,7 +15,8 @@ import os
 import threading
 
 from .. import context as _ctx
-from .. import rank_settings, settings
+from ..settings import rank as rank_settings
+from .. import settings
 from ..errors import InvalidArgumentError, SparkTrainError
 
 #: Default seconds a collective may wait for its peers before failing (DeadlineExceeded).

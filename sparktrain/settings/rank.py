@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from . import settings
+from .. import settings
 
 _loaded: settings.Resolved | None = None
 

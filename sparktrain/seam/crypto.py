@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import threading
 
-from .errors import SparkTrainError
+from ..errors import SparkTrainError
 
 KEY_BYTES, IV_BYTES, TAG_BYTES = 32, 12, 16
 _LIBS = ("libcrypto.so.3", "libcrypto.so.1.1")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 
 def load(path: str) -> bytes:

@@ -10,7 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from . import nics, worker_env
+from ..host import nics
+from ..seam import worker_env
 from .parsers import (choice as _choice, parse_bool, parse_gc_threshold, parse_positive_int, parse_seconds,
                       parse_seconds_or_off, parse_spin, url as _url)
 
@@ -161,7 +162,7 @@ def encrypts(value: str, conf: Mapping[str, str] | None) -> bool:
 
 #: Settings the ranks read from their environment (the table's ``read_in``): ``run`` resolves them
 #: on the driver, refusing a bad value before launch, and hands each rank the value it resolved
-#: (``driver.taskspec``); the rank parses them once, at its start (``sparktrain.rank_settings``).
+#: (``driver.taskspec``); the rank parses them once, at its start (``sparktrain.settings.rank``).
 READ_IN_RANK = tuple(name for name, s in SETTINGS.items() if s.read_in in ("rank", "both"))
 
 

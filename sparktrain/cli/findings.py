@@ -1,5 +1,5 @@
 """``sparktrain check``'s findings about what each executor can do for a rank: which engine its
-CPU collectives run on, and whether it can encrypt (``sparktrain.check`` prints them)."""
+CPU collectives run on, and whether it can encrypt (``sparktrain.cli.check`` prints them)."""
 from __future__ import annotations
 
 

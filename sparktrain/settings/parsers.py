@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 
 def parse_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:

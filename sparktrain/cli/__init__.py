@@ -1,7 +1,7 @@
 """The ``sparktrain`` command.
 
 - ``sparktrain run train.py --num-proc 3 [-- script args]``: run a training script on every rank.
-- ``sparktrain check``: can this Spark cluster run sparktrain? (see sparktrain.check)
+- ``sparktrain check``: can this Spark cluster run sparktrain? (see sparktrain.cli.check)
 - ``sparktrain demo``: a Keras 3 CNN trained with 3 ranks on an embedded local Spark.
 - ``sparktrain submit-file``: the file to give spark-submit, to run these commands in a submitted job.
 """
@@ -12,8 +12,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from . import settings
-from .errors import InvalidArgumentError, SparkTrainError
+from .. import settings
+from ..errors import InvalidArgumentError, SparkTrainError
 
 RUN_EXAMPLE = "sparktrain run train.py --num-proc 3 -- --epochs 5"
 
@@ -74,7 +74,7 @@ def _session(master: str | None, conf: list[tuple[str, str]], default_master: st
     chosen the master and conf; in a notebook that calls ``main`` the running session is used;
     otherwise an embedded session starts on ``master``.
     """
-    from .driver import cluster
+    from ..driver import cluster
 
     if remote:
         if master:
@@ -108,7 +108,7 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
     import sparktrain
 
     from . import script
-    from .errors import SparkTrainError
+    from ..errors import SparkTrainError
 
     if args.local and args.num_proc is None:
         raise UsageError("--local needs --num-proc, the number of processes to start, for example --local --num-proc 2")
@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
         print(f"sparktrain run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - Spark failing to start, say; one line, not a JVM stack
-        from .driver.cluster import spark_error_reason
+        from ..driver.cluster import spark_error_reason
 
         print(f"sparktrain run: {spark_error_reason(e)}", file=sys.stderr)
         return 1
@@ -175,7 +175,7 @@ def _demo(args: argparse.Namespace) -> int:
     with open(path, "wb") as f:
         f.write(model_bytes)
 
-    from . import tflog
+    from ..host import tflog
 
     # The driver runs TensorFlow to evaluate: its start-up lines are filtered as a rank's are.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -192,7 +192,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def submit_file() -> str:
     """The file spark-submit runs to start this command: ``spark-submit FILE run train.py ...``."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__main__.py")
 
 
 def _spark_options(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import re
 import socket
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 #: Linux interface names: up to 15 characters, no slash or space.
 _NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")

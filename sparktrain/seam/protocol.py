@@ -2,7 +2,7 @@
 
 Pure and shared: the driver's server (``sparktrain.driver.server``) and each rank's task
 (``sparktrain.executor``) import it; it imports neither. Every message is a frozen dataclass;
-:func:`encode` turns one into the JSON object the channel (``sparktrain.channel``) frames and signs,
+:func:`encode` turns one into the JSON object the channel (``sparktrain.seam.channel``) frames and signs,
 ``{"type": <TYPE>, <field>: <value>, ...}`` (a field that is None is left out), and :func:`decode`
 turns such an object back into its message, or raises :class:`ProtocolError` naming what is wrong.
 Nothing is ever unpickled.
@@ -26,7 +26,7 @@ import json
 import re
 from typing import Any, Callable, ClassVar, Iterable, Union
 
-from .errors import RankFailure, SparkTrainError
+from ..errors import RankFailure, SparkTrainError
 
 
 class ProtocolError(SparkTrainError, ValueError):

@@ -3,12 +3,12 @@
 Pure and shared: the driver's server (``sparktrain.driver.server``) and each rank
 (``sparktrain.executor.task``) speak it. It carries the rendezvous (ranks say hello, the driver
 answers with everyone's address), every rank's output lines, beats, failure reports and stop
-orders: the messages of ``sparktrain.protocol``, each encoded there as one JSON object. Nothing
+orders: the messages of ``sparktrain.seam.protocol``, each encoded there as one JSON object. Nothing
 that travels on it is ever unpickled.
 
 Authentication and encryption: the driver opens each connection with a fresh random nonce and
 says whether the channel is encrypted; the rank answers with a fresh nonce of its own. Both ends
-derive a key per direction with HKDF-SHA256 (``sparktrain.crypto``) from the run's secret (new
+derive a key per direction with HKDF-SHA256 (``sparktrain.seam.crypto``) from the run's secret (new
 for every attempt), salted with both nonces, with the mode and the direction as its info. In
 clear, every frame carries ``HMAC(key, sequence number || body)``; encrypted, every frame is
 AES-256-GCM under the direction's key, its nonce the key's nonce base XOR the sequence number,
@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 from . import crypto, protocol
-from .errors import SparkTrainError
+from ..errors import SparkTrainError
 
 _MAGIC = b"SPKT2"
 _CLEAR, _SEALED = b"C", b"E"

@@ -35,7 +35,7 @@ class TaskSpec:
     attempt: int = 1
     #: How many attempts the run has in all.
     max_attempts: int = 1
-    #: The driver's versions (see ``sparktrain.versions``); each rank checks its own against them.
+    #: The driver's versions (see ``sparktrain.seam.versions``); each rank checks its own against them.
     versions: dict | None = None
     #: ``TF_CPP_MIN_LOG_LEVEL`` for ranks whose environment does not set it (0 shows every C++ line).
     tf_log_level: int = 2
@@ -51,7 +51,7 @@ class TaskSpec:
     #: The CPU cores each rank's task holds (its resource profile's, or ``spark.task.cpus``); the rank's
     #: compute threads follow it (``worker_env.rank_threads``). None: this host's cores shared among its ranks.
     task_cpus: int | None = None
-    #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.tracking``); not in the repr: it holds tokens.
+    #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.seam.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
     #: Seconds of silence on the channel after which a rank counts the driver as gone (0: never).
     heartbeat_timeout: float = 8.0
@@ -59,7 +59,7 @@ class TaskSpec:
     #: stall (their progress and stacks); 0: never.
     stall_warning: float = 60.0
     #: The ``nics`` setting: the interfaces or subnets whose address each rank offers the others
-    #: (``sparktrain.nics``); None: the executor's address as Spark knows it.
+    #: (``sparktrain.host.nics``); None: the executor's address as Spark knows it.
     nics: tuple[str, ...] | None = None
     #: The driver's channel and the native engine's ring between hosts travel in AES-256-GCM (the
     #: ``encryption`` setting, resolved on the driver; the ranks also get it as SPARKTRAIN_ENCRYPTION).

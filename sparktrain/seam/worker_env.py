@@ -50,7 +50,7 @@ PROGRESS_FILE = "SPARKTRAIN_PROGRESS_FILE"
 THREADS = "SPARKTRAIN_THREADS"
 #: The cores the rank keeps to, comma-separated, when it is pinned (see :func:`rank_cores`).
 CORES = "SPARKTRAIN_CORES"
-#: The CPUs this host's ranks can use together (``sparktrain.cpus.host_budget``): the native engine
+#: The CPUs this host's ranks can use together (``sparktrain.host.cpus.host_budget``): the native engine
 #: spin-waits only where the host's ranks do not outnumber them.
 CPU_BUDGET = "SPARKTRAIN_CPU_BUDGET"
 #: The rank process's ``gc.set_threshold`` (the ``gc_threshold`` setting), and its default: read
@@ -187,7 +187,7 @@ def rank_threads(task_cpus: int | None, cpu_count: int | None, local_size: int) 
     """Compute threads for one rank: its task's CPUs (``spark.task.cpus`` or the run's
     ``resources={"cpus": n}``) where Spark granted them, as TorchDistributor and Horovod do; else
     (local mode, no Spark grant) its share of the CPUs this host's ranks can really use
-    (``cpu_count``, from ``sparktrain.cpus``); at least 1.
+    (``cpu_count``, from ``sparktrain.host.cpus``); at least 1.
 
     A grant is the operator's statement about the executor and is kept even where it exceeds
     the cores this process sees; the engine's spin policy still follows the measured budget.

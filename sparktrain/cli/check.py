@@ -14,9 +14,12 @@ import re
 import sys
 from typing import Any, Callable, Mapping, TextIO
 
-from . import __version__, check_capabilities as capabilities, nics, settings, versions
-from .driver import capacity, cluster, config, preflight, probe, spark_errors, views
-from .errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
+from .. import __version__, settings
+from . import findings as capabilities
+from ..host import nics
+from ..seam import versions
+from ..driver import capacity, cluster, config, preflight, probe, spark_errors, views
+from ..errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
 PACKAGES = (*versions.PACKAGES, "keras")

@@ -1,0 +1,1 @@
+"""What crosses between the driver and the ranks, and what both sides share: the task spec, the channel's protocol, its framing and encryption, the payload, versions, the rank's environment contract, the MLflow hand-off. Pure: imports neither side."""
