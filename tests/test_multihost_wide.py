@@ -263,7 +263,8 @@ def test_a_keras_fit_from_a_dataframe_on_16_ranks_ends_with_one_set_of_weights(c
 
     hosts, standalone, session = cluster8
     (x, y), _ = digits()
-    df = session.createDataFrame([(x[i].tolist(), int(y[i])) for i in range(len(y))], "features array<float>, label int")
+    df = session.createDataFrame([(x[i].tolist(), int(y[i])) for i in range(len(y))],
+                                 "features array<float>, label int")
     loss = sparktrain.run(fit_from_df, args=(str(tmp_path),), num_proc=N, data=df, timeout=540, verbose=0)
     ranks = read_ranks(str(tmp_path))
     assert sorted(ranks) == list(range(N))
