@@ -1,7 +1,8 @@
 """The multi-host tier's cluster: a Spark standalone cluster whose workers are simulated hosts
 (tests/simhosts.py: a network namespace, hostname, /etc/hosts, /dev/shm and core each; and
-tests/standalone.py), started once for the whole tier (the test_multihost*.py modules, run with
-``-n 0``). The driver is the test process, on the hosts' bridge. Also the helpers those modules
+tests/standalone.py), started once for the modules in a row that ask for the same shape (the
+test_multihost*.py modules, run with ``-n 0``: 2 hosts of 2 slots, then test_multihost_wide.py's 8
+hosts of 2). The driver is the test process, on the hosts' bridge. Also the helpers those modules
 share: runs that allreduce across the hosts until a fault, and what a run left behind."""
 from __future__ import annotations
 
@@ -25,11 +26,43 @@ MARKS = [pytest.mark.multihost, pytest.mark.skipif(WHY_NOT is not None, reason=W
 HOSTS, PER_HOST = 2, 2
 
 
+#: The cluster up now: ``[((hosts, per_host), its context manager, (SimHosts, Standalone, session))]``.
+#: One at a time (a process has one SparkContext): asking for another shape takes this one down.
+_up: list = []
+
+
+def _take_down() -> None:
+    if _up:
+        _up.pop()[1].__exit__(None, None, None)
+
+
+def _cluster_of(hosts: int, per_host: int) -> tuple:
+    if _up and _up[0][0] != (hosts, per_host):
+        _take_down()
+    if not _up:
+        manager = cluster_session(hosts, per_host)
+        _up.append(((hosts, per_host), manager, manager.__enter__()))
+    return _up[0][2]
+
+
 @pytest.fixture(scope="session")
-def cluster():
-    """``(SimHosts, Standalone, session)``, once for the tier; nothing is left of it after."""
-    with cluster_session(HOSTS, PER_HOST) as found:
-        yield found
+def _clusters():
+    """The last cluster goes at the end of the session; nothing is left of it after."""
+    yield
+    _take_down()
+
+
+@pytest.fixture(scope="module")
+def cluster(_clusters):
+    """``(SimHosts, Standalone, session)`` of HOSTS hosts with PER_HOST slots each, started once
+    for every module that asks for it in a row (the tier runs them one after another)."""
+    return _cluster_of(HOSTS, PER_HOST)
+
+
+@pytest.fixture(scope="module")
+def cluster8(_clusters):
+    """The same of 8 hosts with 2 slots each: 16 ranks (tests/test_multihost_wide.py)."""
+    return _cluster_of(8, 2)
 
 
 def allreduce_until_stopped(outdir):
@@ -85,8 +118,7 @@ def fail_by(tmp_path, n: int, fault) -> tuple:
     return e.value, at[0], failed_at
 
 
-def ranks_on(outdir, hostname: str) -> list[int]:
-    n = HOSTS * PER_HOST
+def ranks_on(outdir, hostname: str, n: int = HOSTS * PER_HOST) -> list[int]:
     return [r for r in range(n) if open(os.path.join(outdir, f"host-{r}")).read() == hostname]
 
 
