@@ -202,7 +202,7 @@ def _spill_url(master: str, conf: Mapping[str, str]) -> str | None:
         # Executors and driver share this machine's disk.
         import tempfile
 
-        url = "file://" + os.path.join(tempfile.gettempdir(), "sparktrain-spill")
+        url = "file://" + os.path.join(tempfile.gettempdir(), f"sparktrain-spill-{os.geteuid()}")  # this user's
     if url is not None:
         from .. import storage
 
