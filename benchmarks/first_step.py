@@ -206,8 +206,8 @@ def kernel_cache(args, spark, master: str) -> int:
              f"{statistics.median(ratios) if name == cold else 1.0:.2f}x"] for name, v in runs.items()]
     extra = statistics.median(c - w for c, w in zip(runs[cold], runs[warm]))
     verdict = (f"A fresh job cluster's first run waits {extra:.1f} s longer for its first step (median of paired "
-               "differences): one compile per host, which `sparktrain check --build` into a shared "
-               "SPARKTRAIN_CACHE_DIR takes out of the run.")
+               "differences): the one compile of the host; a cache prebuilt with `sparktrain check --build` "
+               "is the warm case.")
     report(args, (CACHE_BEGIN, CACHE_END, "Time to the first step: empty kernel cache against warm"),
            f"Wall time from calling sparktrain.run ({n} ranks, warm SparkSession) to the end of the first "
            "training step of the Keras job of the section above, with SPARKTRAIN_CACHE_DIR a new empty "
