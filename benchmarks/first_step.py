@@ -210,8 +210,8 @@ def kernel_cache(args, spark, master: str) -> int:
                "is the warm case.")
     report(args, (CACHE_BEGIN, CACHE_END, "Time to the first step: empty kernel cache against warm"),
            f"Wall time from calling sparktrain.run ({n} ranks, warm SparkSession) to the end of the first "
-           "training step of the Keras job of the section above, with SPARKTRAIN_CACHE_DIR a new empty "
-           "directory (every rank's init() finds no TensorFlow kernels: one compiles them, the others "
+           "training step of the Keras job of \"Time to the first training step\", with SPARKTRAIN_CACHE_DIR a new "
+           "empty directory (every rank's init() finds no TensorFlow kernels: one compiles them, the others "
            "wait on the lock and load them) and with a warm cache, alternating; the ratio is the median "
            "of paired ratios. Written by `benchmarks/first_step.py --kernel-cache`.",
            master, header, rows, verdict)
