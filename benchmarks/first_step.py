@@ -18,6 +18,10 @@ feels of the launch on top of the job's own start. The two alternate, so that a 
 charged to both; ratios are medians of paired ratios.
 
     python benchmarks/first_step.py --repeats 5 [--num-proc 2] [--write benchmarks/RESULTS.md]
+
+``--kernel-cache`` times instead the first run on a fresh job cluster: ``sparktrain.run`` with an
+empty kernel cache (``SPARKTRAIN_CACHE_DIR`` a new directory: the ranks' ``init()`` compiles the
+TensorFlow kernels, once for the host) against the same with the cache warm, alternating.
 """
 from __future__ import annotations
 
@@ -81,11 +85,11 @@ def one_process(outdir: str, gc_threshold: str | None = None) -> float:
     return _first_step(outdir) - started
 
 
-def under_run(outdir: str, n: int) -> float:
+def under_run(outdir: str, n: int, env: dict | None = None) -> float:
     import sparktrain
 
     started = time.time()
-    sparktrain.run(job, args=(outdir, True), num_proc=n, verbose=0)
+    sparktrain.run(job, args=(outdir, True), num_proc=n, verbose=0, env=env)
     return _first_step(outdir) - started
 
 
@@ -101,6 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-proc", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--write", metavar="RESULTS.md")
+    parser.add_argument("--kernel-cache", action="store_true", help="an empty kernel cache against a warm one")
     args = parser.parse_args(argv)
     n = args.num_proc
     master = f"local[{n}]"
@@ -118,6 +123,8 @@ def main(argv=None) -> int:
     cloudpickle.register_pickle_by_value(first_step)  # the ranks cannot import this script's module
     from sparktrain import settings
 
+    if args.kernel_cache:
+        return kernel_cache(args, spark, master)
     threshold = settings.resolve("gc_threshold")  # what every rank sets before it loads train_fn
     same_gc = f"one process, gc.set_threshold({threshold})"
     under = f"sparktrain.run, {n} ranks"
@@ -148,20 +155,67 @@ def main(argv=None) -> int:
     if same_gc in runs:
         launch = statistics.median(r / o for o, r in zip(runs[same_gc], runs[under]))
         verdict += f"; against one process under the ranks' gc threshold: {launch:.2f}x"
+    report(args, (SECTION_BEGIN, SECTION_END, "Time to the first training step"),
+           "Wall time from starting a Keras job (import, build a small CNN, compile, one batch) to the "
+           "end of its first step: in one process (with Python's gc thresholds, and with those a rank "
+           f"sets, the gc_threshold setting), and under sparktrain.run with {n} ranks (each with "
+           "DistributedOptimizer and rank 0's weights broadcast) on a warm SparkSession. They "
+           "alternate; ratios are medians of paired ratios. Written by `benchmarks/first_step.py`.",
+           master, header, rows, verdict)
+    return 0
+
+
+def report(args, section: tuple, intro: str, master: str, header: list, rows: list, verdict: str) -> None:
+    """Print the table and the verdict; with ``--write``, put them in ``section`` (begin, end, title)."""
     print(text_table(header, rows))
     print(verdict)
     if args.write:
-        write_section(args.write, SECTION_BEGIN, SECTION_END, "Time to the first training step",
-                      "Wall time from starting a Keras job (import, build a small CNN, compile, one batch) to the "
-                      "end of its first step: in one process (with Python's gc thresholds, and with those a rank "
-                      f"sets, the gc_threshold setting), and under sparktrain.run with {n} ranks (each with "
-                      "DistributedOptimizer and rank 0's weights broadcast) on a warm SparkSession. They "
-                      "alternate; ratios are medians of paired ratios. Written by `benchmarks/first_step.py`.",
-                      machine_line(["sparktrain", "tensorflow", "keras"], master),
+        write_section(args.write, *section, intro, machine_line(["sparktrain", "tensorflow", "keras"], master),
                       " ".join(shlex.quote(a) for a in [sys.executable, "benchmarks/first_step.py", *sys.argv[1:]]),
                       header, rows, after_table=[verdict])
-    return 0
 
+
+CACHE_BEGIN = "<!-- first_step_cache:begin -->"
+CACHE_END = "<!-- first_step_cache:end -->"
+
+
+def kernel_cache(args, spark, master: str) -> int:
+    """``--kernel-cache``: the first step under run with an empty kernel cache and with a warm one."""
+    import first_step
+
+    n = args.num_proc
+    cold, warm = "empty kernel cache (compiles)", "warm kernel cache"
+    runs: dict[str, list[float]] = {cold: [], warm: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        warm_env = {"SPARKTRAIN_CACHE_DIR": os.path.join(tmp, "warm-cache")}
+        first_step.under_run(tempfile.mkdtemp(dir=tmp), n, warm_env)  # fills the warm cache, untimed
+        for i in range(args.repeats):
+            settle()
+            cache = tempfile.mkdtemp(dir=tmp, prefix="cold-cache")
+            runs[cold].append(first_step.under_run(tempfile.mkdtemp(dir=tmp), n, {"SPARKTRAIN_CACHE_DIR": cache}))
+            compiled = glob.glob(os.path.join(cache, "tf_kernels", "tf_kernels-*.so"))
+            if len(compiled) != 1:
+                raise RuntimeError(f"the empty cache {cache} holds {compiled} after the run, not one library")
+            settle()
+            runs[warm].append(first_step.under_run(tempfile.mkdtemp(dir=tmp), n, warm_env))
+            print(f"repeat {i + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items()), flush=True)
+    spark.stop()
+    ratios = [c / w for c, w in zip(runs[cold], runs[warm])]
+    header = ["sparktrain.run, first step", "median s", "min s", "max s", "ratio to warm"]
+    rows = [[name, f"{statistics.median(v):.2f}", f"{min(v):.2f}", f"{max(v):.2f}",
+             f"{statistics.median(ratios) if name == cold else 1.0:.2f}x"] for name, v in runs.items()]
+    extra = statistics.median(c - w for c, w in zip(runs[cold], runs[warm]))
+    verdict = (f"A fresh job cluster's first run waits {extra:.1f} s longer for its first step (median of paired "
+               "differences): the one compile of the host; a cache prebuilt with `sparktrain check --build` "
+               "is the warm case.")
+    report(args, (CACHE_BEGIN, CACHE_END, "Time to the first step: empty kernel cache against warm"),
+           f"Wall time from calling sparktrain.run ({n} ranks, warm SparkSession) to the end of the first "
+           "training step of the Keras job of \"Time to the first training step\", with SPARKTRAIN_CACHE_DIR a new "
+           "empty directory (every rank's init() finds no TensorFlow kernels: one compiles them, the others "
+           "wait on the lock and load them) and with a warm cache, alternating; the ratio is the median "
+           "of paired ratios. Written by `benchmarks/first_step.py --kernel-cache`.",
+           master, header, rows, verdict)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -167,7 +167,7 @@ def test_result_over_max_result_size_spills_to_storage_and_comes_back(spark, tmp
     import tempfile
 
     caplog.set_level("INFO", logger="sparktrain")
-    spill_dir = os.path.join(tempfile.gettempdir(), "sparktrain-spill") if where == "default" else str(tmp_path)
+    spill_dir = os.path.join(tempfile.gettempdir(), f"sparktrain-spill-{os.geteuid()}") if where == "default" else str(tmp_path)
     if where == "configured":
         monkeypatch.setenv("SPARKTRAIN_SPILL_URL", f"file://{tmp_path}")
     data = sparktrain.run(patterned_result, args=(25 * 2**20,), num_proc=2)

@@ -58,25 +58,33 @@ def _lines(out: str, tag: str) -> list[str]:
     return [line[len(tag) + 1:] for line in out.splitlines() if line.startswith(tag + " ")]
 
 
-def test_concurrent_processes_compile_once_into_the_cache_and_load_it(tmp_path):
+def test_concurrent_processes_of_two_hosts_compile_once_into_a_shared_cache_and_load_it(tmp_path):
+    """Three ranks of two simulated hosts (a temp dir each) share one SPARKTRAIN_CACHE_DIR: one
+    compile, in its host's temp dir, published into the cache by a rename."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("no g++ here")
     log = tmp_path / "compiles.log"
-    wrapper = tmp_path / "cxx"  # counts the compiles, then compiles
-    wrapper.write_text(f"#!/bin/sh\necho $$ >> {log}\nexec {cxx} \"$@\"\n")
+    wrapper = tmp_path / "cxx"  # counts the compiles and where each writes, then compiles
+    wrapper.write_text(f"#!/bin/sh\nfor a; do [ \"$prev\" = -o ] && echo \"$a\" >> {log}; prev=$a; done\n"
+                       f"exec {cxx} \"$@\"\n")
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    for h in hosts:
+        h.mkdir()
     env = _env(tmp_path, CXX=str(wrapper))
-    procs = [_python(BUILD, env) for _ in range(2)]
+    procs = [_python(BUILD, {**env, "TMPDIR": str(h)}) for h in (hosts[0], hosts[0], hosts[1])]
     outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
     paths = {_lines(o[0], "PATH")[0] for o in outs}
     assert len(paths) == 1, paths
     path = paths.pop()
     assert os.path.dirname(path) == str(tmp_path / "cache" / "tf_kernels") and os.path.exists(path)
-    assert len(log.read_text().split()) == 1  # one compile for two processes
+    compiles = log.read_text().split()
+    assert len(compiles) == 1, compiles  # one compile for three processes
+    assert any(compiles[0].startswith(str(h) + os.sep) for h in hosts), compiles  # in a host's temp dir
     assert sorted(os.listdir(tmp_path / "cache" / "tf_kernels")) == sorted([os.path.basename(path), "tf_kernels.lock"])
-    assert os.listdir(tmp_path / "tmp") == []
+    assert [os.listdir(h) for h in hosts] == [[], []]
 
     # A later process loads the cached library (no compile), and a kernel run with no engine
     # running says to call init().
@@ -99,7 +107,8 @@ def test_without_a_working_compiler_the_fallback_says_why_once_and_leaves_no_fil
     assert len(warnings) == 1, err[-2000:]
     assert "g++" in warnings[0] and "numpy_function" in warnings[0]
     assert cxx in _lines(out, "WHY")[0]
-    left = os.listdir(tmp_path / "cache" / "tf_kernels")
+    kept = tmp_path / "cache" / "tf_kernels"
+    left = os.listdir(kept) if os.path.exists(kept) else []
     assert left in ([], ["tf_kernels.lock"]), left  # no library, no partial file
     assert os.listdir(tmp_path / "tmp") == []
 

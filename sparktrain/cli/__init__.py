@@ -158,7 +158,7 @@ def _check(args: argparse.Namespace) -> int:
                          "pass --master to spark-submit instead")
     default = f"local[{args.num_proc or '*'}]"
     return check.run_check(lambda: _session(args.master, args.conf, default, args.remote), num_proc=args.num_proc,
-                           wait=args.wait, timeout=args.timeout)
+                           wait=args.wait, timeout=args.timeout, build=args.build)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -243,6 +243,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="for executors to register (default 30)")
     check.add_argument("--timeout", type=_seconds, default=120.0, metavar="SECONDS",
                        help="for the probing barrier stage (default 120)")
+    check.add_argument("--build", action="store_true",
+                       help="also compile the TensorFlow kernels into the kernel cache on every executor's host "
+                            "(SPARKTRAIN_CACHE_DIR, else ~/.cache/sparktrain) and the driver's, ahead of a run")
 
     demo = sub.add_parser("demo", help="train a Keras 3 CNN on digits with 3 ranks on an embedded local Spark")
     demo.add_argument("--num-proc", type=int, default=3)

@@ -15,6 +15,7 @@ import sys
 from typing import Any, Callable, Mapping, TextIO
 
 from .. import __version__, settings
+from . import build as check_build
 from . import findings as capabilities
 from ..host import nics
 from ..seam import versions
@@ -70,7 +71,7 @@ class Report:
 
 
 def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | None = None, wait: float = 30.0,
-              timeout: float = 120.0, out: TextIO | None = None) -> int:
+              timeout: float = 120.0, out: TextIO | None = None, build: bool = False) -> int:
     """Check the cluster ``start_session()`` connects to; print the findings; return the exit code.
 
     Parameters
@@ -80,6 +81,7 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
     wait : seconds to wait for executors to register.
     timeout : seconds the probing barrier stage may take.
     out : where the report goes (default ``sys.stdout``).
+    build : also compile the TensorFlow kernels into every host's cache (``cli.build``).
 
     Returns 0 when ``run`` can launch, 1 when a problem would make it fail.
 
@@ -99,14 +101,14 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
         report.fail(f"Spark did not start: {spark_errors.spark_error_reason(e)}")
         return report.finish()
     try:
-        _check_session(report, spark, num_proc, wait, timeout)
+        _check_session(report, spark, num_proc, wait, timeout, build)
     finally:
         if owned:
             spark.stop()
     return report.finish()
 
 
-def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float) -> None:
+def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float, build: bool) -> None:
     view = views.of(spark)
     conf = view.conf
     master = conf.get("spark.master", "?")
@@ -175,9 +177,12 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
         report.line("  (the probing barrier stage is skipped until the problems above are fixed)")
     else:
         tasks = _probe(report, view, size, use_gpu, timeout, values.rendezvous)
+        if build and not report.failures:
+            check_build.build(report, view, driver, tasks, cluster.is_local(master), timeout)
     _versions(report, driver, tasks)
     _hosts(report, driver, tasks, values.nics)
     capabilities.engines(report, driver, tasks)
+    capabilities.kernels(report, driver, tasks, values)
     capabilities.encryption(report, driver, tasks, values.encryption, encrypted)
     _backends(report, driver, tasks)
 

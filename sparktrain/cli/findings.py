@@ -42,3 +42,35 @@ def encryption(report, driver: dict, tasks: list[dict], setting: str, on: bool) 
         ([f"{where(cannot)} cannot encrypt: {cannot[0]['crypto']}"] if cannot else [])
     for text in problems:
         (report.fail if on else report.warn)(text + ("" if on else " (encryption is off for runs here)"))
+
+
+def kernels(report, driver: dict, tasks: list[dict], values) -> None:
+    """Which path each host's ranks take for the TensorFlow kernels (cached, compiled at the first
+    ``init()``, or the ``tf.numpy_function`` fallback), why, and where the cache is. ``values``: the
+    settings as a run here resolves them (``driver.config.settings_of``)."""
+    from ..engine import kernel_cache
+
+    report.line()
+    report.line("TensorFlow kernels of the native engine (spark.sparktrain.tfKernels; SPARKTRAIN_CACHE_DIR, CXX)")
+    if not values.tf_kernels and values.origin("tf_kernels") != "default":
+        report.field("every rank", f"{kernel_cache.FALLBACK}: turned off by the tf_kernels setting "
+                     "(spark.sparktrain.tfKernels or SPARKTRAIN_TF_KERNELS)")
+        return
+    hosts: dict[tuple[str, str], list[dict]] = {}
+    for t in tasks:
+        plan = t.get("tf_kernels") or {"path": "unknown", "why": "not reported", "cache": None}
+        hosts.setdefault((t["address"].rsplit(":", 1)[0], kernel_cache.describe(plan)), []).append(t)
+    rows = [("the driver", kernel_cache.describe(driver["tf_kernels"]))] if driver.get("tf_kernels") else []
+    rows += [(f"{host} ({len(ts)} task(s))", text) for (host, text), ts in hosts.items()]
+    width = max([18, *(len(label) for label, _ in rows)])
+    for label, text in rows:
+        report.field(label, text, width)
+    fallback: dict[str, list[dict]] = {}
+    for t in tasks:
+        plan = t.get("tf_kernels") or {}
+        if plan.get("path") == "fallback" and not plan["why"].startswith("turned off"):
+            fallback.setdefault(plan["why"], []).append(t)
+    for why, ts in fallback.items():
+        report.warn(f"{where(ts)}: collectives inside tf.function run through tf.numpy_function ({why}), slower "
+                    "than the kernels; install g++ there, or compile the kernels once into a shared "
+                    "SPARKTRAIN_CACHE_DIR from a host with the same installation (sparktrain check --build)")

@@ -220,7 +220,7 @@ def _spill_url(master: str, url: str | None) -> str | None:
         # Executors and driver share this machine's disk.
         import tempfile
 
-        url = "file://" + os.path.join(tempfile.gettempdir(), "sparktrain-spill")
+        url = "file://" + os.path.join(tempfile.gettempdir(), f"sparktrain-spill-{os.geteuid()}")  # this user's
     if url is not None:
         from .. import storage
 

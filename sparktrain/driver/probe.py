@@ -66,6 +66,12 @@ def facts_function() -> Callable[[tuple, tuple], dict]:
             found["crypto"] = crypto.unavailable() or (engine.crypto_unavailable() if engine.available() else None)
         except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
             found["crypto"] = f"unknown ({type(e).__name__})"
+        try:  # what a rank's init() will do about the TensorFlow kernels here (TensorFlow is not imported)
+            from sparktrain.engine import kernel_cache
+
+            found["tf_kernels"] = kernel_cache.plan()
+        except Exception as e:  # noqa: BLE001 - no sparktrain here is reported by the versions table
+            found["tf_kernels"] = {"path": "unknown", "why": f"{type(e).__name__}: {e}", "cache": None}
         for name in packages:
             try:
                 found["versions"][name] = metadata.version(name)
@@ -84,12 +90,11 @@ def facts_function() -> Callable[[tuple, tuple], dict]:
     return facts
 
 
-def task_function(packages: tuple, backends: tuple, address: tuple[str, int] | None):
-    """The function each probing task runs over its partition; yields one JSON report."""
-    facts = facts_function()
-    timeout = CONNECT_TIMEOUT
+def stage_task(report: Callable):
+    """A function for each task of a stage over its partition: it yields one JSON report,
+    ``{"task": its number, "address": where it ran, **report(task context)}``."""
 
-    def probe(_rows):
+    def task(_rows):
         import json
         import socket
 
@@ -99,10 +104,22 @@ def task_function(packages: tuple, backends: tuple, address: tuple[str, int] | N
             pass
         ctx = TaskContext.get()
         me = ctx.partitionId()
+        where = ctx.getTaskInfos()[me].address if isinstance(ctx, BarrierTaskContext) else socket.gethostname()
+        yield json.dumps({"task": me, "address": where, **report(ctx)})
+
+    return task
+
+
+def task_function(packages: tuple, backends: tuple, address: tuple[str, int] | None):
+    """The function each probing task runs over its partition; yields one JSON report."""
+    facts = facts_function()
+    timeout = CONNECT_TIMEOUT
+
+    def probe(ctx) -> dict:
+        import socket
+
         gpu = ctx.resources().get("gpu")
-        info = {"task": me, "gpus": list(gpu.addresses) if gpu else [], **facts(packages, backends)}
-        info["address"] = (ctx.getTaskInfos()[me].address if isinstance(ctx, BarrierTaskContext)
-                           else socket.gethostname())
+        info = {"gpus": list(gpu.addresses) if gpu else [], **facts(packages, backends)}
         # Ranks check in with the driver (or the Connect client) over TCP: can this executor connect?
         # The listener's kernel completes the handshake, so nothing needs to accept the connection.
         info["reach"] = "not asked"
@@ -112,9 +129,9 @@ def task_function(packages: tuple, backends: tuple, address: tuple[str, int] | N
                 info["reach"] = None
             except OSError as e:
                 info["reach"] = f"{type(e).__name__}: {e}"
-        yield json.dumps(info)
+        return info
 
-    return probe
+    return stage_task(probe)
 
 
 @dataclasses.dataclass
@@ -132,9 +149,10 @@ class Probe:
 
 
 def run(view, size: int, host: str | None, packages: tuple = (), backends: tuple = (), barrier: bool = True,
-        timeout: float = 60.0, description: str = "sparktrain: probe the executors") -> Probe:
+        timeout: float = 60.0, description: str = "sparktrain: probe the executors", task=None) -> Probe:
     """Run ``size`` probing tasks (a barrier stage unless ``barrier=False``); with ``host``, each
-    task also reports whether it can open a TCP connection to a listener there."""
+    task also reports whether it can open a TCP connection to a listener there. ``task``: another
+    function for the tasks to run, yielding one JSON report each with its ``task`` number."""
     listener = None
     address = None
     if host is not None:
@@ -146,7 +164,7 @@ def run(view, size: int, host: str | None, packages: tuple = (), backends: tuple
         except OSError:
             listener.close()
             raise
-    task = task_function(packages, backends, address)
+    task = task or task_function(packages, backends, address)
     job = jobs.BarrierJob(view, f"sparktrain-probe-{uuid.uuid4().hex[:12]}", description,
                           lambda: view.stage(size, task, barrier))
     started = time.monotonic()

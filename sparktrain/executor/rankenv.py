@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
+from ..engine import kernel_cache
 from ..host import cpus
 from ..settings import rank as rank_settings
 from ..seam import tracking, worker_env
@@ -26,7 +27,21 @@ def start_env(spec: TaskSpec) -> dict[str, str]:
     env["PYTHONPATH"] = _child_pythonpath()
     # The user's env or the executor's own wins; otherwise the run's default (quiet unless verbose=2).
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", str(spec.tf_log_level))
+    _keras_home(env)
     return env
+
+
+def _keras_home(env: dict[str, str]) -> None:
+    """Keras keeps its config and downloads in ``~/.keras``, or in ``/tmp/.keras`` where HOME is not
+    writable: a name every user of the host shares, so the first one's stands in the others' way.
+    There, unless ``KERAS_HOME`` is set, the rank's Keras gets this user's kernel cache instead."""
+    home = env.get("HOME") or os.path.expanduser("~")
+    if env.get("KERAS_HOME") or (home and os.access(home, os.W_OK)):
+        return
+    try:
+        env["KERAS_HOME"] = os.path.join(kernel_cache.cache_dir(env), "keras")
+    except OSError:
+        pass  # no writable place: Keras then does without one
 
 
 def rank_env(spec: TaskSpec, rank: int, hosts: Sequence[str], ports: Sequence[int], master_port: int,

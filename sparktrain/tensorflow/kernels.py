@@ -12,10 +12,12 @@ rank's ``init()`` brings the engine up: with ``$CXX`` (default ``g++``) and Tens
 compile and link flags (``tf.sysconfig``), linked against the engine library
 ``sparktrain.engine`` loaded (by its path, with an rpath, so the process holds one engine and
 the kernels find the communicator ``init()`` made current). The library goes to a cache
-directory, ``$SPARKTRAIN_CACHE_DIR`` or else ``~/.cache/sparktrain`` (a directory under the temp
-dir where HOME is not writable), named by TensorFlow's version and a hash of the sources, the
-engine's ABI and path, and the compiler: it is compiled into a temporary file and renamed into
-place, under a file lock, so the ranks of one host compile once and later runs compile never.
+directory (``sparktrain.engine.kernel_cache``: ``$SPARKTRAIN_CACHE_DIR``, else ``~/.cache/sparktrain``,
+else this user's own 0700 directory under the temp dir), named by TensorFlow's version and a hash
+of the sources, the engine's ABI and path, the compiler and the TensorFlow installation: it is
+compiled in this host's temp dir, copied beside its name and renamed into place, under a file
+lock, so the ranks of one host compile once and later runs compile never.
+``sparktrain check --build`` compiles it ahead of a run.
 
 Where the kernels cannot be built or loaded (no compiler, no TensorFlow headers), each rank logs
 one warning saying why and runs its collectives through ``tf.numpy_function`` as before;
@@ -36,16 +38,10 @@ import tempfile
 import threading
 import time
 
+from ..engine import kernel_cache
+from ..engine.kernel_cache import CACHE_ENV, CXX_ENV, HEADER, SOURCE, SOURCES, cache_dir  # noqa: F401 - this API's names
 from ..settings import rank as rank_settings
 
-#: ``SPARKTRAIN_CACHE_DIR``: where compiled kernels are kept (default ``~/.cache/sparktrain``).
-CACHE_ENV = "SPARKTRAIN_CACHE_DIR"
-#: ``CXX``: the C++ compiler (default ``g++``).
-CXX_ENV = "CXX"
-SOURCE = "tf_kernels.cc"
-HEADER = "collective.h"
-#: Every file the library is built from (compiled: the ``.cc`` ones); all are in its hash.
-SOURCES = (SOURCE, "tf_ragged_kernels.cc", "tf_kernel.h", "tf_sequencer.cc", "tf_sequencer.h", HEADER)
 #: Seconds one compile may take, and one rank may wait for another's.
 COMPILE_TIMEOUT = 300.0
 
@@ -54,68 +50,26 @@ _lock = threading.Lock()
 _loaded = None  # (op module, ctypes library) once loaded
 _failure: str | None = None  # why not, once tried
 _warned = False
-
-
-def _source_dir() -> str | None:
-    """Where the kernels' :data:`SOURCES` are: the package's copy (an installed wheel), else the
-    source tree's ``native/`` (an editable install)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for d in (os.path.join(here, "_native"), os.path.join(os.path.dirname(here), "native")):
-        if all(os.path.exists(os.path.join(d, name)) for name in SOURCES):
-            return d
-    return None
-
-
-def cache_dir(environ=None) -> str:
-    """``$SPARKTRAIN_CACHE_DIR``, else ``~/.cache/sparktrain``, else one under the temp dir."""
-    environ = os.environ if environ is None else environ
-    candidates = []
-    if environ.get(CACHE_ENV):
-        candidates.append(environ[CACHE_ENV])
-    home = os.path.expanduser("~")
-    if home and home != "~":
-        candidates.append(os.path.join(home, ".cache", "sparktrain"))
-    candidates.append(os.path.join(tempfile.gettempdir(), f"sparktrain-cache-{os.getuid()}"))
-    for d in candidates:
-        try:
-            os.makedirs(d, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(d, os.W_OK | os.X_OK):
-            return d
-    raise OSError(f"no writable cache directory among {', '.join(candidates)}; set {CACHE_ENV}")
+_source_dir = kernel_cache.source_dir
 
 
 def _flags(tf) -> tuple[list[str], list[str]]:
     return list(tf.sysconfig.get_compile_flags()), list(tf.sysconfig.get_link_flags())
 
 
-def library_path(tf, engine: str, src: str, cxx: str, directory: str) -> str:
-    """The cached library's path for this TensorFlow, source, engine and compiler."""
-    from .. import engine as _engine
-
-    h = hashlib.sha256()
-    for name in SOURCES:
-        with open(os.path.join(src, name), "rb") as f:
-            h.update(f.read())
-    compile_flags, link_flags = _flags(tf)
-    for part in (str(_engine._ABI_VERSION), os.path.realpath(engine), cxx, *compile_flags, *link_flags):
-        h.update(b"\0" + part.encode())
-    return os.path.join(directory, f"tf_kernels-tf{tf.__version__}-{h.hexdigest()[:16]}.so")
-
-
 def _compile(tf, cxx: str, src: str, engine: str, out: str) -> None:
-    """Compile into a temporary file beside ``out``, then rename it there (atomic).
+    """Compile in a directory of this host's temp dir, copy the library beside ``out`` and rename
+    it there (atomic): a shared cache (NFS, a volume) never holds a partial library under its name.
 
     The ``.cc`` sources are one translation unit (a list of includes on the compiler's stdin):
     TensorFlow's headers, most of the compile's time, are then read once, not once per file."""
     compile_flags, link_flags = _flags(tf)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".tf_kernels-", suffix=".so.tmp")
-    os.close(fd)
     unit = "".join(f'#include "{os.path.join(src, name)}"\n' for name in SOURCES if name.endswith(".cc"))
-    try:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="sparktrain-kernels-") as work:
+        built = os.path.join(work, os.path.basename(out))
         cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wno-deprecated-declarations", *compile_flags,
-               "-I", src, "-x", "c++", "-", "-x", "none", "-o", tmp, engine,
+               "-I", src, "-x", "c++", "-", "-x", "none", "-o", built, engine,
                "-Wl,-rpath," + os.path.dirname(engine), *link_flags]
         try:
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=COMPILE_TIMEOUT,
@@ -126,16 +80,42 @@ def _compile(tf, cxx: str, src: str, engine: str, out: str) -> None:
             text = done.stdout.decode(errors="replace").strip().splitlines()
             errors = [line for line in text if "error" in line] or text
             raise OSError(f"{cxx} failed (exit {done.returncode}): {' '.join(errors[-3:])[:600]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".tf_kernels-", suffix=".so.tmp")
+        try:
+            with os.fdopen(fd, "wb") as f, open(built, "rb") as g:
+                shutil.copyfileobj(g, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    _log.info("sparktrain: compiled the TensorFlow kernels in %.1f s into %s", time.monotonic() - started, out)
+
+
+def _open_lock(path: str) -> int:
+    """A file to ``flock``: ``path`` in the cache, or, where that file system has no working ``flock``
+    (some network and FUSE mounts), one of this host's own under the temp dir."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return fd
+    except BlockingIOError:
+        return fd  # works: another process holds it
+    except OSError:
+        os.close(fd)
+    local = kernel_cache.private_temp_dir("sparktrain-cache")
+    if local is None:
+        raise OSError(f"cannot lock {path}, nor a lock of this host's under {tempfile.gettempdir()}")
+    name = hashlib.sha256(os.path.dirname(os.path.abspath(path)).encode()).hexdigest()[:16]
+    return os.open(os.path.join(local, f"tf_kernels-{name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
 
 
 def _locked(path: str, deadline: float):
-    """An exclusive ``flock`` on ``path``, waited for until ``deadline`` (monotonic)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """An exclusive ``flock`` on ``path`` (see :func:`_open_lock`), waited for until ``deadline`` (monotonic)."""
+    fd = _open_lock(path)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -149,32 +129,27 @@ def _locked(path: str, deadline: float):
 
 
 def build(tf=None) -> str:
-    """The path of the kernels' library, compiled first where the cache lacks it; OSError why not."""
-    from .. import engine as _engine
+    """The path of the kernels' library, compiled first where the cache lacks it; OSError why not.
 
+    A host compiles once: its processes take turns on a file lock, and each looks for the library
+    again once it holds the lock. Hosts that share the cache (``SPARKTRAIN_CACHE_DIR`` on a shared
+    mount) lock each other out where the mount's ``flock`` spans hosts, and otherwise each compile
+    once and publish the same library by an atomic rename."""
     tf = tf or __import__("tensorflow")
-    engine = _engine._library_path()
-    if engine is None or not _engine.available():
-        raise OSError(_engine.unavailable_reason() or "the native engine is not available")
-    engine = os.path.abspath(engine)
-    src = _source_dir()
-    if src is None:
-        raise OSError(f"the kernels' source ({SOURCE}) is not in this installation of sparktrain")
-    cxx = os.environ.get(CXX_ENV) or "g++"
-    directory = os.path.join(cache_dir(), "tf_kernels")
-    os.makedirs(directory, exist_ok=True)
-    out = library_path(tf, engine, src, cxx, directory)
-    if os.path.exists(out):
-        return out
-    if shutil.which(cxx) is None:
-        raise OSError(f"no C++ compiler: {cxx!r} is not on PATH")
-    fd = _locked(os.path.join(directory, "tf_kernels.lock"), time.monotonic() + COMPILE_TIMEOUT)
+    t = kernel_cache.target()
+    if os.path.exists(t.library):
+        return t.library
+    why = kernel_cache.missing_tools(t)
+    if why is not None:
+        raise OSError(why)
+    os.makedirs(t.directory, exist_ok=True)
+    fd = _locked(os.path.join(t.directory, "tf_kernels.lock"), time.monotonic() + COMPILE_TIMEOUT)
     try:
-        if not os.path.exists(out):  # another rank may have built it while this one waited
-            _compile(tf, cxx, src, engine, out)
+        if not os.path.exists(t.library):  # another rank may have built it while this one waited
+            _compile(tf, t.cxx, t.src, t.engine, t.library)
     finally:
         os.close(fd)  # releases the lock
-    return out
+    return t.library
 
 
 def load():
@@ -216,7 +191,8 @@ def load():
                 _warned = True
                 _log.warning("sparktrain's TensorFlow kernels for the native engine are not available (%s); "
                              "collectives run through tf.numpy_function instead, slower inside tf.function. "
-                             "Install a C++ compiler (apt-get install g++, or set CXX) where the ranks run, or set "
+                             "Install a C++ compiler (apt-get install g++, or set CXX) where the ranks run, build them "
+                             "ahead into a shared SPARKTRAIN_CACHE_DIR (sparktrain check --build), or set "
                              "SPARKTRAIN_TF_KERNELS=0 to choose that path without this warning", _failure)
             return None
         if _timeline_on:  # a timeline started before the kernels loaded
