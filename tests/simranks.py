@@ -112,6 +112,9 @@ class _Ranks:
         if what == "exit":
             return False
         if what == "print":
+            for r in self.ranks:  # a rank prints once the peers came, as a real one does
+                while r.chan is not None and not r.running and not r.silent:
+                    self.on_message(r)
             for i in range(cmd["lines"]):
                 for r in self.ranks:
                     if r.running and not r.silent:
