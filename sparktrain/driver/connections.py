@@ -11,6 +11,7 @@ any thread (the loop's own included, for the rendezvous's answer).
 from __future__ import annotations
 
 import collections
+import logging
 import selectors
 import socket
 import threading
@@ -19,6 +20,8 @@ from typing import Protocol
 
 from .. import channel, protocol
 from ..channel import AuthenticationError, Channel
+
+log = logging.getLogger("sparktrain")
 
 #: Most bytes read from one connection at a time.
 READ_BYTES = 256 * 1024
@@ -85,7 +88,11 @@ class Connections:
                     elif key.data is self._wake_r:
                         return
                     else:
-                        self._read(key.data)
+                        try:
+                            self._read(key.data)
+                        except Exception:  # noqa: BLE001 - one connection's trouble must not end the loop
+                            log.exception("sparktrain: dropped a rank's connection")
+                            self._close(key.data)
                 self._expire(time.monotonic())
         finally:
             for conn in list(self._conns):
