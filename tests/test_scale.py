@@ -119,3 +119,18 @@ def test_the_output_limit_refills_at_its_rate_and_notes_at_its_pace():
     note = limit.note(10.0, kept=True)
     assert note.startswith("sparktrain: held back 2 line(s) of 2 rank(s) in 10 s") and "every line is in log_url" in note
     assert "rank(s) 0, 3" in note and limit.note(30.0, kept=True, force=True) is None  # counted afresh
+
+
+def test_a_growing_map_keeps_every_version_as_it_was():
+    from sparktrain.driver.growing import Growing
+
+    empty = Growing()
+    one = empty.plus(1, "a")
+    two = one.plus(2, "b")
+    branch = one.plus(3, "c")  # not the newest of its log: a copy
+    changed = two.plus(1, "z")  # a key it has: a copy
+    assert dict(empty) == {} and dict(one) == {1: "a"} and dict(two) == {1: "a", 2: "b"}
+    assert dict(branch) == {1: "a", 3: "c"} and dict(changed) == {1: "z", 2: "b"}
+    assert 2 not in one and 3 not in two and list(two) == [1, 2] and len(branch) == 2
+    with pytest.raises(KeyError):
+        one[2]

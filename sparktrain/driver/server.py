@@ -218,8 +218,7 @@ class DriverServer:
                     del self._heard[r]  # reported once
                     self._unreachable.add(r)
                 hosts = {r: self._hellos[r].host for r, _ in silent}
-                local = {r: sum(1 for k in range(r) if k in self._hellos and self._hellos[k].host == hosts[r])
-                         for r, _ in silent}
+                local = _local_ranks(self._hellos, hosts) if silent else {}
             beat = protocol.encode(protocol.Beat())
             for chan in channels:
                 self._send_quietly(chan, beat)
@@ -290,3 +289,16 @@ class DriverServer:
         self._listener.close()
         if self._beat_thread.ident is not None:
             self._beat_thread.join(timeout=5)
+
+
+def _local_ranks(hellos: dict[int, protocol.Hello], ranks: dict[int, str]) -> dict[int, int]:
+    """Each of ``ranks``' local rank: how many ranks below it checked in from its host. One pass
+    over the ranks, however many went silent at once."""
+    counts: dict[str, int] = {}
+    local = {}
+    for k in sorted(hellos):
+        host = hellos[k].host
+        if k in ranks:
+            local[k] = counts.get(host, 0)
+        counts[host] = counts.get(host, 0) + 1
+    return local
