@@ -101,6 +101,16 @@ def test_a_terminal_shows_rank_0_and_a_few_lines_of_the_others_and_says_what_it_
     assert "of 1,023 rank(s)" in notes[0] and "pass log_url=" in notes[0]
 
 
+def test_a_terminal_shows_every_line_of_a_run_of_16_ranks():
+    out = Tty()
+    d = Display(out, out, timestamps=False, verbose=0, size=16)
+    for step in range(10):
+        for rank in range(16):
+            d.write(rank, "stdout", f"step {step}", 0.0)
+    d.finish("done")
+    assert out.getvalue().count("\n") == 160 and "held back" not in out.getvalue()
+
+
 def test_a_file_gets_every_line_of_every_rank():
     out = io.StringIO()
     d = Display(out, out, timestamps=False, verbose=0, size=512)

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import IO, Iterable
 
-from .outputlimit import OutputLimit
+from .outputlimit import ALL_LINES_UP_TO, OutputLimit
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class Display:
         self._end_live(rank, stream)
         if drawn and rank not in self.live_ranks:
             return
-        if self.kind != "plain":  # a cell or a terminal: the other ranks' lines within a rate (outputlimit)
+        if self.kind != "plain" and self.size > ALL_LINES_UP_TO:
+            # A cell or a terminal, many ranks: the other ranks' lines within a rate (outputlimit).
             now = time.monotonic()
             self._limit.shown = self.live_ranks
             if not self._limit.admit(rank, now):

@@ -1,7 +1,7 @@
 """How many ranks' lines a notebook cell or a terminal shows: all of the shown ranks', a few of the others'.
 
 With hundreds of ranks printing, a cell that printed every line would be unusable (and the browser
-slow). So in a cell or on a terminal the finished lines of the shown ranks (rank 0, or the ranks
+slow). So in a cell or on a terminal, for a run of more than :data:`ALL_LINES_UP_TO` ranks, the finished lines of the shown ranks (rank 0, or the ranks
 ``output_ranks`` names) always print, and the other ranks' lines print up to :data:`RATE` a
 second (bursts of :data:`BURST`); what is held back is counted, and a note says so at most every
 :data:`NOTE_SECONDS` and when the run ends. A file, a job's log or a pipe (``stdout=`` anything
@@ -9,6 +9,8 @@ else) gets every line; so does ``log_url``, and a failed rank's last lines come 
 """
 from __future__ import annotations
 
+#: Runs of up to this many ranks show every line of every rank, wherever they print.
+ALL_LINES_UP_TO = 16
 #: Lines per second printed, in all, from the ranks that are not shown ranks.
 RATE = 10.0
 #: How many of those may print at once, after a quiet while.
