@@ -198,8 +198,8 @@ HEADER = ["ranks", "check-in s", "check-in CPU ms/rank", "beats CPU us/rank/s", 
 def row(r: dict) -> list[str]:
     n = r["ranks"]
 
-    def f(key, fmt, scale=1.0):
-        return format(r[key] * scale, fmt) if r.get(key) is not None else "-"
+    def f(key, fmt):
+        return format(r[key], fmt) if r.get(key) is not None else "-"
 
     return [str(n), f"{r['checkin_s']:.2f} / {r['checkin2_s']:.2f}" if r.get("checkin2_s") else f("checkin_s", ".2f"),
             format(r["checkin_cpu"] / n * 1e3, ".2f") if "checkin_cpu" in r else "-",
@@ -230,6 +230,12 @@ def main(argv=None) -> int:
                               stdout=subprocess.PIPE, text=True, check=True)
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    report(results, args, command)
+    return 0
+
+
+def report(results: list[dict], args, command: str) -> None:
+    """Print the table of ``results`` (one dict per size) and write it where ``args.write`` says."""
     machine = machine_line(("sparktrain",))
     rows = [row(r) for r in results]
     print(f"\n{args.processes} processes of simulated ranks, {args.per_host} per host, encrypted channel")
@@ -256,7 +262,6 @@ def main(argv=None) -> int:
         write_section(args.write, SECTION_BEGIN, SECTION_END, "The driver at many ranks", intro, machine, command,
                       HEADER, rows, after_table=["Per rank and per line against the smallest size: " +
                                                  "; ".join(ratios) + "." if ratios else ""])
-    return 0
 
 
 if __name__ == "__main__":
