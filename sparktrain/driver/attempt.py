@@ -74,6 +74,7 @@ def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str,
     """Run the gang up to ``max_attempts`` times; every retry is logged, and counted in the final error."""
     earlier: list[str] = []
     info.display.size = spec.size
+    info.display.logged = spec.log_target is not None
     if spec.output_ranks is not None:
         info.display.live_ranks = spec.output_ranks
     for number in range(1, max_attempts + 1):
@@ -160,6 +161,7 @@ class Attempt:
         self.hosts: dict[int, str] = {}
         self.disconnected: set[int] = set()
         self._job_seen_done = False
+        self._stalls_checked = float("-inf")
         # Ctrl-C (a notebook's stop button) is raised at the top of a turn of the supervision loop,
         # never inside one of its waits (see sparktrain.driver.interrupts).
         self.interrupts = Interrupts(lambda: self.events.put(Interrupted()))
@@ -223,16 +225,20 @@ class Attempt:
         if event is None and not self._job_seen_done and self.job.done():
             self._job_seen_done = True
             event = core.JobEnded(self.job.error is not None)
-        self.state, actions = core.step(self.state, event, time.monotonic(), self.limits)
-        self.hosts.update(self.state.seen.hosts)
+        now = time.monotonic()
+        self.state, actions = core.step(self.state, event, now, self.limits)
+        if isinstance(event, core.CheckedIn):  # per rank, not the whole map per event: O(1) at any size
+            self.hosts[event.rank] = self.state.seen.hosts[event.rank]
         for action in actions:
             if isinstance(action, core.Started):
                 log.info("sparktrain: all %d rank(s) started in %.2f s on %s", self.spec.size, action.seconds,
                          placement(self.hosts))
             elif isinstance(action, core.Stop):
                 self._stop(action.reason)
-        if isinstance(self.state, core.Running):
-            report = self.stalls.check(time.monotonic())
+        if isinstance(self.state, core.Running) and now - self._stalls_checked >= TICK:
+            # Every rank's progress is compared: once a tick, not once per event.
+            self._stalls_checked = now
+            report = self.stalls.check(now)
             if report:
                 log.warning("sparktrain: run %s: %s", self.info.run_id, report)
 
@@ -286,12 +292,15 @@ class Attempt:
         """Handle what ranks sent before they disconnected (their last output, failure reports);
         ranks found unreachable send nothing more."""
         deadline = time.monotonic() + DRAIN_SECONDS
+        waiting = set(self.hosts) - self.disconnected
         while True:
-            waiting = set(self.hosts) - self.disconnected - self.server.unreachable()
+            waiting -= self.server.unreachable()
             event = self._next_event(deadline - time.monotonic() if waiting else 0)
             if event is None:
                 return
             self._handle(event)
+            if isinstance(event, Closed):
+                waiting.discard(event.rank)
             self.interrupts.check()
 
     def _stop(self, reason: str) -> None:

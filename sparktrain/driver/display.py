@@ -14,7 +14,8 @@ they go, chosen once from the ``stdout`` stream:
   its last state, when its line is finished. The summary goes to the ``sparktrain`` logger (INFO).
 
 Live lines are shown from ``live_ranks`` only (rank 0 unless ``output_ranks`` names others); the
-other ranks' bars are not shown, their finished lines are. ``verbose=0`` shows no status or summary.
+other ranks' bars are not shown, their finished lines are: in a cell or on a terminal within a rate,
+with a note of what was held back (``outputlimit``). ``verbose=0`` shows no status or summary.
 It reads events, never rank code.
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ import shutil
 import sys
 import time
 from typing import IO, Iterable
+
+from .outputlimit import ALL_LINES_UP_TO, OutputLimit
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,9 @@ class Display:
         self._status_at = 0.0
         #: How the run ended, as the summary says (the attempt that succeeded sets it).
         self.outcome = "finished"
+        #: The run keeps every line in its log_url (said in the note of what was held back).
+        self.logged = False
+        self._limit = OutputLimit(self.live_ranks)
         self._log_filter = self._before_log  # a callable is a logging filter
         self._filtered: list[logging.Handler] = []
 
@@ -79,6 +85,13 @@ class Display:
         self._end_live(rank, stream)
         if drawn and rank not in self.live_ranks:
             return
+        if self.kind != "plain" and self.size > ALL_LINES_UP_TO:
+            # A cell or a terminal, many ranks: the other ranks' lines within a rate (outputlimit).
+            now = time.monotonic()
+            self._limit.shown = self.live_ranks
+            if not self._limit.admit(rank, now):
+                self._note(now)
+                return
         out = self.err if stream == "stderr" else self.out
         self._clear_bottom()
         self._emit(out, self._prefix(rank, stream, at) + line + "\n")
@@ -117,11 +130,23 @@ class Display:
     # -- the run's status ----------------------------------------------------------------------------
     def rank_up(self, rank: int, host: str) -> None:
         self.hosts[rank] = host
-        self.tick(force=True)
+        # Redrawn at once for the first and the last rank; in between at the status's pace, so that
+        # a thousand ranks checking in are not a thousand redraws.
+        self.tick(force=len(self.hosts) in (1, self.size))
+
+    def _note(self, now: float, force: bool = False) -> None:
+        """Say what the output limit held back (see outputlimit), as a line of its own."""
+        text = self._limit.note(now, self.logged, force)
+        if text:
+            self._clear_bottom()
+            self._emit(self.out, text + "\n")
+            self._draw_bottom()
 
     def tick(self, force: bool = False) -> None:
         """Redraw the status (its elapsed time) at most every STATUS_SECONDS, unless ``force``."""
         now = time.monotonic()
+        if self.kind != "plain":
+            self._note(now)
         if self.verbose < 1 or self.kind == "plain" or (not force and now - self._status_at < STATUS_SECONDS):
             return
         self._status_at = now
@@ -153,6 +178,8 @@ class Display:
         self._filtered.clear()
         for rank, stream in list(self._live):
             self._end_live(rank, stream)
+        if self.kind != "plain":
+            self._note(time.monotonic(), force=True)
         if self.verbose < 1:
             return
         text = self._status_text(outcome)

@@ -16,8 +16,9 @@ import time
 from typing import Union
 
 from ..seam import channel, protocol
-from ..seam.channel import AuthenticationError, Channel
+from ..seam.channel import Channel
 from ..errors import RankFailure
+from .connections import Connections
 
 log = logging.getLogger("sparktrain")
 
@@ -122,8 +123,6 @@ class DriverServer:
         self._hellos: dict[int, protocol.Hello] = {}
         self._closing = False
         self._abort_reason: str | None = None
-        self._threads: list[threading.Thread] = []
-        self._pending: set[socket.socket] = set()
         self._all_closed = threading.Condition(self._lock)
         self.heartbeat_timeout = heartbeat_timeout
         #: When each beating rank was last heard from (monotonic); a rank joins at its first beat.
@@ -136,70 +135,37 @@ class DriverServer:
         self._listener.bind((host, 0))
         self._listener.listen(max(16, 2 * size))
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="sparktrain-accept", daemon=True)
-        self._accept_thread.start()
+        # Every connection is read on one thread (connections.py), however many ranks there are.
+        self._conns = Connections(self._listener, secret, encrypted, self)
         self._beat_thread = threading.Thread(target=self._beat_loop, name="sparktrain-beat", daemon=True)
         if heartbeat_timeout:
             self._beat_thread.start()
 
-    # -- connections ---------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                if self._closing:
-                    sock.close()
-                    return
-                self._pending.add(sock)
-                t = threading.Thread(target=self._serve, args=(sock, peer), name="sparktrain-conn", daemon=True)
-                self._threads.append(t)
-            t.start()
+    # -- connections (the callbacks of connections.Connections, on its thread) -------------------
+    def hello(self, chan: Channel, msg: protocol.Hello) -> bool:
+        return self._register(msg.rank, chan, msg)
 
-    def _serve(self, sock: socket.socket, peer) -> None:
-        rank = None
-        chan = None
-        try:
-            chan = channel.accept(sock, self.secret, self.encrypted)
-            sock.settimeout(channel.AUTH_TIMEOUT)
-            hello = chan.recv()
-            if not isinstance(hello, protocol.Hello):
-                raise AuthenticationError("the first message was not a hello")
-            sock.settimeout(None)
-            rank = hello.rank
-            if not self._register(rank, chan, hello):
-                return
-            while True:
-                msg = chan.recv()
-                if msg is None:
-                    break
-                if isinstance(msg, (protocol.Beat, protocol.Quiet)) or rank in self._heard:
-                    with self._lock:
-                        if isinstance(msg, protocol.Quiet):
-                            self._heard.pop(rank, None)  # its process has ended; the result follows
-                        else:
-                            self._heard[rank] = time.monotonic()
-                self._dispatch(rank, msg)
-        except (AuthenticationError, socket.timeout, ValueError) as e:  # ValueError: a ProtocolError
-            if rank is None:
-                self.events.put(Refused(peer[0], str(e)))  # the attempt logs it, once
-            else:
-                log.warning("sparktrain: dropped rank %d's connection: %s", rank, e)
-        except OSError:
-            pass  # the peer went away; the attempt learns what happened from Spark or other events
-        finally:
-            if chan is not None:
-                chan.close()
-            else:
-                sock.close()
+    def message(self, rank: int, msg: protocol.FromRank) -> None:
+        if isinstance(msg, (protocol.Beat, protocol.Quiet)) or rank in self._heard:
             with self._lock:
-                self._pending.discard(sock)
-                self._heard.pop(rank, None)
-                self._all_closed.notify_all()  # wait_disconnected looks again
-            if rank is not None:
-                self.events.put(Closed(rank))
+                if isinstance(msg, protocol.Quiet):
+                    self._heard.pop(rank, None)  # its process has ended; the result follows
+                else:
+                    self._heard[rank] = time.monotonic()
+        self._dispatch(rank, msg)
+
+    def closed(self, rank: int | None) -> None:
+        with self._lock:
+            self._heard.pop(rank, None)
+            self._all_closed.notify_all()  # wait_disconnected looks again
+        if rank is not None:
+            self.events.put(Closed(rank))
+
+    def refused(self, peer: str, reason: str) -> None:
+        self.events.put(Refused(peer, reason))  # the attempt logs it, once
+
+    def dropped(self, rank: int, reason: str) -> None:
+        log.warning("sparktrain: dropped rank %d's connection: %s", rank, reason)
 
     def _register(self, rank: int, chan: Channel, hello: protocol.Hello) -> bool:
         with self._lock:
@@ -221,7 +187,8 @@ class DriverServer:
 
     def _send_peers(self) -> None:
         with self._lock:
-            peers = protocol.peers(self._hellos.values())
+            # Encoded once: every rank gets the same answer, of a size that grows with the ranks.
+            peers = protocol.encode(protocol.peers(self._hellos.values()))
             channels = list(self._channels.values())
             if self.heartbeat_timeout:  # from now on every rank starts its process and beats
                 now = time.monotonic()
@@ -251,10 +218,10 @@ class DriverServer:
                     del self._heard[r]  # reported once
                     self._unreachable.add(r)
                 hosts = {r: self._hellos[r].host for r, _ in silent}
-                local = {r: sum(1 for k in range(r) if k in self._hellos and self._hellos[k].host == hosts[r])
-                         for r, _ in silent}
+                local = _local_ranks(self._hellos, hosts) if silent else {}
+            beat = protocol.encode(protocol.Beat())
             for chan in channels:
-                self._send_quietly(chan, protocol.Beat())
+                self._send_quietly(chan, beat)
             for r, quiet in silent:
                 self.events.put(Failed(r, RankFailure(
                     rank=r, host=hosts[r], local_rank=local[r],
@@ -264,11 +231,16 @@ class DriverServer:
                             "stopped; ranks elsewhere were stopped", time=time.time())))
 
     @staticmethod
-    def _send_quietly(chan: Channel, msg: protocol.FromDriver) -> None:
+    def _send_quietly(chan: Channel, msg: protocol.FromDriver | bytes) -> None:
+        """Send ``msg`` (or its encoding); a send that fails ends the connection: what was sent of a
+        frame cannot be taken back."""
         try:
-            chan.send(msg)
+            chan.send_encoded(msg if isinstance(msg, bytes) else protocol.encode(msg))
         except OSError:
-            pass
+            try:  # the connections' loop reads the end of it, and closes it there
+                chan.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # -- control -------------------------------------------------------------------------------
     def missing_ranks(self) -> list[int]:
@@ -304,30 +276,29 @@ class DriverServer:
         with self._lock:
             self._abort_reason = self._abort_reason or reason
             channels = list(self._channels.values())
+        abort = protocol.encode(protocol.Abort(reason))
         for chan in channels:
-            self._send_quietly(chan, protocol.Abort(reason))
+            self._send_quietly(chan, abort)
 
     def close(self) -> None:
         self._beats.set()
         with self._lock:
             self._closing = True
-            channels = list(self._channels.values())
-            pending = list(self._pending)
-        try:
-            # shutdown() wakes the accept() blocked in the accept thread; close() alone does not.
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        # Stops the loop and closes every connection; the listener is closed after it.
+        self._conns.close()
         self._listener.close()
-        for chan in channels:
-            chan.close()
-        for sock in pending:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._accept_thread.join(timeout=5)
         if self._beat_thread.ident is not None:
             self._beat_thread.join(timeout=5)
-        for t in self._threads:
-            t.join(timeout=5)
+
+
+def _local_ranks(hellos: dict[int, protocol.Hello], ranks: dict[int, str]) -> dict[int, int]:
+    """Each of ``ranks``' local rank: how many ranks below it checked in from its host. One pass
+    over the ranks, however many went silent at once."""
+    counts: dict[str, int] = {}
+    local = {}
+    for k in sorted(hellos):
+        host = hellos[k].host
+        if k in ranks:
+            local[k] = counts.get(host, 0)
+        counts[host] = counts.get(host, 0) + 1
+    return local

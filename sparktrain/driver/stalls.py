@@ -85,7 +85,8 @@ class StallWatch:
             return None
         self._told[n] = now
         waiting = sorted(r for _, r, at in active if int(at["n"]) == n)
-        late = sorted(r for r in range(self.size) if r not in waiting and int(self._at.get(r, ({}, 0))[0].get("n", 0)) < n)
+        arrived = set(waiting)
+        late = sorted(r for r in range(self.size) if r not in arrived and int(self._at.get(r, ({}, 0))[0].get("n", 0)) < n)
         self._pending = _Stall(n, waiting, late, now - began, info, now)
         if late:
             self._ask(late)

@@ -31,7 +31,7 @@ from ..errors import SparkTrainError
 
 _MAGIC = b"SPKT2"
 _CLEAR, _SEALED = b"C", b"E"
-_NONCE_BYTES = 16
+NONCE_BYTES = 16
 _MAC_BYTES = 32
 _HEADER = struct.Struct("!I")
 #: Largest frame accepted. Output lines are cut far below this; it bounds what an
@@ -84,7 +84,11 @@ class Channel:
         return hmac.new(key, seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
 
     def send(self, msg: protocol.Message) -> None:
-        body = protocol.encode(msg)
+        self.send_encoded(protocol.encode(msg))
+
+    def send_encoded(self, body: bytes) -> None:
+        """Send a message already encoded (``protocol.encode``): one message to many channels is
+        encoded once."""
         if len(body) > MAX_FRAME:
             raise ValueError(f"message of {len(body)} bytes exceeds the channel's {MAX_FRAME} byte frame limit")
         with self._send_lock:
@@ -102,22 +106,39 @@ class Channel:
         header = _recv_exact(self.sock, _HEADER.size)
         if header is None:
             return None
+        rest = _recv_exact(self.sock, self._frame_rest(header))
+        return None if rest is None else self._open(header, rest)
+
+    def unframe(self, buf: bytearray) -> protocol.Message | None:
+        """The next message whole in ``buf``, taken out of it, or None while it is incomplete: the
+        receiving end of a channel read by an event loop, which appends what arrives to ``buf``.
+        Raises as :meth:`recv` does."""
+        if len(buf) < _HEADER.size:
+            return None
+        header = bytes(buf[:_HEADER.size])
+        end = _HEADER.size + self._frame_rest(header)
+        if len(buf) < end:
+            return None
+        rest = bytes(buf[_HEADER.size:end])
+        del buf[:end]
+        return self._open(header, rest)
+
+    def _frame_rest(self, header: bytes) -> int:
+        """How many bytes follow a frame's header; raises for a frame over the limit."""
         (length,) = _HEADER.unpack(header)
         if length > MAX_FRAME:
             raise AuthenticationError(f"frame of {length} bytes is over the {MAX_FRAME} byte limit")
+        return length + (crypto.TAG_BYTES if self._in is not None else _MAC_BYTES)
+
+    def _open(self, header: bytes, rest: bytes) -> protocol.Message:
+        """The message of one whole frame, checked before anything parses it."""
         if self._in is not None:
-            sealed = _recv_exact(self.sock, length + crypto.TAG_BYTES)
-            if sealed is None:
-                return None
             try:  # opened before parsing: nothing unauthenticated reaches json (or anything else)
-                body = self._in.open(header, sealed)
+                body = self._in.open(header, rest)
             except crypto.AuthenticationFailed:
                 raise AuthenticationError("message authentication failed") from None
         else:
-            mac = _recv_exact(self.sock, _MAC_BYTES)
-            body = _recv_exact(self.sock, length) if mac is not None else None
-            if body is None:
-                return None
+            mac, body = rest[:_MAC_BYTES], rest[_MAC_BYTES:]
             # Verify before parsing: nothing from an unauthenticated peer reaches json (or anything else).
             if not hmac.compare_digest(mac, self._mac(self._in_key, self._in_seq, body)):
                 raise AuthenticationError("message authentication failed")
@@ -147,14 +168,14 @@ def connect(address: tuple[str, int], secret: bytes, timeout: float, encrypted: 
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        greeting = _recv_exact(sock, len(_MAGIC) + 1 + _NONCE_BYTES)
+        greeting = _recv_exact(sock, len(_MAGIC) + 1 + NONCE_BYTES)
         mode = greeting[len(_MAGIC):len(_MAGIC) + 1] if greeting else b""
         if greeting is None or not greeting.startswith(_MAGIC) or mode not in (_CLEAR, _SEALED):
             raise ConnectionError(f"{address[0]}:{address[1]} is not a sparktrain driver channel")
         if encrypted is not None and (mode == _SEALED) != encrypted:
             raise ConnectionError(f"the driver channel at {address[0]}:{address[1]} says it is "
                                   f"{'encrypted' if mode == _SEALED else 'in clear'}; this run asked otherwise")
-        nonce_c = os.urandom(_NONCE_BYTES)
+        nonce_c = os.urandom(NONCE_BYTES)
         sock.sendall(nonce_c)
         sock.settimeout(None)
         to_rank, to_driver = _keys(secret, mode, greeting[len(_MAGIC) + 1:], nonce_c)
@@ -167,13 +188,24 @@ def connect(address: tuple[str, int], secret: bytes, timeout: float, encrypted: 
 def accept(sock: socket.socket, secret: bytes, encrypted: bool = False) -> Channel:
     """Open the driver's end of a new connection: greet it with a fresh nonce and the mode, read
     the rank's nonce (driver side)."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    nonce = greet(sock, encrypted)
     sock.settimeout(AUTH_TIMEOUT)
-    nonce = os.urandom(_NONCE_BYTES)
-    mode = _SEALED if encrypted else _CLEAR
-    sock.sendall(_MAGIC + mode + nonce)
-    nonce_c = _recv_exact(sock, _NONCE_BYTES)
+    nonce_c = _recv_exact(sock, NONCE_BYTES)
     if nonce_c is None:
         raise AuthenticationError("the peer closed before it sent its nonce")
-    to_rank, to_driver = _keys(secret, mode, nonce, nonce_c)
+    return accepted(sock, secret, encrypted, nonce, nonce_c)
+
+
+def greet(sock: socket.socket, encrypted: bool) -> bytes:
+    """The driver's first words on a new connection: the magic, the mode and a fresh nonce, which
+    it returns. The rank answers with :data:`NONCE_BYTES` bytes of its own (see :func:`accepted`)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(_MAGIC + (_SEALED if encrypted else _CLEAR) + nonce)
+    return nonce
+
+
+def accepted(sock: socket.socket, secret: bytes, encrypted: bool, nonce: bytes, nonce_c: bytes) -> Channel:
+    """The driver's end of a connection it greeted with ``nonce``, once the rank's ``nonce_c`` came."""
+    to_rank, to_driver = _keys(secret, _SEALED if encrypted else _CLEAR, nonce, nonce_c)
     return Channel(sock, to_rank, to_driver, encrypted=encrypted, is_server=True)
