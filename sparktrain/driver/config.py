@@ -164,6 +164,14 @@ def resolve(a: Arguments, view) -> RunConfig:
         encrypted=encrypted)
 
 
+def elastic_settings(cfg: RunConfig) -> tuple[str, float]:
+    """``run_elastic``'s settings: where commits and resize markers go (``elastic_url``; "" where
+    none is set), and how long slots for more ranks must last before an attempt grows."""
+    environ = {**os.environ, **cfg.args.env}
+    return (settings.resolve("elastic_url", environ=environ, conf=cfg.conf) or "",
+            settings.resolve("elastic_grow_after", environ=environ, conf=cfg.conf))
+
+
 def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
     """``(checkpoint_url, storage_options)`` pickled for rank 0, or None without a checkpoint_url."""
     if url is None:
