@@ -205,3 +205,45 @@ def test_run_elastic_ends_at_once_when_train_fn_itself_raises(spark):
     with pytest.raises(sparktrain.RankFailedError, match="a bug in train_fn"):
         sparktrain.run_elastic(raises_value_error, num_proc=2, env=ELASTIC, verbose=0)
     assert _jobs_started(spark) - before == 1  # one attempt's barrier stage, not a second
+
+
+def lose_a_rank_once(outdir):
+    """Says which run and elastic id it saw; on the first attempt, rank 1 fails as a rank does
+    whose peer went away (a lost rank: the run restarts), on the second every rank returns."""
+    import os
+    import time
+
+    import sparktrain
+
+    class CollectiveError(Exception):
+        pass
+
+    attempt, rank = os.environ["SPARKTRAIN_ELASTIC_ATTEMPT"], sparktrain.rank()
+    with open(os.path.join(outdir, f".{attempt}-{rank}"), "w") as f:
+        f.write(f"{os.environ['SPARKTRAIN_RUN_ID']} {os.environ['SPARKTRAIN_ELASTIC_ID']} {sparktrain.attempt()}")
+    os.replace(os.path.join(outdir, f".{attempt}-{rank}"), os.path.join(outdir, f"{attempt}-{rank}"))
+    if attempt == "1" and rank == 1:
+        for _ in range(600):  # once rank 0 has said what it saw, before the driver stops it
+            if os.path.exists(os.path.join(outdir, "1-0")):
+                break
+            time.sleep(0.05)
+        raise CollectiveError("a peer went away")
+    return attempt
+
+
+def test_run_elastic_restarts_on_one_run_id_and_one_pickled_payload(spark, tmp_path, monkeypatch):
+    """Every attempt of run_elastic is one more attempt of one run: train_fn is pickled once, and
+    the ranks of both attempts see the same run id, which is the elastic id their commits go under."""
+    from sparktrain.seam import payload
+
+    pickled = []
+    dumps = payload.dumps
+    monkeypatch.setattr(payload, "dumps", lambda obj: pickled.append(obj) or dumps(obj))
+    before = _jobs_started(spark)
+    env = {"SPARKTRAIN_ELASTIC_URL": f"file://{tmp_path}/elastic"}
+    assert sparktrain.run_elastic(lose_a_rank_once, args=(str(tmp_path),), num_proc=2, env=env, verbose=0) == "2"
+    assert [fn for fn, _, _ in pickled] == [lose_a_rank_once] and _jobs_started(spark) - before == 2
+    seen = {name: (tmp_path / name).read_text().split() for name in ("1-0", "1-1", "2-0", "2-1")}
+    assert len({run_id for run_id, _, _ in seen.values()}) == 1, seen
+    assert all(elastic_id == run_id for run_id, elastic_id, _ in seen.values()), seen
+    assert [seen[name][2] for name in sorted(seen)] == ["1", "1", "2", "2"]  # sparktrain.attempt() follows

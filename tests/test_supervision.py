@@ -6,12 +6,15 @@ test_retries.py, test_run_spark.py) keep proving the real thing.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 
 import pytest
 
 from sparktrain.driver import supervision as core
-from sparktrain.driver.attempt import RunInfo, run_attempts
+from sparktrain.driver.attempt import RunInfo
+from sparktrain.driver.attempts import FixedSize, NotWatched, run_attempts
 from sparktrain.seam.protocol import RankError
 from sparktrain.errors import (RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError,
                                RunTimeoutError, SparkTrainError, StartTimeoutError)
@@ -163,6 +166,7 @@ def jobs_of(script):
 
     def make(spec, on_done):
         made.append(FakeJob(on_done, **script[len(made)]))
+        made[-1].spec = spec
         return made[-1]
 
     return make, made
@@ -176,7 +180,7 @@ def spark_error(rank: int, message: str, retryable: bool = True) -> Exception:
 def test_a_failed_attempt_is_retried_and_every_attempt_is_counted_in_the_error():
     make, made = jobs_of([{"error": spark_error(1, f"attempt {n} failed")} for n in (1, 2, 3)])
     with pytest.raises(RankFailedError) as e:
-        run_attempts(info(), spec(channel=False), make, "127.0.0.1", 3)
+        run_attempts(info(), spec(channel=False), make, "127.0.0.1", core.Fixed(2, 3))
     assert len(made) == 3
     text = str(e.value)
     assert e.value.attempts == 3 and text.startswith("attempt 3 of 3: ")
@@ -188,35 +192,37 @@ def test_a_retried_attempt_that_succeeds_returns_its_value():
 
     make, made = jobs_of([{"error": spark_error(0, "transient")}, {"result": cloudpickle.dumps("second")}])
     before = []
-    assert run_attempts(info(), spec(channel=False), make, "127.0.0.1", 2, lambda: before.append(1)) == "second"
+    policy = core.Fixed(2, 2)
+    assert run_attempts(info(), spec(channel=False), make, "127.0.0.1", policy,
+                        FixedSize("r", policy, lambda: before.append(1))) == "second"
     assert len(made) == 2 and before == [1]  # the capacity wait ran before the retry only
 
 
 def test_a_failure_that_would_recur_is_not_retried():
     make, made = jobs_of([{"error": spark_error(0, "too big", retryable=False)}, {}])
     with pytest.raises(RankFailedError):
-        run_attempts(info(), spec(channel=False), make, "127.0.0.1", 3)
+        run_attempts(info(), spec(channel=False), make, "127.0.0.1", core.Fixed(2, 3))
     assert len(made) == 1
 
 
 def test_a_cancelled_job_is_a_cancelled_run_and_not_retried():
     make, made = jobs_of([{"error": Exception("Job 1 cancelled part of cancelled job group sparktrain-r")}, {}])
     with pytest.raises(RunCancelledError, match="run r of f was cancelled"):
-        run_attempts(info(), spec(channel=False), make, "127.0.0.1", 2)
+        run_attempts(info(), spec(channel=False), make, "127.0.0.1", core.Fixed(2, 2))
     assert len(made) == 1
 
 
 def test_a_run_timeout_stops_a_hanging_job_and_is_not_retried():
     make, made = jobs_of([{"hang": True}, {"hang": True}])
     with pytest.raises(RunTimeoutError, match="took longer than timeout=0.3 s"):
-        run_attempts(info(timeout=0.3), spec(channel=False), make, "127.0.0.1", 3)
+        run_attempts(info(timeout=0.3), spec(channel=False), make, "127.0.0.1", core.Fixed(2, 3))
     assert len(made) == 1 and made[0].cancelled >= 1
 
 
 def test_a_start_timeout_on_the_channel_names_every_missing_rank_and_cancels_the_job():
     make, made = jobs_of([{"hang": True}])
     with pytest.raises(StartTimeoutError, match=r"rank\(s\) \[0, 1\] to start \(0 of 2 checked in\)"):
-        run_attempts(info(), spec(channel=True, start_timeout=0.3), make, "127.0.0.1", 1)
+        run_attempts(info(), spec(channel=True, start_timeout=0.3), make, "127.0.0.1", core.Fixed(2, 1))
     assert made[0].cancelled >= 1
 
 
@@ -224,38 +230,143 @@ def test_a_job_that_ends_in_error_under_ranks_that_said_nothing_names_what_spark
     make, _ = jobs_of([{"error": Exception("Job aborted due to stage failure: ExecutorLostFailure (executor 1 "
                                            "exited caused by one of the running tasks)")}])
     with pytest.raises(SparkTrainError, match="ExecutorLostFailure"):
-        run_attempts(info(), spec(channel=True), make, "127.0.0.1", 1)
+        run_attempts(info(), spec(channel=True), make, "127.0.0.1", core.Fixed(2, 1))
 
 
-# -- an elastic run's restarts ----------------------------------------------------------------------
+# -- an elastic run's restarts and resizes, decided by the core ---------------------------------------
 
 def rank_failed(exc_type: str = "", traceback: str = "", exitcode=None) -> RankFailedError:
     return RankFailedError([RankFailure(rank=1, host="h", local_rank=0, exc_type=exc_type, traceback=traceback,
                                         exitcode=exitcode)])
 
 
+def elastic(reset_limit=None) -> core.Elastic:
+    return core.Elastic(low=2, first=4, high=4, reset_limit=reset_limit, timeout=600.0, grow_after=60.0)
+
+
+INTERRUPTED = rank_failed("sparktrain.tensorflow.HostsUpdatedInterrupt", "Traceback ...")
+GROW = core.Resize(4, "the cluster has slots for 4 rank(s)")
+LOST = "rank 1 on host h was lost"
+
 ELASTIC = {
-    "a lost rank restarts with the slots there are": (rank_failed(exitcode=-9), None, 1, None, core.Restart(None, False)),
+    "a lost rank restarts with the slots there are": (
+        rank_failed(exitcode=-9), 1, None, False, None, core.Retry(None, LOST)),
     "a peer gone from a collective restarts": (
-        rank_failed("sparktrain.engine.CollectiveError", "Traceback ..."), None, 1, None, core.Restart(None, False)),
-    "an executor Spark lost restarts": (SparkTrainError("ExecutorLostFailure"), None, 1, None, core.Restart(None, False)),
-    "the ranks ended the attempt for a resize": (
-        rank_failed("sparktrain.tensorflow.HostsUpdatedInterrupt", "Traceback ..."), 4, 1, None, core.Restart(4, True)),
-    "train_fn's own exception ends the run": (rank_failed("builtins.ValueError", "Traceback ..."), None, 1, None, "same"),
-    "a resize nobody asked for is train_fn's own": (
-        rank_failed("sparktrain.tensorflow.HostsUpdatedInterrupt", "Traceback ..."), None, 1, None, "same"),
-    "the reset limit is spent": (rank_failed(exitcode=-9), None, 2, 1, "gave up after reset_limit=1 restart(s)"),
+        rank_failed("sparktrain.engine.CollectiveError", "Traceback ..."), 1, None, False, None,
+        core.Retry(None, LOST + " (sparktrain.engine.CollectiveError)")),
+    "an executor Spark lost restarts": (
+        SparkTrainError("ExecutorLostFailure"), 1, None, False, None,
+        core.Retry(None, "the attempt failed (ExecutorLostFailure)")),
+    "the ranks ended the attempt for a resize": (INTERRUPTED, 1, None, False, GROW, core.Retry(4, GROW.why, True)),
+    "train_fn's own exception ends the run": (
+        rank_failed("builtins.ValueError", "Traceback ..."), 1, None, False, None, "same"),
+    "a resize nobody asked for is train_fn's own": (INTERRUPTED, 1, None, False, None, "same"),
+    "a resize asked for, but a rank failed otherwise": (
+        rank_failed("builtins.ValueError", "Traceback ..."), 1, None, False, GROW, "same"),
+    "the run's time is spent": (rank_failed(exitcode=-9), 1, None, True, None, "same"),
+    "a timeout is not a lost rank": (RunTimeoutError("took longer"), 1, None, False, None, "same"),
+    "the reset limit allows this restart": (rank_failed(exitcode=-9), 1, 1, False, None, core.Retry(None, LOST)),
+    "the reset limit is spent": (rank_failed(exitcode=-9), 2, 1, False, None, "gave up after reset_limit=1 restart(s)"),
+    "the reset limit counts resizes too": (INTERRUPTED, 1, 0, False, GROW, "gave up after reset_limit=0 restart(s)"),
 }
 
 
-@pytest.mark.parametrize("error, resized_to, resets, limit, expected", ELASTIC.values(), ids=ELASTIC.keys())
-def test_an_elastic_runs_restarts(error, resized_to, resets, limit, expected):
-    if isinstance(expected, core.Restart):
-        assert core.elastic_restart(error, resized_to, resets, limit) == expected
-        return
-    with pytest.raises(SparkTrainError) as e:
-        core.elastic_restart(error, resized_to, resets, limit)
-    if expected == "same":
-        assert e.value is error
+@pytest.mark.parametrize("error, number, limit, out_of_time, resize, expected", ELASTIC.values(), ids=ELASTIC.keys())
+def test_an_elastic_runs_restarts(error, number, limit, out_of_time, resize, expected):
+    decision = core.after_failure(elastic(limit), error, number, out_of_time, [], resize)
+    if isinstance(expected, core.Retry):
+        assert decision == expected
+    elif expected == "same":
+        assert decision == core.GiveUp(error)
     else:
-        assert expected in str(e.value) and e.value.__cause__ is error
+        assert isinstance(decision, core.GiveUp) and expected in str(decision.error)
+        assert type(decision.error) is SparkTrainError and str(error) in str(decision.error)
+
+
+FIXED = {
+    "a retryable failure with attempts left": (SparkTrainError("x\nmore"), 1, False, core.Retry(3, "x")),
+    "the first and last attempt gives its own error": (SparkTrainError("x"), 1, True, "same"),
+    "a later last attempt counts the earlier ones": (SparkTrainError("x"), 3, False, "attempt 3 of 3"),
+}
+
+
+@pytest.mark.parametrize("error, number, out_of_time, expected", FIXED.values(), ids=FIXED.keys())
+def test_a_fixed_runs_restarts(error, number, out_of_time, expected):
+    decision = core.after_failure(core.Fixed(3, 3), error, number, out_of_time, ["a", "b"])
+    if isinstance(expected, core.Retry):
+        assert decision == expected
+    elif expected == "same":
+        assert decision.error is error
+    else:
+        assert isinstance(decision, core.GiveUp) and expected in str(decision.error)
+        assert "attempt 1: a; attempt 2: b" in str(decision.error)
+
+
+class ScriptedSizes:
+    """An elastic run's sizes as the test scripts them, and the resize asked of each attempt."""
+
+    def __init__(self, sizes, resizes):
+        self.sizes, self.resizes, self.retries = sizes, resizes, []
+
+    def size(self, number, retry):
+        self.retries.append(retry)
+        return self.sizes[number - 1]
+
+    def watch(self, number, size):
+        return contextlib.nullcontext(NotWatched(self.resizes.get(number)))
+
+    def env(self, number):
+        return {"SPARKTRAIN_ELASTIC_ATTEMPT": str(number)}
+
+
+def test_the_one_loop_runs_an_elastic_runs_attempts_on_one_id_and_payload():
+    """A lost rank, then a resize the ranks ended the attempt for, then success: three attempts of
+    one spec, each at the size the sizer gave, with its number, the same run id and payload."""
+    import cloudpickle
+
+    interrupted = RankError(RankFailure(rank=0, host="h", local_rank=0, message="grow", traceback="Traceback ...",
+                                        exc_type="sparktrain.errors.HostsUpdatedInterrupt"))
+    make, made = jobs_of([{"error": spark_error(1, "died")}, {"error": Exception(f"Task 0 failed: {interrupted}")},
+                          {"result": cloudpickle.dumps("done")}])
+    sizes = ScriptedSizes([4, 2, 4], {2: core.Resize(4, "the cluster has slots for 4 rank(s)")})
+    run_spec = dataclasses.replace(spec(channel=False), size=4, payload=b"pickled once", output_ranks=frozenset({0, 3}))
+    assert run_attempts(info(), run_spec, make, "127.0.0.1", elastic(), sizes) == "done"
+    specs = [job.spec for job in made]
+    assert [(s.size, s.attempt, s.max_attempts) for s in specs] == [(4, 1, 0), (2, 2, 0), (4, 3, 0)]
+    assert {(s.run_id, s.payload) for s in specs} == {("r", b"pickled once")}
+    assert [s.user_env["SPARKTRAIN_ELASTIC_ATTEMPT"] for s in specs] == ["1", "2", "3"]
+    assert [s.output_ranks for s in specs] == [frozenset({0, 3}), frozenset({0}), frozenset({0, 3})]
+    assert sizes.retries == [None, core.Retry(None, "rank 1 on host h was lost (builtins.ValueError)"),
+                             core.Retry(4, "the cluster has slots for 4 rank(s)", True)]
+
+
+def test_an_elastic_run_past_its_reset_limit_raises_the_cores_error():
+    make, made = jobs_of([{"error": spark_error(1, "died")}, {"error": spark_error(0, "died again")}])
+    with pytest.raises(SparkTrainError, match="gave up after reset_limit=1 restart") as e:
+        run_attempts(info(), spec(channel=False), make, "127.0.0.1", elastic(1), ScriptedSizes([2, 2], {}))
+    assert len(made) == 2 and isinstance(e.value.__cause__, RankFailedError)
+
+
+# (slots, leaving, size, high, since, now) with grow_after=10
+RESIZES = {
+    "as many slots as ranks: keep watching": ((4, [], 4, 4, None, 100.0), core.Watch()),
+    "more slots, at the most already": ((6, [], 4, 4, None, 100.0), core.Watch()),
+    "more slots appear: the clock starts": ((6, [], 2, 4, None, 100.0), core.Watch(100.0)),
+    "more slots, not for long enough": ((6, [], 2, 4, 95.0, 104.9), core.Watch(95.0)),
+    "more slots for long enough: grow, up to the most": (
+        (6, [], 2, 4, 95.0, 105.0), core.Resize(4, "the cluster has slots for 4 rank(s)")),
+    "grow to the slots there are": ((3, [], 2, 4, 90.0, 105.0), core.Resize(3, "the cluster has slots for 3 rank(s)")),
+    "the slots went again: the clock stops": ((2, [], 2, 4, 95.0, 104.0), core.Watch()),
+    "fewer slots, nobody leaving: a loss, for the ranks to report": ((2, [], 4, 4, None, 100.0), core.Watch()),
+    "a host being decommissioned: shrink at once": (
+        (2, ["10.0.0.2"], 4, 4, None, 100.0), core.Resize(2, "host 10.0.0.2 is being decommissioned")),
+    "every slot leaving: one rank still": (
+        (0, ["a", "b"], 2, 4, None, 100.0), core.Resize(1, "host a, b is being decommissioned")),
+    "leaving while more slots last: the shrink first": (
+        (1, ["b"], 2, 4, 50.0, 100.0), core.Resize(1, "host b is being decommissioned")),
+}
+
+
+@pytest.mark.parametrize("looked, expected", RESIZES.values(), ids=RESIZES.keys())
+def test_the_resize_decision(looked, expected):
+    assert core.resize(*looked, grow_after=10.0) == expected

@@ -1,10 +1,10 @@
-"""Attempts of one run: start the gang, supervise it until it ends, return rank 0's value or raise.
+"""One attempt of a run: start the gang, supervise it until it ends, return rank 0's value or raise.
 
 One :class:`Attempt` carries out what ``sparktrain.driver.supervision`` decides: it feeds that
 pure core the events of the run's channel (``sparktrain.driver.server``) and of its job
 (``sparktrain.driver.jobs``) with the time, and does the actions it returns (stop the ranks,
-cancel the job, log). :func:`run_attempts` starts attempts until one succeeds, or the retry
-policy (``supervision.retry``) says no.
+cancel the job, log). ``sparktrain.driver.attempts`` starts attempts until one succeeds, or the
+core gives up.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import queue
 import time
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from ..seam import channel
 from ..errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError
@@ -69,40 +69,6 @@ class RunInfo:
         self.display.write(event.rank, event.stream, event.line, event.time, event.live, event.drawn)
 
 
-def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str, max_attempts: int,
-                 before_retry: Callable[[], None] = lambda: None) -> Any:
-    """Run the gang up to ``max_attempts`` times; every retry is logged, and counted in the final error."""
-    earlier: list[str] = []
-    info.display.size = spec.size
-    info.display.logged = spec.log_target is not None
-    if spec.output_ranks is not None:
-        info.display.live_ranks = spec.output_ranks
-    for number in range(1, max_attempts + 1):
-        if number > 1:
-            before_retry()
-            info.display.hosts.clear()
-        try:
-            value = Attempt(info, dataclasses.replace(spec, attempt=number, max_attempts=max_attempts), max_attempts,
-                            make_job, host).supervise()
-        except SparkTrainError as e:
-            out_of_time = info.timeout is not None and info.elapsed() >= info.timeout
-            if not core.retry(e, number, max_attempts, out_of_time):
-                info.display.finish(f"failed: {_first_line(str(e))[:200]}")
-                if number == 1:
-                    raise
-                raise core.with_attempts(e, number, earlier) from e
-            earlier.append(_first_line(str(e)))
-            log.warning("sparktrain: run %s attempt %d of %d failed: %s; starting all %d ranks again",
-                        info.run_id, number, max_attempts, earlier[-1], spec.size)
-            continue
-        if number > 1:
-            log.warning("sparktrain: run %s succeeded on attempt %d of %d, after %d failed attempt(s)",
-                        info.run_id, number, max_attempts, number - 1)
-        info.display.finish()
-        return value
-    raise AssertionError("unreachable")
-
-
 class NoChannel:
     """The driver's end where ranks meet through Spark's barrier allGather: no channel, nothing to
     tell the ranks (Spark's cancellation ends them); the job's end and interrupts still arrive on
@@ -128,7 +94,8 @@ class NoChannel:
 
 
 class Attempt:
-    """One attempt: its own secret, channel and job, supervised until the job ends."""
+    """One attempt: its own secret, channel and job, supervised until the job ends. ``max_attempts``:
+    how many the run may have (0: no bound), for the log."""
 
     def __init__(self, info: RunInfo, spec: TaskSpec, max_attempts: int, make_job: JobFactory, host: str):
         self.info = info
@@ -183,7 +150,8 @@ class Attempt:
     def _supervise(self) -> None:
         try:
             self.job.start()
-            of = f" (attempt {self.spec.attempt} of {self.max_attempts})" if self.max_attempts > 1 else ""
+            bound = f" of {self.max_attempts}" if self.max_attempts else ""
+            of = f" (attempt {self.spec.attempt}{bound})" if self.max_attempts != 1 else ""
             log.info("sparktrain: launching %d rank(s) of %s, run %s%s; %s", self.spec.size, self.info.fn_name,
                      self.info.run_id, of, "encrypted (AES-256-GCM between hosts and on the driver's channel)"
                      if self.spec.encrypted else "not encrypted")
@@ -387,6 +355,3 @@ class Attempt:
                 message=f"{failure.cause} ({died})" if failure.cause else died)])
         return SparkTrainError(failure.message(run, rank))
 
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else text

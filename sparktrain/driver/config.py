@@ -184,6 +184,12 @@ def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | Non
     return handoff or None
 
 
+def elastic_settings(cfg: RunConfig) -> tuple[str, float]:
+    """``run_elastic``'s settings: where commits and resize markers go (``elastic_url``; "" where
+    none is set), and how long slots for more ranks must last before an attempt grows."""
+    return cfg.settings.elastic_url or "", cfg.settings.elastic_grow_after
+
+
 def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
     """``(checkpoint_url, storage_options)`` pickled for rank 0, or None without a checkpoint_url."""
     if url is None:

@@ -1,37 +1,45 @@
 """``run_elastic``: a run whose size follows the cluster, from ``min_num_proc`` to ``max_num_proc`` ranks.
 
-Each attempt is one ``run`` (one barrier stage) of as many ranks as the cluster has slots for
-then, up to ``max_num_proc``. When an attempt fails because a rank or a host was lost, the next
-attempt starts with the slots there are now, waiting up to ``elastic_timeout`` for at least
-``min_num_proc``, and ``hvd.elastic.run`` resumes it from the last ``state.commit()``, which rank
-0 wrote under the ``elastic_url`` setting. All attempts share one elastic id, so they share that
-state; reset callbacks run with the new size. While an attempt runs, a thread watches the slots:
-once more have lasted ``elastic_grow_after`` seconds, or at once when an executor under the run is
-being decommissioned (``spark.decommission.enabled``), it leaves a marker, and the ranks end the
-attempt at their next commit (``HostsUpdatedInterrupt``; ``CommitStateCallback`` commits at the
-end of that step) so the next one starts at the new size. ``reset_limit`` bounds the restarts,
+It goes through ``run``'s pipeline (``driver.run``: the arguments checked and ``train_fn``
+pickled once, the view, ``config.resolve``, the ranks' spec) and the one attempts loop
+(``driver.attempts``) with the elastic size policy (``supervision.Elastic``), so every attempt
+shares the run's id and payload. Each attempt is one barrier stage of as many ranks as the cluster
+has slots for then, up to ``max_num_proc``. When an attempt fails because a rank or a host was
+lost, the next one starts with the slots there are now, waiting up to ``elastic_timeout`` for at
+least ``min_num_proc``, and ``hvd.elastic.run`` resumes it from the last ``state.commit()``, which
+rank 0 wrote under the ``elastic_url`` setting, in the run's id. While an attempt runs, a poller
+looks at the view's slots; once more have lasted ``elastic_grow_after`` seconds, or at once when an
+executor under the run is being decommissioned (``spark.decommission.enabled``), the core decides a
+resize (``supervision.resize``) and this module leaves the attempt's marker, at which the ranks end
+the attempt at their next commit (``HostsUpdatedInterrupt``; ``CommitStateCallback`` commits at the
+end of that step), so the next one starts at the new size. ``reset_limit`` bounds the restarts,
 resizes included. Only a lost rank or host restarts the run; an exception of ``train_fn``'s own
 ends it.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-import os
 import threading
 import time
-import uuid
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .. import settings
 from ..seam import worker_env
-from ..errors import InsufficientResourcesError, InvalidArgumentError, RankFailedError, SparkTrainError, UnsupportedError
-from . import config
+from ..errors import InsufficientResourcesError, InvalidArgumentError, UnsupportedError
+from . import cluster, config, views
+from . import run as pipeline
 from . import supervision as core
+from .config import RunConfig
+from .taskspec import task_spec
 
 log = logging.getLogger("sparktrain")
 
 #: Horovod's default for how long to wait for enough slots.
 ELASTIC_TIMEOUT = 600.0
+#: Seconds between the poller's looks at the slots while an attempt runs.
+POLL_SECONDS = 1.0
 
 
 def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: Mapping[str, Any] | None = None,
@@ -49,142 +57,68 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
     max_num_proc : the most; default ``num_proc``.
     elastic_timeout : seconds an attempt waits for ``min_num_proc`` slots (default 600).
     reset_limit : the most restarts, of any kind; None: no limit.
-    Every other keyword is ``sparktrain.run``'s, except ``max_attempts``. ``train_fn`` keeps its
-    state with ``hvd.elastic`` (``state.commit()``, ``@hvd.elastic.run``), and the ``elastic_url``
-    setting (``SPARKTRAIN_ELASTIC_URL`` in ``env=`` or the driver's environment, or
+    Every other keyword is ``sparktrain.run``'s, except ``max_attempts``; ``timeout`` bounds the whole
+    run, every attempt together. ``train_fn`` keeps its state with ``hvd.elastic``
+    (``state.commit()``, ``@hvd.elastic.run``), and the ``elastic_url`` setting
+    (``SPARKTRAIN_ELASTIC_URL`` in ``env=`` or the driver's environment, or
     ``spark.sparktrain.elasticUrl``) says where the commits go.
     """
-    from . import cluster
-    from .run import run
-
-    env = dict(env or {})
-    view, elastic_url = _check(num_proc, env, run_kwargs)
-    sc, conf = view.sc, view.conf
-    use_gpu = bool(run_kwargs.get("use_gpu"))
-    slots = cluster.capacity(sc, conf).slots(use_gpu)
-    low, first, high = sizes(num_proc, min_num_proc, max_num_proc, slots)
-    timeout = settings.parse_seconds("elastic_timeout", elastic_timeout if elastic_timeout is not None
-                                     else ELASTIC_TIMEOUT)
-    if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int) or reset_limit < 0):
-        raise InvalidArgumentError(f"reset_limit must be a non-negative int or None, got {reset_limit!r}")
-    if cluster.is_local(conf.get("spark.master", "")) and low > slots:
-        raise InsufficientResourcesError(
-            f"min_num_proc={low} ranks cannot run at once: the local master {conf.get('spark.master')} has {slots} "
-            f"task slot(s). Lower min_num_proc, or use a master with more slots")
-    env[worker_env.ELASTIC_ID] = elastic_id = uuid.uuid4().hex[:12]
-    state = worker_env.elastic_file(elastic_url, elastic_id, worker_env.ELASTIC_STATE)
-    grow_after = config.settings_of(conf, {**os.environ, **env}).elastic_grow_after
-    options = run_kwargs.get("storage_options")
-    resets, size, reason, attempt = 0, first, "", 0
-    while True:
-        size = _wait_for_slots(sc, conf, use_gpu, low, size, high, timeout, reason)
-        attempt += 1
-        env[worker_env.ELASTIC_ATTEMPT] = str(attempt)
-        resizer = _Resizer(sc, conf, use_gpu, size, high, grow_after,
-                           worker_env.elastic_file(elastic_url, elastic_id, f"resize-{attempt}"), options)
-        resizer.start()
-        try:
-            return run(train_fn, args, kwargs, num_proc=size, start_timeout=start_timeout, env=env, stdout=stdout,
-                       stderr=stderr, verbose=verbose, prefix_output_with_timestamp=prefix_output_with_timestamp,
-                       max_attempts=1, **run_kwargs)
-        except InsufficientResourcesError as e:
-            reason = f"the slots went while it launched ({e})"  # not a reset: nothing ran
-            size = low
-            continue
-        except SparkTrainError as e:
-            resets += 1
-            restart = core.elastic_restart(e, resizer.resized, resets, reset_limit)
-            if restart.resized:
-                reason, size = resizer.why + _last_commit(state, options), restart.size
-            else:
-                reason, size = _lost(e) + _last_commit(state, options), high
-                _settle(sc, conf, use_gpu)
-        finally:
-            resizer.stop.set()
-            resizer.join()
-
-
-def _check(num_proc, env: Mapping[str, str], run_kwargs: Mapping[str, Any]):
-    """Refuse what run_elastic cannot do, before anything launches; return the cluster's view and
-    the elastic_url setting."""
-    from . import cluster, views
-
     if "max_attempts" in run_kwargs:
         raise InvalidArgumentError("run_elastic does not take max_attempts: it restarts as long as at least min_num_proc "
                                    "ranks can run; bound the restarts with reset_limit=")
     if run_kwargs.get("local_mode") or (isinstance(num_proc, int) and num_proc < 0):
         raise InvalidArgumentError("run_elastic runs on a Spark cluster; local mode has no executors to lose")
-    spark = cluster.active_session()
-    view = views.of(spark) if spark is not None else None
-    if view is None or not view.lists_executors:
-        raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
-                               "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
-    elastic_url = config.settings_of(view.conf, {**os.environ, **env}).elastic_url
+    check_sizes(num_proc, min_num_proc, max_num_proc)
+    timeout = settings.parse_seconds("elastic_timeout", elastic_timeout if elastic_timeout is not None
+                                     else ELASTIC_TIMEOUT)
+    if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int) or reset_limit < 0):
+        raise InvalidArgumentError(f"reset_limit must be a non-negative int or None, got {reset_limit!r}")
+    view = _view()
+    a = pipeline.arguments(train_fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
+                           prefix_output_with_timestamp, **run_kwargs)
+    pipeline.configure_logging(verbose)
+    cfg = config.resolve(a, view)
+    elastic_url, grow_after = config.elastic_settings(cfg)
     if not elastic_url:
         raise InvalidArgumentError(
             "run_elastic resumes each attempt from the last state.commit(), which needs a place every attempt can read: "
             "set the elastic_url setting to an fsspec URL, e.g. env={'SPARKTRAIN_ELASTIC_URL': "
             "'abfss://container@account.dfs.core.windows.net/elastic'} (or the driver's SPARKTRAIN_ELASTIC_URL, or "
             "spark.sparktrain.elasticUrl)")
-    return view, elastic_url
+    profile = view.profile(cfg.stage) if cfg.stage is not None else None
+    slots = view.slots(cfg.use_gpu, cfg.stage, profile)
+    low, first, high = sizes(num_proc, min_num_proc, max_num_proc, slots)
+    if cluster.is_local(view.master) and low > slots:
+        raise InsufficientResourcesError(
+            f"min_num_proc={low} ranks cannot run at once: the local master {view.master} has {slots} task slot(s). "
+            "Lower min_num_proc, or use a master with more slots")
+    policy = core.Elastic(low, first, high, reset_limit, timeout, grow_after)
+    # The elastic id, under which the commits and the resize markers go, is the run's.
+    spec = task_spec(cfg, high, view.max_result_bytes(), view.tails_without_channel)
+    spec = dataclasses.replace(spec, user_env={**spec.user_env, worker_env.ELASTIC_ID: a.run_id})
+    return pipeline.attempts(cfg, view, profile, spec, policy, ElasticSize(view, cfg, profile, policy, elastic_url))
 
 
-class _Resizer(threading.Thread):
-    """While an attempt of ``size`` ranks runs, watch the cluster's slots and leave the marker at
-    which the ranks end the attempt at their next commit (``sparktrain.tensorflow.resize``):
+def _view() -> views.ClusterView:
+    """The active classic session's view; Spark Connect and no session are refused."""
+    spark = cluster.active_session()
+    view = views.of(spark) if spark is not None else None
+    if view is None or not view.lists_executors:
+        raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
+                               "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
+    return view
 
-    - at once when there are fewer slots than ranks while the ranks still run: an executor under
-      the run is being decommissioned (Spark no longer counts it), so the ranks commit at the end
-      of their step and the next attempt starts without it;
-    - once slots for more ranks (up to ``high``) have lasted ``after`` seconds. At most once per
-      attempt, and never in an attempt younger than ``after``, so an executor that comes and goes
-      cannot restart the run over and over.
-    """
 
-    def __init__(self, sc, conf, use_gpu: bool, size: int, high: int, after: float, marker: str, storage_options):
-        super().__init__(name="sparktrain-elastic-resize", daemon=True)
-        self.sc, self.conf, self.use_gpu, self.size, self.high = sc, conf, use_gpu, size, high
-        self.after, self.marker, self.storage_options = after, marker, storage_options
-        self.stop = threading.Event()
-        #: The size the next attempt should have, once the marker is down; the reason, for the log.
-        self.resized = 0
-        self.why = ""
-
-    def run(self) -> None:
-        from .. import storage
-        from . import cluster
-
-        since = None
-        while not self.stop.wait(1.0):
-            try:
-                slots = cluster.capacity(self.sc, self.conf).slots(self.use_gpu)
-                leaving = cluster.decommissioning_hosts(self.sc) if slots < self.size else []
-            except Exception:  # noqa: BLE001 - a Py4J call from this thread failed (seen: a reset); look again
-                since = None
-                continue
-            if slots < self.size and leaving:
-                self.resized = max(1, slots)
-                self.why = f"host {', '.join(leaving)} is being decommissioned"
-            elif slots > self.size and self.size < self.high:
-                since = since or time.monotonic()
-                if time.monotonic() - since < self.after:
-                    continue
-                self.resized = min(slots, self.high)
-                self.why = f"the cluster has slots for {self.resized} rank(s)"
-            else:
-                since = None
-                continue
-            storage.put_bytes(self.marker, self.why.encode(), self.storage_options)
-            log.info("sparktrain: %s: the ranks end this attempt at their next commit, and the next one starts with "
-                     "%d rank(s)", self.why, self.resized)
-            return
+def check_sizes(num_proc, min_num_proc, max_num_proc) -> None:
+    """Each size a positive int, or None."""
+    for name, value in (("num_proc", num_proc), ("min_num_proc", min_num_proc), ("max_num_proc", max_num_proc)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidArgumentError(f"{name} must be a positive int or None, got {value!r}")
 
 
 def sizes(num_proc, min_num_proc, max_num_proc, slots: int) -> tuple[int, int, int]:
     """``(min, first, max)`` ranks, checked; Horovod's defaults."""
-    for name, value in (("num_proc", num_proc), ("min_num_proc", min_num_proc), ("max_num_proc", max_num_proc)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise InvalidArgumentError(f"{name} must be a positive int or None, got {value!r}")
+    check_sizes(num_proc, min_num_proc, max_num_proc)
     first = num_proc or max_num_proc or max(1, slots)
     low = min_num_proc or first
     high = max_num_proc or max(first, low)
@@ -194,52 +128,124 @@ def sizes(num_proc, min_num_proc, max_num_proc, slots: int) -> tuple[int, int, i
     return low, first, high
 
 
-def _wait_for_slots(sc, conf, use_gpu: bool, low: int, want: int, high: int, timeout: float, reason: str) -> int:
-    """As many ranks as there are slots for, between ``low`` and ``min(want, high)``; waits up to
-    ``timeout`` for ``low``. Logs the change in one line when ``reason`` says why."""
-    from . import cluster
+class ElasticSize:
+    """``run_elastic``'s attempts (an ``attempts.Sizer``): each as large as the slots allow, between
+    the policy's bounds, waiting for them; while one runs, the poller, and the resize marker it asks
+    for; the attempt's number in its ranks' environment (the marker's name)."""
 
-    slots = cluster.wait_for_executors(sc, conf, lambda c: c.slots(use_gpu) >= low, timeout).slots(use_gpu)
-    if slots < low:
-        raise InsufficientResourcesError(
-            f"run_elastic waited {timeout:g} s for at least min_num_proc={low} slot(s); the cluster has {slots}"
-            + (f" ({reason})" if reason else "") + ". Add executors, or lower min_num_proc")
-    size = min(slots, want, high)
-    if reason:
-        log.warning("sparktrain: %s; continuing with %d rank(s)", reason, size)
-    return size
+    def __init__(self, view: views.ClusterView, cfg: RunConfig, profile, policy: core.Elastic, elastic_url: str):
+        self.view, self.cfg, self.profile, self.policy = view, cfg, profile, policy
+        self.url, self.run_id = elastic_url, cfg.args.run_id
+        self.storage_options = cfg.args.storage_options
+
+    def slots(self) -> int:
+        return self.view.slots(self.cfg.use_gpu, self.cfg.stage, self.profile)
+
+    def size(self, number: int, retry: core.Retry | None) -> int:
+        if retry is None:
+            want, reason = self.policy.first, ""
+        else:
+            if not retry.resized:
+                self._settle()
+            want, reason = retry.size or self.policy.high, retry.why + self._last_commit()
+        while True:
+            size = self._wait(want, reason)
+            try:  # the slots may go between the count and the launch
+                return self.view.fit(size, self.cfg.use_gpu, self.cfg.stage, self.profile, self.cfg.capacity_wait)
+            except InsufficientResourcesError as e:
+                want, reason = self.policy.low, f"the slots went while it launched ({e})"
+
+    def _wait(self, want: int, reason: str) -> int:
+        """As many ranks as there are slots for, between the least and ``min(want, most)``; waits up
+        to ``elastic_timeout`` for the least. Logs the change in one line when ``reason`` says why."""
+        low, timeout = self.policy.low, self.policy.timeout
+        slots = self.view.wait_for_slots(low, self.cfg.use_gpu, timeout, self.cfg.stage, self.profile)
+        if slots < low:
+            raise InsufficientResourcesError(
+                f"run_elastic waited {timeout:g} s for at least min_num_proc={low} slot(s); the cluster has {slots}"
+                + (f" ({reason})" if reason else "") + ". Add executors, or lower min_num_proc")
+        size = min(slots, want, self.policy.high)
+        if reason:
+            log.warning("sparktrain: %s; continuing with %d rank(s)", reason, size)
+        return size
+
+    def _settle(self, quiet: float = 3.0, wait: float = 20.0) -> None:
+        """Let Spark notice what the failure did: wait until the slot count has not changed for
+        ``quiet`` seconds (at most ``wait``), so the next attempt is not sized by a lost executor.
+        A local master's slots never change."""
+        if cluster.is_local(self.view.master):
+            return
+        deadline = time.monotonic() + wait
+        last, since = self.slots(), time.monotonic()
+        while time.monotonic() - since < quiet and time.monotonic() < deadline:
+            time.sleep(0.5)  # executors go with no event the driver's Python side can await
+            now = self.slots()
+            if now != last:
+                last, since = now, time.monotonic()
+
+    def _last_commit(self) -> str:
+        """Where the next attempt resumes, as the commit's manifest tells it."""
+        from .. import storage
+
+        url = worker_env.elastic_file(self.url, self.run_id, worker_env.ELASTIC_STATE)
+        try:
+            meta = storage.read_manifest(url, self.storage_options).get("metadata", {})
+        except Exception:  # noqa: BLE001 - no commit yet, or the store is unreachable from here
+            return "; no commit yet: the next attempt starts from the beginning"
+        epoch, batch = meta.get("epoch"), meta.get("batch")
+        where = f", at epoch {epoch}" if epoch is not None else ""
+        return "; the next attempt resumes from the last commit" + where + (f", batch {batch}" if where and batch else "")
+
+    @contextlib.contextmanager
+    def watch(self, number: int, size: int) -> Iterator["Poller"]:
+        poller = Poller(self.slots, self.view.decommissioning_hosts, size, self.policy,
+                        lambda resize: self._mark(number, resize))
+        poller.start()
+        try:
+            yield poller
+        finally:
+            poller.stop.set()
+            poller.join()
+
+    def _mark(self, number: int, resize: core.Resize) -> None:
+        """Leave attempt ``number``'s resize marker, where its rank 0 looks (``tensorflow.resize``)."""
+        from .. import storage
+
+        storage.put_bytes(worker_env.elastic_file(self.url, self.run_id, f"resize-{number}"), resize.why.encode(),
+                          self.storage_options)
+        log.info("sparktrain: %s: the ranks end this attempt at their next commit, and the next one starts with "
+                 "%d rank(s)", resize.why, resize.size)
+
+    def env(self, number: int) -> Mapping[str, str]:
+        return {worker_env.ELASTIC_ATTEMPT: str(number)}
 
 
-def _settle(sc, conf, use_gpu: bool, quiet: float = 3.0, wait: float = 20.0) -> None:
-    """Let Spark notice what the failure did: wait until the slot count has not changed for
-    ``quiet`` seconds (at most ``wait``), so the next attempt is not sized by a lost executor."""
-    from . import cluster
+class Poller(threading.Thread):
+    """While an attempt of ``size`` ranks runs: the slots, and the hosts leaving when there are
+    fewer than ranks, once a second, into the core's ``resize``; when it decides one, ``mark``
+    leaves the marker, and :attr:`resize` says what was asked. At most once per attempt."""
 
-    deadline = time.monotonic() + wait
-    last, since = cluster.capacity(sc, conf).slots(use_gpu), time.monotonic()
-    while time.monotonic() - since < quiet and time.monotonic() < deadline:
-        time.sleep(0.5)  # executors go with no event the driver's Python side can await
-        now = cluster.capacity(sc, conf).slots(use_gpu)
-        if now != last:
-            last, since = now, time.monotonic()
+    def __init__(self, slots: Callable[[], int], leaving: Callable[[], list[str]], size: int, policy: core.Elastic,
+                 mark: Callable[[core.Resize], None]):
+        super().__init__(name="sparktrain-elastic-resize", daemon=True)
+        self.slots, self.leaving, self.size, self.policy, self.mark = slots, leaving, size, policy, mark
+        self.stop = threading.Event()
+        self.resize: core.Resize | None = None
 
-
-def _last_commit(url: str, storage_options) -> str:
-    """Where the next attempt resumes, as the commit's manifest tells it."""
-    from .. import storage
-
-    try:
-        meta = storage.read_manifest(url, storage_options).get("metadata", {})
-    except Exception:  # noqa: BLE001 - no commit yet, or the store is unreachable from here
-        return "; no commit yet: the next attempt starts from the beginning"
-    epoch, batch = meta.get("epoch"), meta.get("batch")
-    where = f", at epoch {epoch}" if epoch is not None else ""
-    return "; the next attempt resumes from the last commit" + where + (f", batch {batch}" if where and batch else "")
-
-
-def _lost(e: SparkTrainError) -> str:
-    if isinstance(e, RankFailedError) and e.failures:
-        root = e.root_cause
-        where = f" on host {root.host}" if getattr(root, "host", None) else ""
-        return f"rank {root.rank}{where} was lost" + (f" ({root.exc_type})" if root.exc_type else "")
-    return f"the attempt failed ({str(e).splitlines()[0][:200]})"
+    def run(self) -> None:
+        since = None
+        while not self.stop.wait(POLL_SECONDS):
+            try:
+                slots = self.slots()
+                leaving = self.leaving() if slots < self.size else []
+            except Exception:  # noqa: BLE001 - a Py4J call from this thread failed (seen: a reset); look again
+                since = None
+                continue
+            decided = core.resize(slots, leaving, self.size, self.policy.high, since, time.monotonic(),
+                                  self.policy.grow_after)
+            if isinstance(decided, core.Watch):
+                since = decided.since
+                continue
+            self.mark(decided)
+            self.resize = decided
+            return

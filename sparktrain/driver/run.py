@@ -1,6 +1,7 @@
 """The public ``sparktrain.run``, as a pipeline: check the arguments, choose the cluster view,
 resolve the settings against its conf (``driver.config``), fit the ranks to its slots, build the
-ranks' spec, and hand over to the attempts (``driver.attempt``).
+ranks' spec, and hand over to the attempts (``driver.attempts``). ``run_elastic``
+(``driver.elastic``) goes through the same steps, with its own size policy.
 
 pyspark is imported inside the functions that need it, so ``import sparktrain`` stays fast
 and works where only the worker API is used. The flow of a run, and which module does what,
@@ -8,12 +9,15 @@ is drawn in docs/architecture.md.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from typing import IO, Any, Callable, Iterable, Mapping
 
 from . import config, views
-from .attempt import RunInfo, run_attempts
+from . import supervision as core
+from .attempt import RunInfo
+from .attempts import FixedSize, Sizer, run_attempts
 from .taskspec import task_spec
 
 log = logging.getLogger("sparktrain")
@@ -23,7 +27,7 @@ log = logging.getLogger("sparktrain")
 RETRY_CAPACITY_WAIT = 60.0
 
 
-def _configure_logging(verbose: int) -> None:
+def configure_logging(verbose: int) -> None:
     log.setLevel({0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}[verbose])
     # A library should not configure logging, but a notebook user must see what run() says.
     # Attach a handler only when nobody configured one anywhere.
@@ -98,21 +102,42 @@ def run(
     a = config.check_arguments(train_fn, args, kwargs, num_proc, local_mode, start_timeout, timeout, env, stdout,
                                stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
                                storage_options, max_attempts, data, log_url, resources, nics, encryption, backend)
-    _configure_logging(verbose)
+    configure_logging(verbose)
     view = views.choose(a.local, a.size, a.use_gpu)
     cfg = config.resolve(a, view)
     profile = view.profile(cfg.stage) if cfg.stage is not None else None
     size = view.fit(a.size, cfg.use_gpu, cfg.stage, profile, cfg.capacity_wait)
     spec = task_spec(cfg, size, view.max_result_bytes(), view.tails_without_channel)
-    source = _stage_input(a.frames, size)
-    info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=stdout, stderr=stderr,
-                   timestamps=prefix_output_with_timestamp, timeout=a.timeout, verbose=verbose)
-    info.display.attach(log)
+    policy = core.Fixed(size, cfg.max_attempts)
     # A lost executor is usually replaced within seconds; a retried gang needs all its slots back.
     retry_wait = max(RETRY_CAPACITY_WAIT, cfg.capacity_wait)
-    return run_attempts(info, spec, lambda s, on_done: view.job(s, a.fn_name, on_done, source, profile),
-                        cfg.driver_host, cfg.max_attempts,
-                        lambda: view.fit(size, cfg.use_gpu, cfg.stage, profile, retry_wait))
+    return attempts(cfg, view, profile, spec, policy, FixedSize(
+        a.run_id, policy, lambda: view.fit(size, cfg.use_gpu, cfg.stage, profile, retry_wait)))
+
+
+def arguments(*args: Any, **kwargs: Any) -> config.Arguments:
+    """``run``'s arguments, given as to ``run`` (an unknown keyword is a TypeError), checked."""
+    bound = inspect.signature(run).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return config.check_arguments(**bound.arguments)
+
+
+def attempts(cfg: config.RunConfig, view: views.ClusterView, profile, spec, policy: core.Policy, sizer: Sizer) -> Any:
+    """The pipeline's last step, ``run``'s and ``run_elastic``'s: the run's display, then its
+    attempts, each a job of the view's with the stage's input for its size."""
+    a = cfg.args
+    # A fixed run's stage input is built before anything launches; an elastic one's for each size it takes.
+    sources: dict[int, Any] = {spec.size: _stage_input(a.frames, spec.size)} if isinstance(policy, core.Fixed) else {}
+    info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=a.stdout, stderr=a.stderr, timestamps=a.timestamps,
+                   timeout=a.timeout, verbose=a.verbose)
+    info.display.attach(log)
+
+    def make_job(s, on_done):
+        if s.size not in sources:
+            sources[s.size] = _stage_input(a.frames, s.size)
+        return view.job(s, a.fn_name, on_done, sources[s.size], profile)
+
+    return run_attempts(info, spec, make_job, cfg.driver_host, policy, sizer)
 
 
 def _stage_input(frames, size: int):

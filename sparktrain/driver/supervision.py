@@ -1,5 +1,8 @@
 """The supervision of one attempt, as pure policy: states that carry their data, and a step
-function from ``(state, event, now)`` to ``(state, actions)``; and the retry policy of a run.
+function from ``(state, event, now)`` to ``(state, actions)``; and the run's policy between
+attempts, for fixed and elastic runs alike: after a failed attempt, :func:`after_failure` decides
+(:class:`Retry` at a size, or :class:`GiveUp` with the error), and while an elastic attempt runs,
+:func:`resize` decides from the slots whether to ask its ranks for a new size.
 
 Nothing here reads a clock, a socket or Spark: ``sparktrain.driver.attempt`` feeds it the
 events of the run's channel and job with the time, and carries out the actions it returns.
@@ -191,6 +194,64 @@ def reason_to_stop(state: Starting | Running, now: float, limits: Limits) -> tup
 
 
 # -- the run's attempts -------------------------------------------------------------------------
+#
+# After a failed attempt the core decides, as a value, what the run does: :class:`Retry` at a size,
+# or :class:`GiveUp` with the error the run raises. ``sparktrain.driver.attempts`` carries it out.
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """A gang of ``size`` ranks, started up to ``max_attempts`` times (``run``)."""
+
+    size: int
+    max_attempts: int
+
+    @property
+    def attempts(self) -> int:
+        """How many attempts the run may have in all (the ranks' ``SPARKTRAIN_MAX_ATTEMPTS``)."""
+        return self.max_attempts
+
+
+@dataclasses.dataclass(frozen=True)
+class Elastic:
+    """As many ranks as the cluster has slots for, from ``low`` to ``high``, the first attempt
+    ``first`` (``run_elastic``): ``reset_limit`` restarts at most (None: no bound), each waiting up
+    to ``timeout`` seconds for ``low`` slots; free slots for more ranks must last ``grow_after``."""
+
+    low: int
+    first: int
+    high: int
+    reset_limit: int | None
+    timeout: float
+    grow_after: float
+
+    @property
+    def attempts(self) -> int:
+        """How many attempts the run may have in all; 0: no bound."""
+        return 0 if self.reset_limit is None else self.reset_limit + 1
+
+
+Policy = Union[Fixed, Elastic]
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """Start the next attempt: at ``size`` ranks (None: as many as there are slots for, up to the
+    most), because of ``why``; ``resized``: the ranks ended the attempt for a resize."""
+
+    size: int | None
+    why: str
+    resized: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    """End the run with ``error`` (the attempt's own, or one that says more)."""
+
+    error: SparkTrainError
+
+
+Decision = Union[Retry, GiveUp]
+
 
 def retry(error: SparkTrainError, number: int, max_attempts: int, out_of_time: bool) -> bool:
     """Whether attempt ``number``'s ``error`` starts the gang again: not on the last attempt, not
@@ -207,16 +268,29 @@ def with_attempts(error: SparkTrainError, attempts: int, earlier: list[str]) -> 
     return type(error)(f"{error} (attempt {attempts} of {attempts}; earlier attempts failed: {history})")
 
 
-# -- an elastic run's attempts --------------------------------------------------------------------
+def after_failure(policy: Policy, error: SparkTrainError, number: int, out_of_time: bool,
+                  earlier: list[str] = (), resize: "Resize | None" = None) -> Decision:
+    """What the run does after attempt ``number`` failed with ``error``. ``earlier``: why each
+    earlier attempt failed; ``resize``: what the driver asked the ranks of an elastic attempt for."""
+    if isinstance(policy, Fixed):
+        if retry(error, number, policy.max_attempts, out_of_time):
+            return Retry(policy.size, first_line(str(error)))
+        return GiveUp(error if number == 1 else with_attempts(error, number, list(earlier)))
+    resized = resize is not None and isinstance(error, RankFailedError) and bool(error.failures) and \
+        error.root_cause.exc_type.endswith("HostsUpdatedInterrupt")
+    if out_of_time or (not resized and not lost_ranks(error)):
+        return GiveUp(error)  # it would fail the same way again
+    if policy.reset_limit is not None and number > policy.reset_limit:
+        return GiveUp(SparkTrainError(f"run_elastic gave up after reset_limit={policy.reset_limit} restart(s); the last "
+                                      f"attempt failed: {error}"))
+    return Retry(resize.size, resize.why, True) if resized else Retry(None, lost(error))
 
-@dataclasses.dataclass(frozen=True)
-class Restart:
-    """How an elastic run goes on after a failed attempt: at ``size`` ranks (None: as many slots as
-    there are, up to the most), because of a resize (``resized``) or a loss."""
 
-    size: int | None
-    resized: bool
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
 
+
+# -- an elastic run's losses and resizes -------------------------------------------------------------
 
 #: Exceptions a rank raises when a peer goes away: the native engine's, and TensorFlow's.
 PEER_ERRORS = ("CollectiveError", "UnavailableError", "AbortedError", "DeadlineExceededError", "InternalError")
@@ -232,17 +306,48 @@ def lost_ranks(error: SparkTrainError) -> bool:
     return any(not f.traceback or f.exc_type.rsplit(".", 1)[-1] in PEER_ERRORS for f in error.failures.values())
 
 
-def elastic_restart(error: SparkTrainError, resized_to: int | None, resets: int,
-                    reset_limit: int | None) -> Restart:
-    """What an elastic run does after attempt ``error``, its ``resets``-th restart: raise ``error``
-    when a restart cannot help (``train_fn``'s own exception), raise when ``reset_limit`` is spent,
-    else restart: at ``resized_to`` ranks when the ranks ended the attempt for a resize, or with
-    the slots there are after a loss."""
-    resized = bool(resized_to) and isinstance(error, RankFailedError) and bool(error.failures) and \
-        error.root_cause.exc_type.endswith("HostsUpdatedInterrupt")
-    if not resized and not lost_ranks(error):
-        raise error  # it would fail the same way again
-    if reset_limit is not None and resets > reset_limit:
-        raise SparkTrainError(f"run_elastic gave up after reset_limit={reset_limit} restart(s); the last attempt "
-                              f"failed: {error}") from error
-    return Restart(resized_to if resized else None, resized)
+def lost(error: SparkTrainError) -> str:
+    """Words for what an elastic attempt lost, for the driver's line about the next one."""
+    if isinstance(error, RankFailedError) and error.failures:
+        root = error.root_cause
+        where = f" on host {root.host}" if getattr(root, "host", None) else ""
+        return f"rank {root.rank}{where} was lost" + (f" ({root.exc_type})" if root.exc_type else "")
+    return f"the attempt failed ({first_line(str(error))[:200]})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resize:
+    """End the running attempt at the ranks' next commit; the next one has ``size`` ranks, because of ``why``."""
+
+    size: int
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Watch:
+    """Keep watching; ``since``: when the slots for more ranks appeared (None: there are none)."""
+
+    since: float | None = None
+
+
+def resize(slots: int, leaving: list[str], size: int, high: int, since: float | None, now: float,
+           grow_after: float) -> Resize | Watch:
+    """What the driver asks of an elastic attempt of ``size`` ranks (at most ``high``) when the
+    cluster has ``slots`` and the executors on ``leaving`` hosts are being decommissioned, at
+    monotonic ``now``; ``since``: when slots for more ranks appeared, as the last :class:`Watch` said.
+
+    - fewer slots than ranks while an executor under the run is being decommissioned (Spark no
+      longer counts its slots): resize at once, to the slots left;
+    - slots for more ranks that have lasted ``grow_after`` seconds: grow, up to ``high``. The
+      clock starts at the first look that sees them, so an attempt younger than ``grow_after``
+      never grows, and an executor that comes and goes cannot restart the run over and over.
+    """
+    if slots < size and leaving:
+        return Resize(max(1, slots), f"host {', '.join(leaving)} is being decommissioned")
+    if slots > size and size < high:
+        since = now if since is None else since
+        if now - since < grow_after:
+            return Watch(since)
+        grown = min(slots, high)
+        return Resize(grown, f"the cluster has slots for {grown} rank(s)")
+    return Watch()

@@ -4,7 +4,8 @@
 them: the conf, the address where ranks reach the driver, the executors' Python check, the
 task slots and the wait for them, the run's resource profile, the largest result Spark carries,
 the job's group (a job group, or a Connect tag) and its cancellation, the default rendezvous,
-and the job that runs the ranks. ``run``, ``run_elastic`` and ``sparktrain check`` read the
+the job that runs the ranks, and what an elastic run watches (slots, executors being
+decommissioned). ``run``, ``run_elastic`` and ``sparktrain check`` read the
 cluster through a view only.
 """
 from __future__ import annotations
@@ -60,6 +61,21 @@ class ClusterView:
     def capacity(self, stage: TaskResources | None = None, profile=None) -> Capacity | None:
         """The task slots one barrier stage gets now; None where they cannot be counted."""
         return None
+
+    def slots(self, use_gpu: bool, stage: TaskResources | None = None, profile=None) -> int:
+        """The ranks one barrier stage can run at once now (0 where they cannot be counted)."""
+        cap = self.capacity(stage, profile)
+        return cap.slots(use_gpu) if cap is not None else 0
+
+    def wait_for_slots(self, low: int, use_gpu: bool, wait: float, stage: TaskResources | None = None,
+                       profile=None) -> int:
+        """The slots, once there are at least ``low``, or after ``wait`` seconds (only a view that
+        lists executors waits)."""
+        return self.slots(use_gpu, stage, profile)
+
+    def decommissioning_hosts(self) -> list[str]:
+        """The hosts of executors being decommissioned, whose slots Spark no longer counts."""
+        return []
 
     def fit(self, size: int | None, use_gpu: bool, stage: TaskResources | None, profile, wait: float) -> int:
         """Check (waiting up to ``wait`` seconds for executors) that ``size`` ranks fit at once;
@@ -134,6 +150,13 @@ class SparkView(ClusterView):
 
     def wait_for_executors(self, enough: Callable[[Capacity], bool], wait: float) -> Capacity:
         return cluster.wait_for_executors(self.sc, self.conf, enough, wait)
+
+    def wait_for_slots(self, low, use_gpu, wait, stage=None, profile=None) -> int:
+        enough = lambda c: c.slots(use_gpu) >= low  # noqa: E731
+        return cluster.wait_for_executors(self.sc, self.conf, enough, wait, stage, profile).slots(use_gpu)
+
+    def decommissioning_hosts(self) -> list[str]:
+        return cluster.decommissioning_hosts(self.sc)
 
     def fit(self, size, use_gpu, stage, profile, wait) -> int:
         if size is None:

@@ -15,7 +15,7 @@ LOCAL_SIZE = "SPARKTRAIN_LOCAL_SIZE"
 CROSS_RANK = "SPARKTRAIN_CROSS_RANK"
 CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
 RUN_ID = "SPARKTRAIN_RUN_ID"
-#: ``run_elastic``'s id, the same in all its attempts: where ``hvd.elastic`` commits (else the run id).
+#: ``run_elastic``'s id, its run id: where ``hvd.elastic`` commits (outside ``run_elastic``, the run id too).
 ELASTIC_ID = "SPARKTRAIN_ELASTIC_ID"
 #: ``run_elastic``'s attempt number (1, 2, ...): names the attempt's resize marker, ``resize-<n>``.
 ELASTIC_ATTEMPT = "SPARKTRAIN_ELASTIC_ATTEMPT"
@@ -89,13 +89,14 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
     ((CROSS_RANK, CROSS_SIZE), "index of this host among, and number of, the hosts that run a rank with this "
                                "local rank"),
     ((RUN_ID,), "the run's id, the same for every attempt"),
-    ((ELASTIC_ID,), "only under ``run_elastic``: its id, the same for every attempt and size; ``hvd.elastic`` commits "
-                    "under it"),
+    ((ELASTIC_ID,), "only under ``run_elastic``: the id ``hvd.elastic`` commits under, the run's id (the same for "
+                    "every attempt and size)"),
     ((ELASTIC_ATTEMPT,), "only under ``run_elastic``: the attempt's number; rank 0 watches for the driver's "
                          "``resize-<n>`` marker beside the state, and the ranks end the attempt at a commit when "
                          "it is there"),
     ((ATTEMPT,), "which attempt this is, 1-based (``run(..., max_attempts=N)``)"),
-    ((MAX_ATTEMPTS,), "how many attempts the run has in all; elastic state reads it"),
+    ((MAX_ATTEMPTS,), "how many attempts the run may have in all (under ``run_elastic``, ``reset_limit`` + 1; 0 "
+                      "without a ``reset_limit``); elastic state reads it"),
     (("TF_CONFIG",), 'TensorFlow\'s cluster: ``{"cluster": {"worker": ["host:port", ...]}, "task": {"type": '
                      '"worker", "index": rank}}``; each port was reserved by the task that owns it'),
     (("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
