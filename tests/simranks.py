@@ -68,7 +68,7 @@ class _Ranks:
         address = tuple(self.config["address"])
         for r in self.ranks:
             r.chan = channel.connect(address, secret, timeout=60.0, encrypted=self.config["encrypted"])
-            r.chan.send(protocol.Hello(r.rank, r.host, 40000 + r.rank, 39999 if r.rank == 0 else 0,
+            r.chan.send(protocol.CheckedIn(r.rank, r.host, 40000 + r.rank, 39999 if r.rank == 0 else 0,
                                        os.getpid(), r.rank))
             self.sel.register(r.chan.sock, selectors.EVENT_READ, r)
             self.open += 1
@@ -129,7 +129,7 @@ class _Ranks:
             for r in self.ranks:
                 if r.rank == cmd["rank"] and r.chan is not None:
                     self.report["failed_at"] = time.monotonic()
-                    self.send(r, protocol.Failed(RankFailure(
+                    self.send(r, protocol.RankFailed(RankFailure(
                         rank=r.rank, host=r.host, local_rank=r.local_rank, exc_type="ValueError",
                         message=f"simulated failure of rank {r.rank}", time=time.time())))
                     self.close(r)

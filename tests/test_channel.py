@@ -6,7 +6,8 @@ import pytest
 
 from sparktrain.seam import channel, protocol
 from sparktrain.errors import RankFailure
-from sparktrain.driver.server import DriverServer, Hello, Output, Refused
+from sparktrain.driver.server import DriverServer, Output, Refused
+from sparktrain.driver.supervision import CheckedIn, RankFailed
 
 
 def _event(server, kind, timeout=10.0):
@@ -24,7 +25,7 @@ def server():
 
 
 def _hello(rank, port=1000, host="127.0.0.1"):
-    return protocol.Hello(rank=rank, host=host, port=port, master_port=9, pid=1)
+    return protocol.CheckedIn(rank=rank, host=host, port=port, master_port=9, pid=1)
 
 
 def test_rendezvous_and_output(server):
@@ -51,7 +52,7 @@ def test_wrong_secret_is_refused_and_run_goes_on(server):
     assert bad.sock.recv(1) == b""  # dropped
     good = channel.connect(server.address, server.secret, timeout=5)
     good.send(_hello(0))
-    assert _event(server, Hello).rank == 0
+    assert _event(server, CheckedIn).rank == 0
     assert server.missing_ranks() == [1]
     good.close()
 
@@ -77,7 +78,7 @@ def test_replayed_frame_is_refused(encrypted):
         assert chan.encrypted == encrypted
         chan.sock = _Recorder(chan.sock, recorded)
         chan.send(_hello(0))
-        assert _event(server, Hello).rank == 0
+        assert _event(server, CheckedIn).rank == 0
         assert (b'"type":"hello"' in recorded[0]) != encrypted
         with socket.create_connection(server.address, timeout=5) as raw:
             raw.recv(64)
@@ -107,7 +108,7 @@ def test_signed_messages_that_break_the_protocol_are_refused_and_the_run_goes_on
     """A peer holding the secret whose first message is not a hello is refused before it counts as a
     rank; a rank that later sends what a rank may not (here the driver's ``abort``) is dropped,
     named; a well-formed rank's events are untouched."""
-    from sparktrain.driver.server import Closed, Failed
+    from sparktrain.driver.server import Closed
 
     stranger = channel.connect(server.address, server.secret, timeout=5)
     stranger.send(protocol.Beat())
@@ -115,17 +116,17 @@ def test_signed_messages_that_break_the_protocol_are_refused_and_the_run_goes_on
     assert server.missing_ranks() == [0, 1]
     rogue = channel.connect(server.address, server.secret, timeout=5)
     rogue.send(_hello(1, 1001))
-    assert _event(server, Hello).rank == 1
+    assert _event(server, CheckedIn).rank == 1
     rogue.send(protocol.Abort("not a rank's to send"))
     assert _event(server, Closed).rank == 1
     assert "dropped rank 1's connection: a rank sent a message of type 'abort'" in caplog.text
     good = channel.connect(server.address, server.secret, timeout=5)
     good.send(_hello(0))
-    assert _event(server, Hello).rank == 0
+    assert _event(server, CheckedIn).rank == 0
     failure = RankFailure(rank=0, host="127.0.0.1", local_rank=0, exc_type="ValueError", message="m",
                                    output_tail=("a", "b"), time=2.0)
-    good.send(protocol.Failed(failure))
-    assert _event(server, Failed) == Failed(0, failure)
+    good.send(protocol.RankFailed(failure))
+    assert _event(server, RankFailed) == RankFailed(failure)
     for c in (stranger, rogue, good):
         c.close()
 
@@ -144,7 +145,6 @@ def test_a_rank_that_goes_silent_is_reported_unreachable_but_one_that_said_quiet
     """The liveness check on real sockets: the server beats every second; a rank that beat and then
     says nothing, its connection still open (a host cut off sends no reset), is a failure naming its
     host; a rank that said ``quiet`` (its process ended; the result follows) is left alone."""
-    from sparktrain.driver.server import Failed
 
     server = DriverServer(channel.new_secret(), size=2, host="127.0.0.1", heartbeat_timeout=1.5)
     try:
@@ -158,12 +158,12 @@ def test_a_rank_that_goes_silent_is_reported_unreachable_but_one_that_said_quiet
         a.send(protocol.Beat())
         b.send(protocol.Beat())
         b.send(protocol.Quiet())
-        failed = _event(server, Failed, timeout=15)
-        assert failed.rank == 0 and failed.failure.exc_type == "HostUnreachable", failed
+        failed = _event(server, RankFailed, timeout=15)
+        assert failed.failure.rank == 0 and failed.failure.exc_type == "HostUnreachable", failed
         assert "host 10.9.0.1 became unreachable: no word from rank 0" in failed.failure.message
         assert failed.failure.host == "10.9.0.1"
         with pytest.raises(queue.Empty):  # rank 1 is never reported, nor rank 0 twice
-            _event(server, Failed, timeout=3)
+            _event(server, RankFailed, timeout=3)
         assert server.wait_disconnected(0.5) is False  # rank 1 is still connected...
         b.close()
         assert server.wait_disconnected(5)  # ...and nobody waits for the unreachable rank 0

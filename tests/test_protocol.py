@@ -18,11 +18,11 @@ FAILURE = RankFailure(rank=2, host="10.0.0.7", local_rank=1, exc_type="ValueErro
 
 #: One sample of every message, with who sends it, and the JSON object the channel carries for it.
 SAMPLES = [
-    (RANK, protocol.Hello(rank=1, host="10.0.0.7", port=41000, master_port=0, pid=77, partition=2,
+    (RANK, protocol.CheckedIn(rank=1, host="10.0.0.7", port=41000, master_port=0, pid=77, partition=2,
                           shard={"train": 12}),
      {"type": "hello", "rank": 1, "host": "10.0.0.7", "port": 41000, "master_port": 0, "pid": 77, "partition": 2,
       "shard": {"train": 12}}),
-    (RANK, protocol.Hello(rank=0, host="h", port=1, master_port=2, pid=3, collective_key="ab" * 32),
+    (RANK, protocol.CheckedIn(rank=0, host="h", port=1, master_port=2, pid=3, collective_key="ab" * 32),
      {"type": "hello", "rank": 0, "host": "h", "port": 1, "master_port": 2, "pid": 3, "partition": -1, "shard": {},
       "collective_key": "ab" * 32}),
     (RANK, protocol.Output("stderr", "loss 0.25 \u2713", 1700000000.25),
@@ -33,7 +33,7 @@ SAMPLES = [
     (RANK, protocol.Quiet(), {"type": "quiet"}),
     (RANK, protocol.Stacks('File "train.py", line 3 in wait'),
      {"type": "stacks", "text": 'File "train.py", line 3 in wait'}),
-    (RANK, protocol.Failed(FAILURE), {"type": "failed", "failure": {**FAILURE.__dict__, "output_tail": list(
+    (RANK, protocol.RankFailed(FAILURE), {"type": "failed", "failure": {**FAILURE.__dict__, "output_tail": list(
         FAILURE.output_tail)}}),
     (DRIVER, protocol.Peers(("a", "b"), (1000, 1001), 9, ({"train": 3}, {"train": 4})),
      {"type": "peers", "hosts": ["a", "b"], "ports": [1000, 1001], "master_port": 9,
@@ -54,7 +54,7 @@ def test_every_message_round_trips_in_the_channels_json_shape():
         covered.add((sender, type(msg)))
     every = {(sender, kind.cls) for sender, kinds in protocol._SENT_BY.items() for kind in kinds.values()}
     assert covered == every, every - covered  # a new message needs a sample here
-    assert protocol.decode(protocol.encode(protocol.Failed(FAILURE)), RANK).failure.output_tail == ("epoch 1", "épo 2")
+    assert protocol.decode(protocol.encode(protocol.RankFailed(FAILURE)), RANK).failure.output_tail == ("epoch 1", "épo 2")
 
 
 def test_one_tag_means_what_its_sender_may_send():
@@ -104,7 +104,7 @@ def test_anything_else_is_refused_naming_what_is_wrong(sender, body, says):
 
 
 def test_peers_answer_every_hello_in_rank_order():
-    hellos = [protocol.Hello(rank=r, host=f"h{r}", port=1000 + r, master_port=900 if r == 0 else 0, pid=r,
+    hellos = [protocol.CheckedIn(rank=r, host=f"h{r}", port=1000 + r, master_port=900 if r == 0 else 0, pid=r,
                              shard={"x": r}) for r in (2, 0, 1)]
     assert protocol.peers(hellos) == protocol.Peers(("h0", "h1", "h2"), (1000, 1001, 1002), 900,
                                                     ({"x": 0}, {"x": 1}, {"x": 2}))

@@ -79,7 +79,7 @@ def test_strangers_are_refused_and_the_run_goes_on(spark, tmp_path, caplog):
                 raw.sendall(len(body).to_bytes(4, "big") + b"\x00" * 32 + body)  # no credentials: a zero MAC
                 probes["no credentials"] = _closed_by_server(raw)
             bad = channel.connect(address, b"wrong secret".ljust(32, b"!"), timeout=15)
-            bad.send(protocol.Hello(rank=1, host="evil", port=1, master_port=1, pid=1))
+            bad.send(protocol.CheckedIn(rank=1, host="evil", port=1, master_port=1, pid=1))
             bad.sock.settimeout(15)
             probes["wrong secret"] = _closed_by_server(bad.sock)
             bad.close()

@@ -23,8 +23,7 @@ from .spark_errors import read_spark_failure
 from .jobs import Job, JobFactory
 from .results import byte_size, load_result, placement
 from .interrupts import Interrupts
-from .server import (Closed, DriverServer, Event, Failed, Hello, Interrupted, JobDone, Output, Progress, Refused,
-                     Stacks)
+from .server import Closed, DriverServer, Event, Interrupted, JobDone, Output, Progress, Refused, Stacks
 from .stalls import StallWatch, collect_stacks, user_frames
 from . import supervision as core
 
@@ -220,11 +219,11 @@ class Attempt:
         """Every event the server or the job produces is handled here."""
         if isinstance(event, Output):
             self.info.write(event)
-        elif isinstance(event, Failed):
-            self._step(core.RankFailed(event.failure))
-        elif isinstance(event, Hello):
+        elif isinstance(event, core.RankFailed):
+            self._step(event)
+        elif isinstance(event, core.CheckedIn):
             self.info.display.rank_up(event.rank, event.host)
-            self._step(core.CheckedIn(event.rank, event.host, event.partition))
+            self._step(event)
         elif isinstance(event, Progress):
             self.stalls.progress(event.rank, event.at, event.time)
         elif isinstance(event, Stacks):

@@ -16,7 +16,7 @@ import logging
 from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 from ..errors import SparkTrainError
-from ..spec import TaskSpec
+from ..seam.spec import TaskSpec
 from . import supervision as core
 from .attempt import Attempt, RunInfo
 from .jobs import JobFactory

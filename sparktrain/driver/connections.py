@@ -32,7 +32,7 @@ SEND_TIMEOUT = 30.0
 class Handler(Protocol):
     """What the loop tells: its callbacks run on the loop's thread."""
 
-    def hello(self, chan: Channel, msg: protocol.Hello) -> bool:
+    def hello(self, chan: Channel, msg: protocol.CheckedIn) -> bool:
         """A connection said hello; False: it is refused (the handler told it why), close it."""
 
     def message(self, rank: int, msg: protocol.FromRank) -> None:
@@ -140,7 +140,7 @@ class Connections:
                 if msg is None:
                     return
                 if conn.rank is None:
-                    if not isinstance(msg, protocol.Hello):
+                    if not isinstance(msg, protocol.CheckedIn):
                         raise AuthenticationError("the first message was not a hello")
                     conn.rank = msg.rank
                     if not self._handler.hello(conn.chan, msg):

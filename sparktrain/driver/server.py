@@ -19,17 +19,9 @@ from ..seam import channel, protocol
 from ..seam.channel import Channel
 from ..errors import RankFailure
 from .connections import Connections
+from .supervision import CheckedIn, RankFailed
 
 log = logging.getLogger("sparktrain")
-
-
-@dataclasses.dataclass(frozen=True)
-class Hello:
-    """A rank checked in from ``host``, from the barrier task of ``partition`` (-1 in local mode)."""
-
-    rank: int
-    host: str
-    partition: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +36,6 @@ class Output:
     live: bool = False
     #: A finished line that was a progress bar (it was redrawn in place first).
     drawn: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    """A rank's failure report: its task's ``protocol.Failed``, or the driver's own for a rank
-    found unreachable."""
-
-    rank: int
-    failure: RankFailure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +81,7 @@ class Interrupted:
     """The driver got SIGINT; put on the queue by the signal handler, to wake the loop at once."""
 
 
-Event = Union[Hello, Output, Failed, Progress, Stacks, Closed, Refused, JobDone, Interrupted]
+Event = Union[CheckedIn, Output, RankFailed, Progress, Stacks, Closed, Refused, JobDone, Interrupted]
 
 
 class DriverServer:
@@ -120,7 +103,7 @@ class DriverServer:
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
-        self._hellos: dict[int, protocol.Hello] = {}
+        self._hellos: dict[int, protocol.CheckedIn] = {}
         self._closing = False
         self._abort_reason: str | None = None
         self._all_closed = threading.Condition(self._lock)
@@ -142,7 +125,7 @@ class DriverServer:
             self._beat_thread.start()
 
     # -- connections (the callbacks of connections.Connections, on its thread) -------------------
-    def hello(self, chan: Channel, msg: protocol.Hello) -> bool:
+    def hello(self, chan: Channel, msg: protocol.CheckedIn) -> bool:
         return self._register(msg.rank, chan, msg)
 
     def message(self, rank: int, msg: protocol.FromRank) -> None:
@@ -167,7 +150,7 @@ class DriverServer:
     def dropped(self, rank: int, reason: str) -> None:
         log.warning("sparktrain: dropped rank %d's connection: %s", rank, reason)
 
-    def _register(self, rank: int, chan: Channel, hello: protocol.Hello) -> bool:
+    def _register(self, rank: int, chan: Channel, hello: protocol.CheckedIn) -> bool:
         with self._lock:
             if not 0 <= rank < self.size or rank in self._hellos or self._closing or self._abort_reason:
                 # A second hello for a rank is a retried Spark task; sparktrain does not retry
@@ -180,7 +163,7 @@ class DriverServer:
             self._channels[rank] = chan
             self._hellos[rank] = hello
             complete = len(self._hellos) == self.size
-        self.events.put(Hello(rank, hello.host, hello.partition))
+        self.events.put(CheckedIn(rank, hello.host, hello.partition))
         if complete:
             self._send_peers()
         return True
@@ -200,8 +183,8 @@ class DriverServer:
     def _dispatch(self, rank: int, msg: protocol.FromRank) -> None:
         if isinstance(msg, protocol.Output):
             self.events.put(Output(rank, msg.stream, msg.line, msg.time, bool(msg.live), bool(msg.drawn)))
-        elif isinstance(msg, protocol.Failed):
-            self.events.put(Failed(rank, msg.failure))
+        elif isinstance(msg, protocol.RankFailed):
+            self.events.put(RankFailed(msg.failure))
         elif isinstance(msg, protocol.Beat) and msg.at is not None:
             self.events.put(Progress(rank, msg.at, time.monotonic()))
         elif isinstance(msg, protocol.Stacks):
@@ -223,7 +206,7 @@ class DriverServer:
             for chan in channels:
                 self._send_quietly(chan, beat)
             for r, quiet in silent:
-                self.events.put(Failed(r, RankFailure(
+                self.events.put(RankFailed(RankFailure(
                     rank=r, host=hosts[r], local_rank=local[r],
                     exc_type="HostUnreachable",
                     message=f"host {hosts[r]} became unreachable: no word from rank {r} for {quiet:.0f} s "
@@ -291,7 +274,7 @@ class DriverServer:
             self._beat_thread.join(timeout=5)
 
 
-def _local_ranks(hellos: dict[int, protocol.Hello], ranks: dict[int, str]) -> dict[int, int]:
+def _local_ranks(hellos: dict[int, protocol.CheckedIn], ranks: dict[int, str]) -> dict[int, int]:
     """Each of ``ranks``' local rank: how many ranks below it checked in from its host. One pass
     over the ranks, however many went silent at once."""
     counts: dict[str, int] = {}

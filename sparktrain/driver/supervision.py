@@ -102,6 +102,9 @@ State = Union[Starting, Running, Stopping, Ended]
 
 @dataclasses.dataclass(frozen=True)
 class CheckedIn:
+    """A rank checked in from ``host``, from the barrier task of ``partition`` (-1 in local mode):
+    the channel's event for the rank's ``protocol.CheckedIn`` message."""
+
     rank: int
     host: str
     partition: int = -1
@@ -109,6 +112,9 @@ class CheckedIn:
 
 @dataclasses.dataclass(frozen=True)
 class RankFailed:
+    """A rank's failure report: its task's ``protocol.RankFailed`` message, or the driver's own for a
+    rank found unreachable."""
+
     failure: RankFailure
 
 

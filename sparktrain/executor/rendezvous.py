@@ -58,7 +58,7 @@ def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: d
 
     ``checked_in`` is called once this rank has said hello and its versions match, before it
     waits for the others (the task starts the rank's process there, held)."""
-    me = protocol.Hello(state.rank, state.host, port, master_port, os.getpid(), state.partition, shard)
+    me = protocol.CheckedIn(state.rank, state.host, port, master_port, os.getpid(), state.partition, shard)
     spec = state.spec
     if spec.driver_address is None:
         # One Spark barrier sync (about a second): the path for executors that cannot reach

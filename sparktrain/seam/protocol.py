@@ -7,11 +7,11 @@ Pure and shared: the driver's server (``sparktrain.driver.server``) and each ran
 turns such an object back into its message, or raises :class:`ProtocolError` naming what is wrong.
 Nothing is ever unpickled.
 
-A rank's task sends :class:`Hello`, :class:`Output`, :class:`Beat`, :class:`Quiet`,
-:class:`Stacks` and :class:`Failed`; the driver sends :class:`Peers`, :class:`Beat`,
+A rank's task sends :class:`CheckedIn`, :class:`Output`, :class:`Beat`, :class:`Quiet`,
+:class:`Stacks` and :class:`RankFailed`; the driver sends :class:`Peers`, :class:`Beat`,
 :class:`AskStacks` and :class:`Abort`. Each side decodes only what the other may send.
 
-A rank's failure reaches the driver one way: the task's :class:`Failed` message. Where there is
+A rank's failure reaches the driver one way: the task's :class:`RankFailed` message. Where there is
 no channel to carry it (ranks meet through Spark's barrier, or the channel broke), the same
 encoded message rides in the task's error (:class:`RankError`), and the driver reads it back out
 of Spark's error text (:func:`failures_in`). Only a rank that could say nothing at all (its task
@@ -36,7 +36,7 @@ class ProtocolError(SparkTrainError, ValueError):
 # -- rank to driver ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Hello:
+class CheckedIn:
     """A rank checks in: where it runs and the ports it holds for the ring, from the barrier task of
     ``partition`` (-1 in local mode), with its row count per fed DataFrame (``shard``).
 
@@ -93,7 +93,7 @@ class Stacks:
 
 
 @dataclasses.dataclass(frozen=True)
-class Failed:
+class RankFailed:
     """The rank failed: the one report of it that reaches the driver."""
 
     TYPE: ClassVar[str] = "failed"
@@ -128,7 +128,7 @@ class Abort:
     reason: str
 
 
-FromRank = Union[Hello, Output, Beat, Quiet, Stacks, Failed]
+FromRank = Union[CheckedIn, Output, Beat, Quiet, Stacks, RankFailed]
 FromDriver = Union[Peers, Beat, AskStacks, Abort]
 Message = Union[FromRank, FromDriver]
 
@@ -140,7 +140,7 @@ def peers(hellos: Iterable[Message]) -> Peers:
     """The answer to every rank's hello, from all of them (in any order)."""
     ordered = sorted(hellos, key=lambda h: getattr(h, "rank", -1))
     for h in ordered:
-        if not isinstance(h, Hello):
+        if not isinstance(h, CheckedIn):
             raise ProtocolError(f"a rank sent a {h.TYPE!r} message where every rank says hello")
     return Peers(tuple(h.host for h in ordered), tuple(h.port for h in ordered), ordered[0].master_port,
                  tuple(h.shard for h in ordered))
@@ -205,14 +205,14 @@ def _kind(cls: type) -> _Kind:
 
 
 _SENT_BY: dict[str, dict[str, _Kind]] = {
-    RANK: {c.TYPE: _kind(c) for c in (Hello, Output, Beat, Quiet, Stacks, Failed)},
+    RANK: {c.TYPE: _kind(c) for c in (CheckedIn, Output, Beat, Quiet, Stacks, RankFailed)},
     DRIVER: {c.TYPE: _kind(c) for c in (Peers, Beat, AskStacks, Abort)},
 }
 
 
 def encode(msg: Message) -> bytes:
     """The message as the channel carries it: compact JSON, ``{"type": ..., field: value, ...}``."""
-    if isinstance(msg, Failed):
+    if isinstance(msg, RankFailed):
         wire: dict[str, Any] = {"type": "failed", "failure": msg.failure.to_dict()}
     else:  # a dataclass's __dict__ holds its fields, in their order
         fields = msg.__dict__
@@ -265,7 +265,7 @@ _CARRIED = re.compile(re.escape(_MARK) + r"([A-Za-z0-9+/=]+):END")
 class RankError(SparkTrainError):
     """Raised in a task so Spark fails the stage.
 
-    With ``carry_report``, the task's :class:`Failed` message rides in the error's text, encoded
+    With ``carry_report``, the task's :class:`RankFailed` message rides in the error's text, encoded
     as on the channel: for a rank whose channel could not carry it (ranks meet through Spark's
     barrier, or the channel broke). The driver reads it back with :func:`failures_in`.
     """
@@ -275,7 +275,7 @@ class RankError(SparkTrainError):
         self.carry_report = carry_report
         text = f"sparktrain {failure.headline()}"
         if carry_report:
-            text += f"\n{_MARK}{base64.b64encode(encode(Failed(failure))).decode()}:END"
+            text += f"\n{_MARK}{base64.b64encode(encode(RankFailed(failure))).decode()}:END"
         super().__init__(text)
 
     def __reduce__(self):
@@ -291,7 +291,7 @@ def failures_in(text: str) -> list[RankFailure]:
             msg = decode(base64.b64decode(m.group(1), validate=True), RANK)
         except (ProtocolError, binascii.Error):
             continue
-        if isinstance(msg, Failed):
+        if isinstance(msg, RankFailed):
             found.setdefault(msg.failure.rank, msg.failure)
     return list(found.values())
 
