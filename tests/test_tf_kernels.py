@@ -58,6 +58,7 @@ def _lines(out: str, tag: str) -> list[str]:
     return [line[len(tag) + 1:] for line in out.splitlines() if line.startswith(tag + " ")]
 
 
+@pytest.mark.slow  # a fresh cache compiles: it runs in the wheel tier, from the wheel's sources
 def test_concurrent_processes_of_two_hosts_compile_once_into_a_shared_cache_and_load_it(tmp_path):
     """Three ranks of two simulated hosts (a temp dir each) share one SPARKTRAIN_CACHE_DIR: one
     compile, in its host's temp dir, published into the cache by a rename."""
