@@ -238,8 +238,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multihost: runs on simulated hosts (tests/simhosts.py); needs root")
     config.addinivalue_line("markers", "jax: Keras 3 on JAX; the JAX tier, run after jax is installed: pytest -m jax")
     config.addinivalue_line("markers", "keras2: Horovod users' code as they wrote it: Keras 2 on tf_keras "
-                                       "(TF_USE_LEGACY_KERAS=1), their scripts, HorovodRunner; the Horovod users' "
-                                       "tier: pytest -m 'keras2 and not multihost'")
+                                       "(TF_USE_LEGACY_KERAS=1), their scripts, HorovodRunner; the users' tier, with "
+                                       "notebooks: pytest -m '(keras2 or notebooks) and not jax and not multihost'")
+    config.addinivalue_line("markers", "notebooks: the shipped notebooks, run in one Jupyter kernel; the users' tier, "
+                                       "with keras2: pytest -m '(keras2 or notebooks) and not jax and not multihost'")
     config.addinivalue_line("markers", "slow: the slow multi-host tier, run before a release rather than in "
                                        "CI: pytest -m 'multihost and slow' -n 0")
 

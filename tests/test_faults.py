@@ -296,7 +296,8 @@ def _resources(run_ids: list[str]) -> dict:
     own rank processes and temp dirs count: another sparktrain run may share the machine."""
     me = psutil.Process()
     return {
-        "threads": sorted(t.name for t in threading.enumerate()),
+        # (name, ident) pairs: a thread of an earlier test may end meanwhile; only new ones leak.
+        "threads": {(t.name, t.ident) for t in threading.enumerate()},
         "fds": me.num_fds(),
         "listening": sorted(c.laddr.port for c in me.net_connections("tcp") if c.status == psutil.CONN_LISTEN),
         "rank processes": [pid for run_id in run_ids for pid in rank_processes(f"sparktrain-{run_id}-")],
@@ -325,4 +326,5 @@ def test_twenty_runs_in_a_row_leak_nothing(spark):
     # Py4J opens and closes its own connections as threads come and go; a leak per run would
     # show as 20 or more.
     assert after.pop("fds") - before.pop("fds") <= 2
+    assert sorted(name for name, _ in after.pop("threads") - before.pop("threads")) == []
     assert after == before

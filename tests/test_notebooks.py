@@ -1,6 +1,8 @@
 """notebooks/: each one runs top to bottom in a real Jupyter kernel (nbclient), against local Spark.
 
-The repository keeps them with their outputs cleared; a test checks that too.
+The repository keeps them with their outputs cleared; a test checks that too. They run in the users'
+tier (``-m "(keras2 or notebooks) and not jax and not multihost"``), beside the Horovod users' code;
+06-jax runs in the JAX tier.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import sys
 import uuid
 
 import pytest
+
+pytestmark = pytest.mark.notebooks
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

@@ -1,7 +1,51 @@
 """``sparktrain check``'s findings about what each executor can do for a rank: which engine its
-CPU collectives run on, and whether it can encrypt (``sparktrain.cli.check`` prints them)."""
+CPU collectives run on, and whether it can encrypt, and the ``Report`` that collects and prints
+every finding of ``sparktrain.cli.check``."""
 from __future__ import annotations
 
+from typing import TextIO
+
+
+class Report:
+    """Collects findings and prints them as they come, so a slow step shows where it is."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.failures: list[str] = []
+        self.warnings: list[str] = []
+
+    def line(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def field(self, label: str, value: str, width: int = 18) -> None:
+        self.line(f"  {label:<{width}} {value}")
+
+    def ok(self, text: str) -> None:
+        self.line(f"  [ok]   {text}")
+
+    def warn(self, text: str) -> None:
+        self.warnings.append(text)
+        self.line(f"  [WARN] {text}")
+
+    def fail(self, text: str) -> None:
+        self.failures.append(text)
+        self.line(f"  [FAIL] {text}")
+
+    def table(self, rows: list[list[str]]) -> None:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            self.line("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+    def finish(self) -> int:
+        self.line()
+        if self.failures:
+            self.line(f"Result: {len(self.failures)} problem(s) would make sparktrain.run fail here:")
+            for text in self.failures:
+                self.line(f"  - {text}")
+            return 1
+        extra = f" ({len(self.warnings)} warning(s) above)" if self.warnings else ""
+        self.line(f"Result: OK, sparktrain.run can launch on this cluster{extra}")
+        return 0
 
 
 def where(tasks: list[dict]) -> str:
