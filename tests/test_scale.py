@@ -20,8 +20,13 @@ from sparktrain.seam.spec import TaskSpec
 pytestmark = pytest.mark.timeout(120)
 
 
+#: This test process's threads before the test: an earlier test's may end meanwhile, so only the
+#: threads started since count.
+_earlier: set = set()
+
+
 def _threads_fds() -> tuple[int, int]:
-    return threading.active_count(), len(os.listdir("/proc/self/fd"))
+    return len(set(threading.enumerate()) - _earlier), len(os.listdir("/proc/self/fd"))
 
 
 def _run_and_fail(n: int) -> dict:
@@ -64,6 +69,7 @@ def _run_and_fail(n: int) -> dict:
 
 
 def test_every_rank_checks_in_a_failure_stops_every_rank_and_the_driver_holds_no_thread_per_rank():
+    _earlier.update(threading.enumerate())
     before = _threads_fds()
     small = _run_and_fail(16)
     large = _run_and_fail(128)
