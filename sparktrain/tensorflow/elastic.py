@@ -334,9 +334,10 @@ def run(func: Callable) -> Callable:
                                   f"TensorFlowState, ObjectState), got {type(state).__name__}")
         _tfc().init()
         attempts = _attempts_allowed()
-        if state_url() is None and attempts > 1:
+        if state_url() is None and attempts != 1:  # 0: run_elastic without a reset_limit
+            allowed = "no bound on its attempts" if attempts == 0 else f"max_attempts={attempts}"
             raise SparkTrainError(
-                f"elastic.run: this run has max_attempts={attempts} but no place to keep committed state, so a "
+                f"elastic.run: this run has {allowed} but no place to keep committed state, so a "
                 f"later attempt could not resume from it. Set SPARKTRAIN_ELASTIC_URL (or the Spark conf "
                 f"spark.sparktrain.elasticUrl) to an fsspec URL, e.g. run(..., env={{'SPARKTRAIN_ELASTIC_URL': "
                 f"'abfss://container@account.dfs.core.windows.net/elastic'}}); or run with max_attempts=1 (commits "
