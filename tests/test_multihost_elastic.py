@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import fault_time, read_time
+from helpers import fault_time
 from multihost_cluster import HOSTS, MARKS, PER_HOST, when_running, work_dirs
 
 import sparktrain
@@ -179,26 +179,17 @@ def test_a_stall_across_hosts_is_reported_with_the_late_ranks_stack(cluster, tmp
     """stall_warning=10: rank 3, on the second host, waits in user code before an allreduce the
     other three are in. The driver's report names rank 3 and its host, shows its stack down to
     the user's line, and the run goes on once the late rank is let go."""
-    from test_stalls import _capture, _late_line, late_rank
+    from test_stalls import _late_line, one_stall_report
 
     hosts, _, _ = cluster
     n = HOSTS * PER_HOST
-    reports = _capture(str(tmp_path / "go"))
-    try:
-        total = sparktrain.run(late_rank, args=(str(tmp_path), n - 1), num_proc=n, timeout=150, verbose=0,
-                               env={"SPARKTRAIN_STALL_WARNING": "10"})
-    finally:
-        logging.getLogger("sparktrain").removeHandler(reports)
-    assert total == n * 24
-    assert len(reports.reports) == 1, reports.reports
-    report = reports.reports[0]
+    report, seconds = one_stall_report(str(tmp_path), n - 1, num_proc=n, stall_warning=10, timeout=150)
     head = re.search(rf"stall: ranks 0 \((\S+)\), 1 \(\S+\), 2 \(\S+\) have waited \d+ s in allreduce #2 "
                      rf"\(float32\[8,3\], sum\); rank {n - 1} has not arrived", report)
     late = re.search(rf"rank {n - 1} \((\S+)\) is after allreduce #1", report)
     assert head and late, report
     assert late.group(1) in hosts.ips and late.group(1) != head.group(1), report  # ranks are numbered by host
     assert f"line {_late_line()} in late_rank" in report, report
-    seconds = reports.at[0] - read_time(str(tmp_path), "entered")
     fault_time("stall report across hosts, stall_warning=10 s", 20, seconds)
     print(f"stall report {seconds:.1f} s after the stall began")
 

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from helpers import fault_time, rank_processes, read_ranks, read_time
+from helpers import fault_time, rank_processes, read_ranks
 from multihost_cluster import MARKS, fail_by, ranks_on, run_id_of, when_running, work_dirs
 
 import sparktrain
@@ -120,19 +120,11 @@ def test_a_stall_report_names_the_one_late_rank_of_16(cluster8, tmp_path):
     """stall_warning=10: rank 13 (its host's second) waits in user code before an allreduce the other 15 are
     in. One report names rank 13 and its host, with its stack down to the user's line, and lists
     the 15 waiting ranks; the run goes on once the late rank is let go."""
-    from test_stalls import _capture, _late_line, late_rank
+    from test_stalls import _late_line, one_stall_report
 
     hosts, _, _ = cluster8
     late = 13
-    reports = _capture(str(tmp_path / "go"))
-    try:
-        total = sparktrain.run(late_rank, args=(str(tmp_path), late), num_proc=N, timeout=200, verbose=0,
-                               env={"SPARKTRAIN_STALL_WARNING": "10"})
-    finally:
-        logging.getLogger("sparktrain").removeHandler(reports)
-    assert total == N * 24
-    assert len(reports.reports) == 1, reports.reports
-    report = reports.reports[0]
+    report, seconds = one_stall_report(str(tmp_path), late, num_proc=N, stall_warning=10, timeout=200)
     head = re.search(rf"stall: ranks (.*) have waited \d+ s in allreduce #2 \(float32\[8,3\], sum\); "
                      rf"rank {late} has not arrived$", report.splitlines()[0])
     assert head, report
@@ -145,7 +137,6 @@ def test_a_stall_report_names_the_one_late_rank_of_16(cluster8, tmp_path):
     assert f"rank {late} ({host}) is after allreduce #1" in report, report
     assert f"line {_late_line()} in late_rank" in report, report
     assert len(re.findall(r"^  rank \d+ ", report, re.M)) == 1, report  # only the late rank's stack
-    seconds = reports.at[0] - read_time(str(tmp_path), "entered")
     fault_time("stall report, 1 late rank of 16 on 8 hosts, stall_warning=10 s", 20, seconds)
     print(f"stall report {seconds:.1f} s after the stall began")
 

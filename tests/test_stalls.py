@@ -88,24 +88,32 @@ def _capture(go: str | None) -> _Reports:
     return handler
 
 
-@pytest.mark.timeout(120)
-def test_a_stall_report_names_the_late_rank_and_its_line_then_the_run_goes_on(tmp_path):
-    reports = _capture(str(tmp_path / "go"))
+def one_stall_report(outdir: str, late: int, num_proc: int, stall_warning: int, timeout: float,
+                     **run_kwargs) -> tuple[str, float]:
+    """Run ``late_rank`` on ``num_proc`` ranks with rank ``late`` late. The first report lets it go:
+    the run must go on to every rank's total, with that one report. Returns the report and how
+    long after the stall began the driver logged it."""
+    reports = _capture(os.path.join(outdir, "go"))
     try:
-        total = sparktrain.run(late_rank, args=(str(tmp_path), 2), num_proc=3, local_mode=True, timeout=100,
-                               env={"SPARKTRAIN_STALL_WARNING": "2"}, verbose=0)
+        total = sparktrain.run(late_rank, args=(outdir, late), num_proc=num_proc, timeout=timeout,
+                               env={"SPARKTRAIN_STALL_WARNING": str(stall_warning)}, verbose=0, **run_kwargs)
     finally:
         logging.getLogger("sparktrain").removeHandler(reports)
-    assert total == 3 * 24  # the run went on once the late rank was let go
+    assert total == num_proc * 24  # the run went on once the late rank was let go
     assert len(reports.reports) == 1, reports.reports  # one stall, reported once
-    report = reports.reports[0]
+    return reports.reports[0], reports.at[0] - read_time(outdir, "entered")
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_report_names_the_late_rank_and_its_line_then_the_run_goes_on(tmp_path):
+    report, seconds = one_stall_report(str(tmp_path), 2, num_proc=3, stall_warning=2, timeout=100, local_mode=True)
     head = report.splitlines()[0]
     assert re.search(r"stall: ranks 0 \(\S+\), 1 \(\S+\) have waited \d+ s in allreduce #2 \(float32\[8,3\], sum\); "
                      r"rank 2 has not arrived", head), report
     assert "rank 2 (127.0.0.1) is after allreduce #1 (float32[4], average)" in report, report
     assert f'"{__file__}", line {_late_line()} in late_rank' in report, report
     assert "sparktrain/executor/child.py" not in report  # only the user's frames
-    fault_time("stall report, stall_warning=2 s (local)", 2 + 10, reports.at[0] - read_time(str(tmp_path), "entered"))
+    fault_time("stall report, stall_warning=2 s (local)", 2 + 10, seconds)
 
 
 def _late_rank_never_comes(tmp_path, error_type, timeout: float, collective_timeout: float):
