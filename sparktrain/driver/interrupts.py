@@ -11,12 +11,60 @@ the loop raises ``KeyboardInterrupt`` at the top of its next turn (:meth:`Interr
 second interrupt cuts the stack report short. The handler that was there before comes back when
 supervision ends. A SIGINT that the process ignores stays ignored, and a run supervised from
 another thread keeps Python's own handling (only the main thread can set a handler).
+
+A run supervised from another thread (a trial of ``sparktrain.tune``) is stopped from outside
+through a :class:`Cancellation` that its thread entered (:meth:`Cancellation.scope`): its
+:meth:`~Cancellation.cancel` wakes every attempt supervised in that scope, which raises
+``RunCancelledError`` at the top of its next turn and stops its ranks as for Ctrl-C.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-from typing import Callable
+from typing import Callable, Iterator
+
+from ..errors import RunCancelledError
+
+_scope = threading.local()
+
+
+class Cancellation:
+    """A stop order for the runs supervised in threads that entered :meth:`scope`: :meth:`cancel`
+    (from any thread, or a signal handler) makes each raise ``RunCancelledError`` with ``reason``."""
+
+    def __init__(self):
+        self.reason: str | None = None
+        self._wakes: set[Callable[[], None]] = set()
+        # Reentrant: cancel() may run in a signal handler while this thread is in _watch.
+        self._lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Cancellation]:
+        """The runs this thread supervises inside the block obey this cancellation."""
+        previous = getattr(_scope, "current", None)
+        _scope.current = self
+        try:
+            yield self
+        finally:
+            _scope.current = previous
+
+    def cancel(self, reason: str) -> None:
+        self.reason = reason
+        with self._lock:
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake()
+
+    def _watch(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            self._wakes.add(wake)
+        if self.reason is not None:
+            wake()
+
+    def _unwatch(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            self._wakes.discard(wake)
 
 
 class Interrupts:
@@ -28,8 +76,13 @@ class Interrupts:
         self._previous = None
         #: SIGINTs received since the block began.
         self.count = 0
+        #: The cancellation this thread entered, if any, watched while the block runs.
+        self._cancellation: Cancellation | None = None
 
     def __enter__(self) -> Interrupts:
+        self._cancellation = getattr(_scope, "current", None)
+        if self._cancellation is not None:
+            self._cancellation._watch(self._wake)
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGINT)
             # None: a handler not set from Python, which could not be put back; SIG_IGN: ignored on purpose.
@@ -38,6 +91,8 @@ class Interrupts:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._cancellation is not None:
+            self._cancellation._unwatch(self._wake)
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
@@ -47,6 +102,9 @@ class Interrupts:
         self._wake()
 
     def check(self, allowed: int = 0) -> None:
-        """Raise ``KeyboardInterrupt`` if more than ``allowed`` interrupts came."""
+        """Raise ``KeyboardInterrupt`` if more than ``allowed`` interrupts came, or
+        ``RunCancelledError`` if the thread's cancellation was cancelled."""
+        if self._cancellation is not None and self._cancellation.reason is not None:
+            raise RunCancelledError(self._cancellation.reason)
         if self.count > allowed:
             raise KeyboardInterrupt

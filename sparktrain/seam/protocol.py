@@ -11,6 +11,11 @@ A rank's task sends :class:`CheckedIn`, :class:`Output`, :class:`Beat`, :class:`
 :class:`Stacks` and :class:`RankFailed`; the driver sends :class:`Peers`, :class:`Beat`,
 :class:`AskStacks` and :class:`Abort`. Each side decodes only what the other may send.
 
+A rank of a ``sparktrain.tune`` trial also speaks to the study on its own channel to the driver:
+it says which trial it serves (:class:`TrialHello`), then asks (:class:`Suggest`, :class:`Report`,
+:class:`ShouldPrune`, :class:`SetUserAttr`, :class:`Look`) and waits for each :class:`Answer`.
+Values that Optuna takes as any JSON value travel as JSON text.
+
 A rank's failure reaches the driver one way: the task's :class:`RankFailed` message. Where there is
 no channel to carry it (ranks meet through Spark's barrier, or the channel broke), the same
 encoded message rides in the task's error (:class:`RankError`), and the driver reads it back out
@@ -100,6 +105,59 @@ class RankFailed:
     failure: RankFailure
 
 
+@dataclasses.dataclass(frozen=True)
+class TrialHello:
+    """A rank of trial ``number`` opens its channel to the study (the first message on it)."""
+
+    TYPE: ClassVar[str] = "trial"
+    number: int
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggest:
+    """``trial.<method>(name, **args)`` on the driver's trial (``args``: JSON); answered with the value."""
+
+    TYPE: ClassVar[str] = "suggest"
+    name: str
+    method: str
+    args: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """``trial.report(value, step)``; the study records rank 0's only."""
+
+    TYPE: ClassVar[str] = "report"
+    step: int
+    value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ShouldPrune:
+    """Prune now? ``step``: this rank's last reported step (-1: none); every rank gets one answer per step."""
+
+    TYPE: ClassVar[str] = "prune?"
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SetUserAttr:
+    """``trial.set_user_attr(key, value)`` (``value``: JSON)."""
+
+    TYPE: ClassVar[str] = "attr"
+    key: str
+    value: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Look:
+    """Read the driver's trial: ``what`` is "params", "distributions", "user_attrs" or "datetime_start"."""
+
+    TYPE: ClassVar[str] = "look"
+    what: str
+
+
 # -- driver to rank ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +186,19 @@ class Abort:
     reason: str
 
 
-FromRank = Union[CheckedIn, Output, Beat, Quiet, Stacks, RankFailed]
-FromDriver = Union[Peers, Beat, AskStacks, Abort]
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """The study's answer to a trial's request: ``value`` as JSON text, or the ``error`` it raised."""
+
+    TYPE: ClassVar[str] = "answer"
+    value: str = "null"
+    error: str | None = None
+
+
+TRIAL_REQUESTS = (Suggest, Report, ShouldPrune, SetUserAttr, Look)
+FromRank = Union[CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, TrialHello, Suggest, Report, ShouldPrune,
+                 SetUserAttr, Look]
+FromDriver = Union[Peers, Beat, AskStacks, Abort, Answer]
 Message = Union[FromRank, FromDriver]
 
 #: Who sent a message: a rank's task or the driver.
@@ -205,8 +274,9 @@ def _kind(cls: type) -> _Kind:
 
 
 _SENT_BY: dict[str, dict[str, _Kind]] = {
-    RANK: {c.TYPE: _kind(c) for c in (CheckedIn, Output, Beat, Quiet, Stacks, RankFailed)},
-    DRIVER: {c.TYPE: _kind(c) for c in (Peers, Beat, AskStacks, Abort)},
+    RANK: {c.TYPE: _kind(c) for c in (CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, TrialHello,
+                                      *TRIAL_REQUESTS)},
+    DRIVER: {c.TYPE: _kind(c) for c in (Peers, Beat, AskStacks, Abort, Answer)},
 }
 
 
