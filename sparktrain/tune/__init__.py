@@ -16,8 +16,22 @@ except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError("sparktrain.tune needs Optuna on the driver and the executors: "
                       "pip install 'sparktrain[tune]'") from e
 
-from .gang import ERROR_ATTR
-from .rank import RankTrial
-from .study import optimize
+from typing import Any
+
+#: The user attribute that keeps a failed trial's error (its first lines).
+ERROR_ATTR = "sparktrain_error"
 
 __all__ = ["optimize", "RankTrial", "ERROR_ATTR"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily: a trial's rank imports this package for its RankTrial, and nothing of the driver side.
+    if name == "optimize":
+        from .study import optimize
+
+        return optimize
+    if name == "RankTrial":
+        from .rank import RankTrial
+
+        return RankTrial
+    raise AttributeError(f"module 'sparktrain.tune' has no attribute {name!r}")

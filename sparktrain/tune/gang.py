@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from ..driver.interrupts import Cancellation
 from ..errors import RunCancelledError, SparkTrainError
-from . import slots
+from . import ERROR_ATTR, slots
 from .board import Board
 from .rank import TrialAddress, objective_on_rank
 from .server import TrialServer
@@ -24,8 +24,6 @@ from .tracking import StudyRuns
 
 log = logging.getLogger("sparktrain")
 
-#: The user attribute that keeps a failed trial's error (its first lines).
-ERROR_ATTR = "sparktrain_error"
 #: How much of a rank's error the attribute keeps.
 ERROR_CHARS = 2000
 

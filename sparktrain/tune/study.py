@@ -100,7 +100,7 @@ def optimize(study, objective: Callable[[Any], Any], n_trials: int | None = None
     log.info("sparktrain: tune: study %s, %s trial(s) of %d rank(s), %d at once", study.study_name,
              "unbounded" if n_trials is None else n_trials, abs(num_proc), gangs)
     try:
-        with _cancel_on_interrupt(trials):
+        with _cancel_on_interrupt(trials), _asks_one_at_a_time(study):
             study.optimize(trials, n_trials=n_trials, timeout=timeout, n_jobs=gangs, catch=catch,
                            callbacks=callbacks, gc_after_trial=gc_after_trial)
     finally:
@@ -140,6 +140,25 @@ def _warn_without_heartbeat(study) -> None:
     log.warning("sparktrain: tune: study %s's storage (%s) keeps no heartbeat: trials running when this driver "
                 "dies stay RUNNING in it. An RDBStorage with heartbeat_interval fails them on the next "
                 "optimize (docs/tune.md)", study.study_name, kind)
+
+
+@contextlib.contextmanager
+def _asks_one_at_a_time(study) -> Iterator[None]:
+    """Optuna's worker threads ask for trials one at a time. Two asks at once on an SQLite storage
+    both took the same queued trial (``enqueue_trial``): SQLite has no ``SELECT ... FOR UPDATE``, which
+    is how an RDB storage claims a waiting trial, so both saw it waiting. Optuna's loop calls
+    ``study.ask()``; this study's ask takes a lock while the loop runs."""
+    ask, lock = study.ask, threading.Lock()
+
+    def one_at_a_time(*args, **kwargs):
+        with lock:
+            return ask(*args, **kwargs)
+
+    study.ask = one_at_a_time
+    try:
+        yield
+    finally:
+        del study.ask  # the class's method again
 
 
 @contextlib.contextmanager

@@ -1,0 +1,270 @@
+"""sparktrain.tune on a real local[4] Spark: trials as gangs of 2 real ranks, two at a time; the
+same suggestion on every rank; pruning and failures; the slot arithmetic; a killed driver's study
+finished by a second driver; an interrupted study; MLflow's nested runs; the dashboard in Chromium."""
+from __future__ import annotations
+
+import functools
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+import sparktrain  # noqa: E402
+import sparktrain.tune  # noqa: E402
+from sparktrain.errors import InvalidArgumentError  # noqa: E402
+from sparktrain.tune import slots  # noqa: E402
+from sparktrain.tune.rank import Finished, Pruned  # noqa: E402
+
+import tune_objectives as objectives  # noqa: E402
+from conftest import HERE, module_spark  # noqa: E402
+from helpers import wait_pids_gone  # noqa: E402
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+spark = module_spark("local[4]")
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+# -- pure --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("concurrent, num_proc, slots_, gangs", [
+    (None, 2, 4, 2), (None, 2, 5, 2), (None, 3, 4, 1), (2, 2, 4, 2), (1, 2, 4, 1), (None, 2, 0, 1), (3, 2, 0, 3),
+])
+def test_gangs_fit_the_slots(concurrent, num_proc, slots_, gangs):
+    assert slots.concurrent_gangs(concurrent, num_proc, slots_) == gangs
+
+
+@pytest.mark.parametrize("concurrent, num_proc, slots_, words", [
+    (3, 2, 4, ["concurrent_trials=3", "num_proc=2", "6 task slots", "the cluster has 4", "2 or fewer"]),
+    (None, 5, 4, ["num_proc=5", "needs 5 task slots", "the cluster has 4"]),
+    (0, 2, 4, ["concurrent_trials must be a positive int", "got 0"]),
+    (1.5, 2, 4, ["got 1.5"]),
+])
+def test_gangs_that_do_not_fit_are_refused_naming_both_numbers(concurrent, num_proc, slots_, words):
+    with pytest.raises(InvalidArgumentError) as e:
+        slots.concurrent_gangs(concurrent, num_proc, slots_)
+    for word in words:
+        assert word in str(e.value)
+
+
+@pytest.mark.parametrize("returned, error, state, value, message", [
+    (Finished(0.5), None, "COMPLETE", 0.5, ""),
+    (Finished([1.0, 2.0]), None, "COMPLETE", [1.0, 2.0], ""),
+    (Pruned("pruned at step 3"), None, "PRUNED", None, "pruned at step 3"),
+    (None, RuntimeError("\nrank 1 failed: boom\nmore"), "FAIL", None, "rank 1 failed: boom"),
+    (b"bytes", None, "FAIL", None, "rank 0 returned bytes"),
+])
+def test_what_a_gangs_end_makes_of_its_trial(returned, error, state, value, message):
+    got = slots.outcome(returned, error)
+    assert (got.state, got.value) == (state, value) and message in got.message
+
+
+# -- on Spark ----------------------------------------------------------------------------------------
+
+def test_the_same_suggestions_on_every_rank_trials_at_once_and_queued_params(spark, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    study = optuna.create_study(study_name="meeting")
+    study.enqueue_trial({"x": 1.5, "kind": "b", "layers": 3})
+    out = io.StringIO()
+    with mlflow.start_run() as parent:
+        sparktrain.tune.optimize(study, functools.partial(objectives.meeting, str(tmp_path)), n_trials=4,
+                                 concurrent_trials=2, num_proc=2, stdout=out)
+    seen = objectives.read(str(tmp_path))
+    assert sorted(seen) == [(n, r) for n in range(4) for r in range(2)]
+    for trial in study.trials:
+        assert trial.state == optuna.trial.TrialState.COMPLETE, (trial, out.getvalue())
+        ranks = [seen[trial.number, r] for r in range(2)]
+        # Every rank got the study's one value per name, asked twice or not, and sees it in trial.params.
+        for r in ranks:
+            assert r["x"] == r["again"] == trial.params["x"]
+            assert (r["kind"], r["layers"]) == (trial.params["kind"], trial.params["layers"])
+            assert r["params"] == trial.params
+        assert trial.value == pytest.approx((trial.params["x"] - 1.0) ** 2 + trial.params["layers"])
+        assert trial.user_attrs == {"seen_by_rank_0": trial.params["x"], "seen_by_rank_1": trial.params["x"]}
+    assert study.trials[0].params == {"x": 1.5, "kind": "b", "layers": 3}  # the queued trial ran with its params
+    # Trials 0 and 1 ran at once: each waited for the other to start before it could end.
+    a, b = seen[0, 0], seen[1, 0]
+    assert a["started"] < b["ended"] and b["started"] < a["ended"]
+    lines = out.getvalue().splitlines()
+    assert sum("sparktrain: tune: trial" in line and "started on 2 rank(s)" in line for line in lines) == 4
+    assert sum(" complete, value " in line for line in lines) == 4, out.getvalue()
+    # The study is the driver's MLflow run; each trial one nested run with its params, value and state.
+    client = mlflow.MlflowClient()
+    nested = client.search_runs([parent.info.experiment_id],
+                                f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert len(nested) == 4
+    by_trial = {int(r.data.tags["optuna.trial"]): r for r in nested}
+    for trial in study.trials:
+        run = by_trial[trial.number]
+        assert run.info.status == "FINISHED" and run.data.tags["optuna.state"] == "COMPLETE"
+        assert float(run.data.params["x"]) == pytest.approx(trial.params["x"])
+        assert run.data.metrics["value"] == pytest.approx(trial.value)
+
+
+def test_a_pruned_gang_stops_early_and_a_failed_trial_lets_the_study_go_on(spark, tmp_path):
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1))
+    for params in ({"x": 0.0, "fail": False}, {"x": 0.1, "fail": False}, {"x": 4.0, "fail": False},
+                   {"x": 0.2, "fail": True}, {"x": 0.05, "fail": False}):
+        study.enqueue_trial(params)
+    out = io.StringIO()
+    sparktrain.tune.optimize(study, functools.partial(objectives.steps, str(tmp_path)), n_trials=5,
+                             concurrent_trials=1, num_proc=2, stdout=out)
+    states = [t.state.name for t in study.trials]
+    assert states == ["COMPLETE", "COMPLETE", "PRUNED", "FAIL", "COMPLETE"], out.getvalue()
+    seen = objectives.read(str(tmp_path))
+    # The pruned gang stopped at the first step past the warm-up, on both ranks (one answer per step).
+    assert seen[2, 0]["last_step"] == seen[2, 1]["last_step"] == 1
+    assert seen[0, 0]["last_step"] == seen[0, 1]["last_step"] == 7
+    # What the study recorded is rank 0's report (rank 1 reported 1000 more).
+    assert study.trials[0].intermediate_values == {s: pytest.approx(1.0 / (s + 1)) for s in range(8)}
+    assert sorted(study.trials[2].intermediate_values) == [0, 1]
+    failed = study.trials[3]
+    assert "rank 1 of trial 3 fails on purpose" in failed.user_attrs[sparktrain.tune.ERROR_ATTR]
+    assert "trial 3 failed" in out.getvalue() and "trial 2 pruned" in out.getvalue()
+
+
+def test_gangs_the_cluster_cannot_hold_are_refused_before_any_trial(spark, tmp_path):
+    study = optuna.create_study()
+    with pytest.raises(InvalidArgumentError) as e:
+        sparktrain.tune.optimize(study, functools.partial(objectives.steps, str(tmp_path)), n_trials=2,
+                                 concurrent_trials=3, num_proc=2)
+    assert "concurrent_trials=3" in str(e.value) and "6 task slots" in str(e.value) and "has 4" in str(e.value)
+    with pytest.raises(InvalidArgumentError, match="sets run's args= itself"):
+        sparktrain.tune.optimize(study, objectives.steps, n_trials=1, num_proc=2, args=(1,))
+    with pytest.raises(InvalidArgumentError, match="passes its other keywords to sparktrain.run"):
+        sparktrain.tune.optimize(study, objectives.steps, n_trials=1, num_proc=2, no_such_keyword=1)
+    assert study.trials == []
+
+
+def _start_driver(storage: str, outdir, n_trials: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "tune_objectives.py"), storage, str(outdir),
+                             str(n_trials)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _running_ranks(outdir, count: int, proc: subprocess.Popen) -> list[int]:
+    """The pids of ``count`` ranks of the driver's trials, once they all recorded themselves."""
+    deadline = time.monotonic() + 180
+    while len(objectives.read(str(outdir))) < count:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the driver's trials did not start"
+        time.sleep(0.1)
+    return [r["pid"] for r in objectives.read(str(outdir)).values()]
+
+
+def test_a_killed_drivers_study_is_finished_by_a_second_driver(spark, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = _start_driver(storage, tmp_path, 4)
+    try:
+        pids = _running_ranks(tmp_path, 4, first)  # two trials of two ranks, blocked
+        first.send_signal(signal.SIGKILL)           # our own child: Popen holds it until we wait
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert wait_pids_gone(pids, timeout=60) == []   # no rank of the dead driver lives on
+    stored = optuna.storages.RDBStorage(storage, heartbeat_interval=1, grace_period=3,
+                                        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+    study = optuna.load_study(study_name="killed", storage=stored)
+    assert sorted(t.state.name for t in study.trials) == ["RUNNING", "RUNNING"]
+    (tmp_path / "release").touch()
+    # Optuna fails a trial whose heartbeat is older than the grace period; wait until both are.
+    deadline = time.monotonic() + 30
+    while len(stored._get_stale_trial_ids(study._study_id)) < 2:
+        assert time.monotonic() < deadline, "the dead driver's trials never went stale"
+        time.sleep(0.2)
+    sparktrain.tune.optimize(study, functools.partial(objectives.blocked, str(tmp_path)), n_trials=2,
+                             concurrent_trials=2, num_proc=2)
+    trials = study.trials
+    assert [t.state.name for t in trials[:2]] == ["FAIL", "FAIL"]
+    assert "RUNNING" not in {t.state.name for t in trials}
+    assert sum(t.state.name == "COMPLETE" for t in trials) == 2
+    # Optuna's retry callback queued each failed trial again, with its params (a copy this call did not
+    # reach waits for the next one).
+    retry = optuna.storages.RetryHeartbeatStaleTrialCallback
+    copies = {retry.retried_trial_number(t): t for t in trials[2:] if retry.retried_trial_number(t) is not None}
+    assert sorted(copies) == [0, 1]
+    assert {copies[n].state.name for n in copies} <= {"COMPLETE", "WAITING"}
+    assert copies[0].state.name == "COMPLETE" or copies[1].state.name == "COMPLETE"
+
+
+def test_an_interrupt_cancels_every_running_gang(spark, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    driver = _start_driver(storage, tmp_path, 4)
+    try:
+        pids = _running_ranks(tmp_path, 4, driver)
+        interrupted = time.monotonic()
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=90)
+        took = time.monotonic() - interrupted
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
+    assert wait_pids_gone(pids, timeout=30) == []
+    study = optuna.load_study(study_name="killed", storage=storage)
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"], output[-3000:]
+    print(f"an interrupted study of 2 running gangs ended in {took:.1f} s")
+
+
+@pytest.mark.timeout(240)
+def test_the_dashboard_shows_the_study_in_chromium(spark, tmp_path):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed here (.ci/run installs it: apt-get install chromium)")
+    pytest.importorskip("optuna_dashboard")
+    from storage_servers import free_port
+    from test_notebooks import CHROMIUM_FLAGS, page_text
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(storage=storage, study_name="digits-cnn")
+    study.enqueue_trial({"x": 0.5, "fail": False})
+    study.enqueue_trial({"x": 1.0, "fail": True})
+    out = io.StringIO()
+    sparktrain.tune.optimize(study, functools.partial(objectives.steps, str(tmp_path)), n_trials=2,
+                             concurrent_trials=2, num_proc=2, stdout=out)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL"], out.getvalue()
+    port = free_port("127.0.0.1")
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "optuna-dashboard"), storage, "--host", "127.0.0.1",
+                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "optuna-dashboard did not answer"
+                time.sleep(0.2)  # no event for "the server answers"; bounded poll
+        page = f"http://127.0.0.1:{port}/dashboard/studies/{study._study_id}"
+        flags = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+                 "--virtual-time-budget=15000"]
+        dom = subprocess.run([*flags, "--dump-dom", page], capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        text = page_text(dom)
+        assert "digits-cnn" in text, text[:2000]
+        trials = subprocess.run([*flags, "--dump-dom", page + "/trials?numbers=1"], capture_output=True, text=True,
+                                timeout=120, check=True).stdout
+        assert sparktrain.tune.ERROR_ATTR in page_text(trials), page_text(trials)[:3000]
+        shots = os.environ.get("SPARKTRAIN_TEST_ARTIFACTS") or str(tmp_path)
+        os.makedirs(shots, exist_ok=True)
+        shot = os.path.join(shots, "tune-dashboard.png")
+        subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1400,1000", page], capture_output=True,
+                       timeout=120, check=True)
+        assert os.path.getsize(shot) > 10_000
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

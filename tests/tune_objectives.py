@@ -1,0 +1,112 @@
+"""Objectives of the tune tests, imported by reference on the ranks (tests/ is on their path), and
+``python tune_objectives.py``: a driver of its own for the tests that kill or interrupt one.
+
+Each rank writes what it saw to ``<outdir>/t<number>-r<rank>.json``, so a test can read every
+rank's view of every trial.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+
+
+def _record(outdir: str, trial, **what) -> None:
+    import sparktrain
+
+    info = {"number": trial.number, "rank": sparktrain.rank(), "pid": os.getpid(), **what}
+    path = os.path.join(outdir, f"t{trial.number}-r{info['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f)
+    os.replace(path + ".tmp", path)
+
+
+def read(outdir: str) -> dict[tuple[int, int], dict]:
+    """Every rank's record, by (trial number, rank)."""
+    out = {}
+    for path in glob.glob(os.path.join(outdir, "t*-r*.json")):
+        with open(path) as f:
+            info = json.load(f)
+        out[info["number"], info["rank"]] = info
+    return out
+
+
+def _wait(predicate, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.05)
+
+
+def meeting(outdir: str, trial) -> float:
+    """Suggests, then waits until two trials have started (so that trials must overlap to end),
+    records what it saw, and returns a value of its suggestions."""
+    import sparktrain
+
+    started = time.time()
+    x = trial.suggest_float("x", -5.0, 5.0)
+    again = trial.suggest_float("x", -5.0, 5.0)
+    kind = trial.suggest_categorical("kind", ["a", "b", "c"])
+    layers = trial.suggest_int("layers", 1, 4)
+    open(os.path.join(outdir, f"started-{trial.number}-{sparktrain.rank()}"), "w").close()
+    _wait(lambda: len({p.rsplit("-", 2)[-2] for p in glob.glob(os.path.join(outdir, "started-*"))}) >= 2,
+          "a second trial starting beside this one")
+    trial.set_user_attr(f"seen_by_rank_{sparktrain.rank()}", x)
+    _record(outdir, trial, x=x, again=again, kind=kind, layers=layers, params=trial.params,
+            started=started, ended=time.time(), attrs=trial.user_attrs)
+    return (x - 1.0) ** 2 + layers
+
+
+def steps(outdir: str, trial) -> float:
+    """Eight steps of a value set by ``x``; reports each (rank 1 reports a value the study must not
+    record), asks whether to prune, and records the last step it reached on each rank."""
+    import optuna
+
+    import sparktrain
+
+    x = trial.suggest_float("x", -5.0, 5.0)
+    fail = trial.suggest_categorical("fail", [False, True])
+    if fail and sparktrain.rank() == 1:
+        raise ValueError(f"rank 1 of trial {trial.number} fails on purpose")
+    value = 0.0
+    for step in range(8):
+        value = x * x + 1.0 / (step + 1)
+        trial.report(value + 1000.0 * sparktrain.rank(), step)
+        _record(outdir, trial, last_step=step)
+        if trial.should_prune():
+            raise optuna.TrialPruned(f"pruned at step {step}")
+    return value
+
+
+def blocked(outdir: str, trial) -> float:
+    """Records its pid, then waits for ``<outdir>/release`` (a driver killed meanwhile leaves it waiting)."""
+    x = trial.suggest_float("x", -5.0, 5.0)
+    _record(outdir, trial, x=x)
+    _wait(lambda: os.path.exists(os.path.join(outdir, "release")), "the release file", timeout=240.0)
+    return x * x
+
+
+def _drive(storage_url: str, outdir: str, n_trials: int) -> None:
+    """A driver of its own: local[4], a study in ``storage_url`` with a heartbeat, ``blocked`` trials."""
+    import functools
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    import optuna
+    from pyspark.sql import SparkSession
+
+    import sparktrain.tune
+
+    SparkSession.builder.master("local[4]").config("spark.ui.enabled", "false").getOrCreate()
+    storage = optuna.storages.RDBStorage(storage_url, heartbeat_interval=1, grace_period=3,
+                                         heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+    study = optuna.create_study(storage=storage, study_name="killed", load_if_exists=True)
+    print("driving", flush=True)
+    sparktrain.tune.optimize(study, functools.partial(blocked, outdir), n_trials=n_trials, concurrent_trials=2,
+                             num_proc=2)
+
+
+if __name__ == "__main__":
+    _drive(sys.argv[1], sys.argv[2], int(sys.argv[3]))
