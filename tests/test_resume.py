@@ -205,3 +205,57 @@ def test_run_id_needs_an_elastic_url_and_a_good_name(monkeypatch):
         sparktrain.run(len, args=("x",), num_proc=-1, run_id="nightly")
     with pytest.raises(sparktrain.InvalidArgumentError, match=r"run_id='a/b'.*letters, digits"):
         sparktrain.run(len, args=("x",), num_proc=-1, run_id="a/b", env={"SPARKTRAIN_ELASTIC_URL": "/tmp/x"})
+
+
+def backed_up(out, job):
+    import os
+
+    import numpy as np
+
+    import sparktrain.keras as hvd
+    import sparktrain.tensorflow
+    from sparktrain.keras.front import LINE, keras
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    keras.utils.set_random_seed(r + 10 * job)  # each job and rank starts from other weights
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(80, 4)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)),
+                  loss="sparse_categorical_crossentropy")
+    epochs = []
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs.append(epoch)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if job == 1 and epoch == 1:
+                sparktrain.tensorflow.barrier()  # rank 0 has written epoch 1's backup
+                raise RuntimeError("the job's cluster went away")
+
+    backup = hvd.callbacks.BackupAndRestore()
+    model.fit(x[r::n], y[r::n], batch_size=10, epochs=4, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), backup, Crash()])
+    with open(os.path.join(out, f"backup-{job}-{r}"), "w") as f:
+        f.write(f"{LINE} {backup.restored_epoch} {' '.join(map(str, epochs))}")
+    return [w.tolist() for w in model.get_weights()]
+
+
+@pytest.mark.parametrize("line", ["keras", pytest.param("tf_keras", marks=pytest.mark.keras2)])
+def test_backup_and_restore_resumes_fit_in_a_new_job_from_the_runs_home(tmp_path, line):
+    url, out = str(tmp_path / "runs"), str(tmp_path)
+    env = {"SPARKTRAIN_ELASTIC_URL": url, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "TF_USE_LEGACY_KERAS": "1" if line == "tf_keras" else "0"}
+    with pytest.raises(sparktrain.RankFailedError, match="went away"):
+        sparktrain.run(backed_up, args=(out, 1), num_proc=-2, run_id="keras-only", env=env, verbose=0)
+    home = homes.Home(url, "keras-only")
+    assert home.failure() is not None and home.result() == (False, None)
+    assert sorted(os.listdir(os.path.join(home.url, "backup"))) == ["backup.pkl", "backup.pkl.sparktrain.json"]
+    weights = sparktrain.run(backed_up, args=(out, 2), num_proc=-2, run_id="keras-only", env=env, verbose=0)
+    for r in (0, 1):  # every rank read the backup of epoch 1 and went on from epoch 2
+        assert _read(out, f"backup-2-{r}") == f"{line} 2 2 3"
+    assert home.result() == (True, weights)
+    assert os.listdir(os.path.join(home.url, "backup")) == []  # deleted at fit's end, as Keras does
