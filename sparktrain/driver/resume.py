@@ -72,7 +72,11 @@ def run_named(cfg: RunConfig, launch: Callable[[], Any]) -> Any:
                       "this run_id will run it again from its last commit", what, type(e).__name__, str(e)[:200])
         return value
     finally:
-        lease.release()
+        try:
+            lease.release()
+        except Exception as e:  # noqa: BLE001 - the run's own value or error matters more; the lease expires
+            log.warning("sparktrain: %s: releasing its lease failed (%s); it expires in %.0f s", what,
+                        type(e).__name__, lease.seconds)
 
 
 def _record_failure(home, what: str, error: BaseException) -> None:
