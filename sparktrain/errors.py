@@ -84,6 +84,20 @@ class RunCancelledError(SparkTrainError):
     retryable = False  # stopped on purpose
 
 
+class RunInUseError(SparkTrainError):
+    """A named run (``run_id=``) is being trained by another driver now: its lease in the run's
+    home is live. ``holder`` says whose it is (host, process id, start time, expiry)."""
+
+    retryable = False
+
+    def __init__(self, message: str, holder: dict | None = None):
+        super().__init__(message)
+        self.holder = dict(holder or {})
+
+    def __reduce__(self):
+        return type(self), (str(self), self.holder)
+
+
 class VersionMismatchError(SparkTrainError):
     """An executor runs other versions of Python or key packages than the driver."""
 

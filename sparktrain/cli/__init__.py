@@ -3,6 +3,7 @@
 - ``sparktrain run train.py --num-proc 3 [-- script args]``: run a training script on every rank.
 - ``sparktrain check``: can this Spark cluster run sparktrain? (see sparktrain.cli.check)
 - ``sparktrain demo``: a Keras 3 CNN trained with 3 ranks on an embedded local Spark.
+- ``sparktrain runs <elastic_url>``: the named runs there: state, last commit, lease (see sparktrain.cli.runs).
 - ``sparktrain submit-file``: the file to give spark-submit, to run these commands in a submitted job.
 """
 from __future__ import annotations
@@ -211,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Data-parallel TensorFlow and Keras 3 training on Spark.\n\n"
                     f"  {RUN_EXAMPLE}\n  sparktrain check --master spark://host:7077\n  sparktrain demo\n"
                     "  spark-submit --master yarn \"$(sparktrain submit-file)\" run train.py --num-proc 4")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,demo,submit-file}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,demo,runs,submit-file}")
 
     run = sub.add_parser("run", help="run a training script on every rank",
                          description="Run a training script on every rank, as `python train.py ARGS` would, under "
@@ -252,6 +253,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--out", default="sparktrain-demo-model.keras", help="where the checkpoint goes")
 
+    runs = sub.add_parser("runs", help="list the named runs under an elastic_url: state, last commit, lease",
+                          description="List the runs named with run_id= under an elastic_url: each one's state "
+                                      "(running: a driver holds its lease; finished: its result is recorded; "
+                                      "failed: neither), its last commit (epoch, batch, time) and its lease. "
+                                      "The store's credentials come from its usual environment variables.")
+    runs.add_argument("elastic_url", help="the elastic_url setting of the runs, e.g. abfss://c@acct.dfs.core.windows.net/runs")
+    runs.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
     sub.add_parser("submit-file", help="print the file to give spark-submit: "
                                        "spark-submit $(sparktrain submit-file) run train.py ...")
     return parser
@@ -278,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             return _check(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "runs":
+            from . import runs
+
+            return runs.print_runs(args.elastic_url, args.json)
         print(submit_file())
         return 0
     except UsageError as e:

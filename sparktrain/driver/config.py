@@ -51,6 +51,8 @@ class Arguments:
     start_timeout: float | None
     timeout: float | None
     max_attempts: int | None
+    #: The run's name (``run_id=``): its home is ``<elastic_url>/<name>/``; None for an unnamed run.
+    name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +90,7 @@ class RunConfig:
 def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_mode, start_timeout, timeout, env,
                     stdout, stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
                     storage_options, max_attempts, data, log_url, resources, nics, encryption=None,
-                    backend=None) -> Arguments:
+                    backend=None, run_id=None) -> Arguments:
     """Check every argument of ``run``; a bad one raises, naming the value and the fix."""
     size, local = preflight.check_num_proc(num_proc, local_mode)
     args, kwargs, env = preflight.check_arguments(
@@ -112,6 +114,10 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
     if local and asked is not None and asked.gpus:
         use_gpu = True
     checkpoint = _checkpoint(checkpoint_url, storage_options)
+    if run_id is not None:
+        from ..storage.home import check_run_id
+
+        run_id = check_run_id(run_id)
     frames = None
     if data is not None:
         from . import feed
@@ -123,7 +129,7 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         stdout=stdout, stderr=stderr, verbose=verbose, timestamps=prefix_output_with_timestamp, use_gpu=use_gpu,
         asked=asked, output_ranks=output_ranks, checkpoint=checkpoint, storage_options=storage_options,
         frames=frames, log_url=log_url, nics=nics, encryption=encryption, backend=backend,
-        start_timeout=start_timeout, timeout=timeout, max_attempts=max_attempts)
+        start_timeout=start_timeout, timeout=timeout, max_attempts=max_attempts, name=run_id)
 
 
 def settings_of(conf: Mapping[str, str], environ: Mapping[str, str] | None = None,

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping
 from .. import settings
 from ..seam import worker_env
 from ..errors import InsufficientResourcesError, InvalidArgumentError, UnsupportedError
-from . import cluster, config, views
+from . import cluster, config, resume, views
 from . import run as pipeline
 from . import supervision as core
 from .config import RunConfig
@@ -61,7 +61,8 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
     run, every attempt together. ``train_fn`` keeps its state with ``hvd.elastic``
     (``state.commit()``, ``@hvd.elastic.run``), and the ``elastic_url`` setting
     (``SPARKTRAIN_ELASTIC_URL`` in ``env=`` or the driver's environment, or
-    ``spark.sparktrain.elasticUrl``) says where the commits go.
+    ``spark.sparktrain.elasticUrl``) says where the commits go: under ``run_id`` where it is given, so
+    that a later job with that ``run_id`` resumes from them (docs/elastic.md, "Resuming in a new job").
     """
     if "max_attempts" in run_kwargs:
         raise InvalidArgumentError("run_elastic does not take max_attempts: it restarts as long as at least min_num_proc "
@@ -93,10 +94,11 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
             f"min_num_proc={low} ranks cannot run at once: the local master {view.master} has {slots} task slot(s). "
             "Lower min_num_proc, or use a master with more slots")
     policy = core.Elastic(low, first, high, reset_limit, timeout, grow_after)
-    # The elastic id, under which the commits and the resize markers go, is the run's.
+    # The elastic id, under which the commits and the resize markers go, is the run's name, else its id.
     spec = task_spec(cfg, high, view.max_result_bytes(), view.tails_without_channel)
-    spec = dataclasses.replace(spec, user_env={**spec.user_env, worker_env.ELASTIC_ID: a.run_id})
-    return pipeline.attempts(cfg, view, profile, spec, policy, ElasticSize(view, cfg, profile, policy, elastic_url))
+    spec = dataclasses.replace(spec, user_env={**spec.user_env, worker_env.ELASTIC_ID: resume.home_id(cfg)})
+    return resume.run_named(cfg, lambda: pipeline.attempts(cfg, view, profile, spec, policy,
+                                                           ElasticSize(view, cfg, profile, policy, elastic_url)))
 
 
 def _view() -> views.ClusterView:
@@ -135,7 +137,7 @@ class ElasticSize:
 
     def __init__(self, view: views.ClusterView, cfg: RunConfig, profile, policy: core.Elastic, elastic_url: str):
         self.view, self.cfg, self.profile, self.policy = view, cfg, profile, policy
-        self.url, self.run_id = elastic_url, cfg.args.run_id
+        self.url, self.run_id = elastic_url, resume.home_id(cfg)
         self.storage_options = cfg.args.storage_options
 
     def slots(self) -> int:

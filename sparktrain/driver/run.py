@@ -9,12 +9,13 @@ is drawn in docs/architecture.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import sys
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from . import config, views
+from . import config, resume, views
 from . import supervision as core
 from .attempt import RunInfo
 from .attempts import FixedSize, Sizer, run_attempts
@@ -63,6 +64,7 @@ def run(
     nics: str | Iterable[str] | None = None,
     encryption: str | None = None,
     backend: str | None = None,
+    run_id: str | None = None,
 ) -> Any:
     """Run ``train_fn(*args, **kwargs)`` on ``num_proc`` ranks at once and return rank 0's value.
 
@@ -90,6 +92,9 @@ def run(
     encryption : "auto" (default: on where Spark's own encryption is), "on" or "off": AES-256-GCM
         on the driver's channel and the ring between hosts, keyed from the run's secret (docs/security.md).
     backend : the ranks' Keras backend; "jax" runs Keras 3 on JAX (docs/jax.md). None: the driver's ``KERAS_BACKEND``.
+    run_id : the run's name: its home is ``<elastic_url>/<run_id>/``, where ``hvd.elastic`` commits; a later job
+        with the same name resumes from the last commit, or returns the recorded result of a run that finished
+        (docs/elastic.md, "Resuming in a new job"). None: a fresh id for every call.
 
     Returns rank 0's value, or ``checkpoint_url``. Raises InvalidArgumentError,
     PicklingFailedError, ClusterConfigError or InsufficientResourcesError before anything
@@ -101,10 +106,16 @@ def run(
     """
     a = config.check_arguments(train_fn, args, kwargs, num_proc, local_mode, start_timeout, timeout, env, stdout,
                                stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
-                               storage_options, max_attempts, data, log_url, resources, nics, encryption, backend)
+                               storage_options, max_attempts, data, log_url, resources, nics, encryption, backend,
+                               run_id)
     configure_logging(verbose)
     view = views.choose(a.local, a.size, a.use_gpu)
     cfg = config.resolve(a, view)
+    return resume.run_named(cfg, lambda: _launch(a, view, cfg))
+
+
+def _launch(a: config.Arguments, view: views.ClusterView, cfg: config.RunConfig) -> Any:
+    """``run``'s steps from the cluster's slots on."""
     profile = view.profile(cfg.stage) if cfg.stage is not None else None
     size = view.fit(a.size, cfg.use_gpu, cfg.stage, profile, cfg.capacity_wait)
     spec = task_spec(cfg, size, view.max_result_bytes(), view.tails_without_channel)
@@ -127,6 +138,7 @@ def attempts(cfg: config.RunConfig, view: views.ClusterView, profile, spec, poli
     attempts, each a job of the view's with the stage's input for its size."""
     a = cfg.args
     # A fixed run's stage input is built before anything launches; an elastic one's for each size it takes.
+    spec = dataclasses.replace(spec, user_env={**spec.user_env, **resume.env(cfg)})
     sources: dict[int, Any] = {spec.size: _stage_input(a.frames, spec.size)} if isinstance(policy, core.Fixed) else {}
     info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=a.stdout, stderr=a.stderr, timestamps=a.timestamps,
                    timeout=a.timeout, verbose=a.verbose)

@@ -1,7 +1,7 @@
 """Horovod's Keras callbacks, on the Keras this process serves (``front``: Keras 3, or tf_keras
 under ``TF_USE_LEGACY_KERAS=1``): broadcast and metric averaging here; the learning-rate schedule
-and warm-up (``schedules``), the checkpoints (``checkpoints``) and tracking (``tracking``) in rooms of
-their own, all importable from here as in Horovod."""
+and warm-up (``schedules``), the checkpoints (``checkpoints``), ``BackupAndRestore`` (``backup``) and
+tracking (``tracking``) in rooms of their own, all importable from here as in Horovod."""
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError, SparkTrainError
@@ -133,6 +133,7 @@ class MetricAverageCallback(Callback):
 
 
 # The other callbacks live in rooms of their own; Horovod users find them all here.
+from .backup import BackupAndRestore  # noqa: E402,F401
 from .checkpoints import BestModelCheckpoint, RemoteCheckpoint, save_checkpoint  # noqa: E402,F401
 from .schedules import LearningRateScheduleCallback, LearningRateWarmupCallback  # noqa: E402,F401
 from .tracking import MLflowLogger, RemoteTensorBoard  # noqa: E402,F401

@@ -15,7 +15,8 @@ LOCAL_SIZE = "SPARKTRAIN_LOCAL_SIZE"
 CROSS_RANK = "SPARKTRAIN_CROSS_RANK"
 CROSS_SIZE = "SPARKTRAIN_CROSS_SIZE"
 RUN_ID = "SPARKTRAIN_RUN_ID"
-#: ``run_elastic``'s id, its run id: where ``hvd.elastic`` commits (outside ``run_elastic``, the run id too).
+#: Where ``hvd.elastic`` commits: a named run's name (``run_id=``), else ``run_elastic``'s run id
+#: (without it, the run id too).
 ELASTIC_ID = "SPARKTRAIN_ELASTIC_ID"
 #: ``run_elastic``'s attempt number (1, 2, ...): names the attempt's resize marker, ``resize-<n>``.
 ELASTIC_ATTEMPT = "SPARKTRAIN_ELASTIC_ATTEMPT"
@@ -89,8 +90,9 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
     ((CROSS_RANK, CROSS_SIZE), "index of this host among, and number of, the hosts that run a rank with this "
                                "local rank"),
     ((RUN_ID,), "the run's id, the same for every attempt"),
-    ((ELASTIC_ID,), "only under ``run_elastic``: the id ``hvd.elastic`` commits under, the run's id (the same for "
-                    "every attempt and size)"),
+    ((ELASTIC_ID,), "under ``run_elastic``, and under ``run`` with ``run_id=``: the id ``hvd.elastic`` commits "
+                    "under, the run's name (``run_id=``) where it has one, else its id (the same for every attempt "
+                    "and size, and for every job of a named run)"),
     ((ELASTIC_ATTEMPT,), "only under ``run_elastic``: the attempt's number; rank 0 watches for the driver's "
                          "``resize-<n>`` marker beside the state, and the ranks end the attempt at a commit when "
                          "it is there"),

@@ -66,9 +66,14 @@ SETTINGS = {
                 "fsspec URL (a prefix) where ranks also write their output; the driver prints it from there "
                 "when the ranks cannot reach it (Spark Connect); 'none' turns it off"),
         Setting("elastic_url", "SPARKTRAIN_ELASTIC_URL", "spark.sparktrain.elasticUrl", None, lambda n, v: _url(n, v),
-                "fsspec URL (a prefix) where elastic state.commit() writes the training state, under the run's id, "
-                "so that a later attempt of the run (max_attempts) resumes from it; 'none' turns it off",
+                "fsspec URL (a prefix) where elastic state.commit() writes the training state, under the run's id "
+                "(run_id=, when given), so that a later attempt of the run (max_attempts), or a later job with the "
+                "same run_id, resumes from it; 'none' turns it off",
                 read_in="both"),
+        Setting("lease_timeout", "SPARKTRAIN_LEASE_TIMEOUT", "spark.sparktrain.leaseTimeout", 60.0, parse_seconds,
+                "a named run (run_id=): seconds after its driver's last renewal at which the run's lease in its "
+                "home expires, so that a later job may take the run over; the driver renews it every third of "
+                "this while the run lives. A live lease refuses a second driver at once"),
         Setting("elastic_grow_after", "SPARKTRAIN_ELASTIC_GROW_AFTER", "spark.sparktrain.elasticGrowAfter", 60.0,
                 parse_seconds, "run_elastic: seconds that free slots for more ranks must last before the running "
                 "attempt ends at its next commit and the next one starts larger"),

@@ -1,0 +1,138 @@
+"""``BackupAndRestore``: Keras' callback of that name for a run of several ranks, its backups in the
+run's home, so that a later attempt, or a later job with the same ``run_id``, resumes ``fit`` where
+the last backup left it, without Horovod's elastic API.
+
+Keras' semantics: rank 0 backs up the model's and the optimizer's variables and the epoch at the
+end of every epoch; at ``fit``'s start every rank reads the last backup, loads it and ``fit`` goes
+on from the epoch after it; at ``fit``'s successful end the backup is deleted (``delete_checkpoint``).
+On Keras 3 and on tf_keras (``TF_USE_LEGACY_KERAS=1``), on TensorFlow.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any, Mapping
+
+from .. import context as _ctx
+from ..errors import InvalidArgumentError, NotFoundError, SparkTrainError
+from ..settings import rank as rank_settings
+from ..seam import worker_env
+from .. import kerasline
+from .front import LINE, Callback
+from .on_jax import refuse_on_jax
+
+_FORMAT = "sparktrain-backup/1"
+
+
+def home_backup_url() -> str | None:
+    """``<elastic_url>/<run's name or id>/backup/backup.pkl``, or None without the ``elastic_url`` setting."""
+    prefix = rank_settings.current().elastic_url
+    if not prefix:
+        return None
+    return worker_env.elastic_file(prefix, worker_env.elastic_id(os.environ), "backup/backup.pkl")
+
+
+class BackupAndRestore(Callback):
+    """Back up at the end of every epoch (rank 0), restore at ``fit``'s start (every rank).
+
+    Parameters
+    ----------
+    backup_url : an fsspec URL of the backup object; None (the default): ``backup/backup.pkl`` in
+        the run's home, ``<elastic_url>/<run_id>/``, which needs the ``elastic_url`` setting.
+    delete_checkpoint : delete the backup when ``fit`` ends without an error, as Keras does.
+    storage_options : credentials for the URL's store.
+    """
+
+    def __init__(self, backup_url: str | None = None, delete_checkpoint: bool = True,
+                 storage_options: Mapping[str, Any] | None = None):
+        super().__init__()
+        refuse_on_jax("callbacks.BackupAndRestore")
+        url = backup_url or home_backup_url()
+        if not url:
+            raise InvalidArgumentError(
+                "BackupAndRestore keeps its backups in the run's home, <elastic_url>/<run_id>/backup/, and no "
+                "elastic_url setting reached this rank: give run(..., env={'SPARKTRAIN_ELASTIC_URL': 'abfss://...'}, "
+                "run_id='name'), or pass backup_url=")
+        self.url, self.delete_checkpoint, self.storage_options = url, delete_checkpoint, storage_options
+        self.restored_epoch: int | None = None
+
+    # -- restore ----------------------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        from .. import storage
+
+        try:
+            payload = pickle.loads(storage.get_bytes(self.url, self.storage_options))
+        except NotFoundError:
+            return
+        if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+            raise SparkTrainError(f"{self.url} is not a sparktrain backup; point backup_url elsewhere")
+        _assign(self.model.variables, payload["model"], "model")
+        optimizer = self.model.optimizer
+        if len(_optimizer_variables(optimizer)) != len(payload["optimizer"]) and hasattr(optimizer, "build"):
+            optimizer.build(self.model.trainable_variables)  # Keras builds optimizers lazily
+        _assign(_optimizer_variables(optimizer), payload["optimizer"], "optimizer")
+        self.restored_epoch = epoch = int(payload["epoch"])
+        if LINE == kerasline.KERAS_3:
+            self.model._initial_epoch = epoch  # what Keras 3's own BackupAndRestore sets; fit reads it next
+        else:
+            self.model._training_state = _StartAt(epoch)  # where tf_keras' fit asks for its first epoch
+
+    # -- back up ----------------------------------------------------------------------------------
+
+    def on_epoch_end(self, epoch, logs=None):
+        if _ctx.rank() != 0:
+            return
+        from .. import storage
+
+        payload = {"format": _FORMAT, "epoch": epoch + 1, "model": _values(self.model.variables),
+                   "optimizer": _values(_optimizer_variables(self.model.optimizer))}
+        storage.put_bytes(self.url, pickle.dumps(payload), self.storage_options, metadata={"epoch": epoch + 1})
+
+    def on_train_end(self, logs=None):
+        if LINE == kerasline.KERAS_3:
+            self.model._initial_epoch = None
+        elif isinstance(getattr(self.model, "_training_state", None), _StartAt):
+            self.model._training_state = None
+        if not self.delete_checkpoint:
+            return
+        from .. import storage
+        from ..tensorflow import barrier
+
+        barrier()  # every rank has read the backup before rank 0 deletes it
+        if _ctx.rank() == 0:
+            fs, path = storage.filesystem(self.url, self.storage_options)
+            for name in (path, path + storage.MANIFEST_SUFFIX):
+                if fs.exists(name):
+                    fs.rm(name)
+        barrier()  # and none reads it in a next fit before it is gone
+
+
+class _StartAt:
+    """tf_keras' ``model._training_state`` as its fit uses it: the epoch to start at, step 0."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
+        return max(self.epoch, initial_epoch), 0
+
+
+def _optimizer_variables(optimizer) -> list:
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def _values(variables) -> list:
+    import numpy as np
+
+    return [np.array(v.numpy()) for v in variables]
+
+
+def _assign(variables, values, what: str) -> None:
+    variables = list(variables)
+    if len(variables) != len(values):
+        raise SparkTrainError(f"the backup's {what} has {len(values)} variables but this {what} has {len(variables)}; "
+                              "BackupAndRestore restores into the same model, compiled the same way")
+    for var, value in zip(variables, values):
+        var.assign(value)
