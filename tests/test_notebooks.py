@@ -22,7 +22,7 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = ["01-quickstart.ipynb", "02-from-horovod.ipynb", "03-custom-loop.ipynb", "04-dataframe.ipynb",
-         "05-estimator.ipynb", "06-jax.ipynb"]
+         "05-estimator.ipynb", "06-jax.ipynb", "07-tune.ipynb"]
 #: The notebook each test reads; the fixture runs only those of the tests selected (the JAX tier
 #: selects 06-jax alone, the base tier the others).
 READS = {"test_quickstart": "01-quickstart.ipynb",
@@ -30,7 +30,8 @@ READS = {"test_quickstart": "01-quickstart.ipynb",
          "test_from_horovod_writes_checkpoints_to_adls_on_azurite": "02-from-horovod.ipynb", "test_custom_loop_resumes_from_its_checkpoint": "03-custom-loop.ipynb",
          "test_dataframe_trains_from_a_dataframe_with_equal_steps": "04-dataframe.ipynb",
          "test_estimator_pipeline_fits_scores_saves_and_loads": "05-estimator.ipynb",
-         "test_jax_trains_on_2_ranks_and_the_driver_scores_its_model": "06-jax.ipynb"}
+         "test_jax_trains_on_2_ranks_and_the_driver_scores_its_model": "06-jax.ipynb",
+         "test_tune_runs_two_gangs_at_once_and_prunes_with_the_keras_callback": "07-tune.ipynb"}
 
 
 class Recording(nbclient.NotebookClient):
@@ -327,3 +328,26 @@ def test_the_notebooks_leave_no_temporary_files(executed):
     """What the notebooks teach cleans up after itself: the ranks' train functions keep their
     model files in temporary directories that go when they are done."""
     assert executed["_tmp_left"] == [], executed["_tmp_left"]
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(600)
+def test_tune_runs_two_gangs_at_once_and_prunes_with_the_keras_callback(executed):
+    """07-tune: a study of 5 trials of the digits CNN, 2 ranks each, 2 at once; Optuna's own Keras
+    pruning callback on the ranks prunes the queued poor guess; the cell's table was updated in place."""
+    name = "07-tune.ipynb"
+    outputs = texts(execute(executed, name))
+    summary = outputs[-1]
+    counts = eval(re.search(r"trials: (\{.*\})", summary).group(1))  # noqa: S307 - the notebook's own dict
+    assert counts.get("COMPLETE", 0) >= 2 and counts.get("PRUNED", 0) >= 1 and sum(counts.values()) == 5, summary
+    assert "the first two trials ran at the same time: True" in summary
+    epochs = eval(re.search(r"epochs the pruned trials reported: (\[.*\])", summary).group(1))  # noqa: S307
+    assert all(n < 4 for n in epochs), summary  # a pruned gang stopped before the last of 4 epochs
+    best = float(re.search(r"val_accuracy ([\d.]+)", summary).group(1))
+    assert best > 0.9, summary
+    # The study's table: one display, updated in place while the trials ran, ending with every trial.
+    at = [i for i, cell in enumerate(executed["_notebook", name].cells)
+          if cell.cell_type == "code" and "tune.optimize(" in cell.source]
+    tables = [u for u in executed["_updates", name].get(at[0], []) if u.startswith("sparktrain.tune: study")]
+    assert len(tables) >= 5 and "2 running" in "".join(tables), tables[:3]
+    assert tables[-1].startswith("sparktrain.tune: study digits-cnn (maximize), 0 running, 5 ended"), tables[-1]

@@ -89,6 +89,13 @@ class Board:
             self.line(f"sparktrain: tune: trial {number} started on {num_proc} rank(s){fixed}")
         self._draw(force=True)
 
+    def params(self, number: int, params: dict[str, Any]) -> None:
+        with self._lock:
+            row = self.rows.get(number)
+            if row is not None:
+                row.params = dict(params)
+        self._draw()
+
     def reported(self, number: int, step: int, value: float) -> None:
         with self._lock:
             row = self.rows.get(number)
@@ -124,29 +131,42 @@ class Board:
             if not force and now - self._drawn < REDRAW_SECONDS:
                 return
             self._drawn = now
-            markup = self.html()
-        from IPython.display import HTML, display
+            bundle = {"text/html": self.html(), "text/plain": self.text()}
+        from IPython.display import display
 
         if self._handle is None:
-            self._handle = display(HTML(markup), display_id=True)
+            self._handle = display(bundle, raw=True, display_id=True)
         else:
-            self._handle.update(HTML(markup))
+            self._handle.update(bundle, raw=True)
 
-    def html(self) -> str:
-        """The table as it stands (callers hold the lock)."""
-        head = "".join(f"<th>{h}</th>" for h in ("trial", "state", "params", "step", "value", "ranks", "elapsed"))
-        rows = []
-        for row in sorted(self.rows.values(), key=lambda r: (r.state != "RUNNING", -r.number)):
-            cells = (row.number, row.state.lower(), _params(row.params), "" if row.step is None else row.step,
-                     _value(row.value), row.num_proc, f"{row.elapsed():.0f} s")
-            rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
-        best = (f"best so far: trial {self.best[0]}, value {html.escape(_value(self.best[1]))}"
+    _HEAD = ("trial", "state", "params", "step", "value", "ranks", "elapsed")
+
+    def _cells(self) -> list[tuple]:
+        """The table's rows as they stand, running trials first (callers hold the lock)."""
+        return [(row.number, row.state.lower(), _params(row.params), "" if row.step is None else row.step,
+                 _value(row.value), row.num_proc, f"{row.elapsed():.0f} s")
+                for row in sorted(self.rows.values(), key=lambda r: (r.state != "RUNNING", -r.number))]
+
+    def _title(self) -> str:
+        best = (f"best so far: trial {self.best[0]}, value {_value(self.best[1])}"
                 if self.best is not None else "no trial complete yet")
         running = sum(r.state == "RUNNING" for r in self.rows.values())
-        title = (f"<b>sparktrain.tune</b>: study {html.escape(self.study_name)} ({self.direction}), "
-                 f"{running} running, {len(self.rows) - running} ended; {best}")
-        return (f"<div class='sparktrain-tune'>{title}<table><thead><tr>{head}</tr></thead>"
-                f"<tbody>{''.join(rows)}</tbody></table></div>")
+        return (f"sparktrain.tune: study {self.study_name} ({self.direction}), {running} running, "
+                f"{len(self.rows) - running} ended; {best}")
+
+    def html(self) -> str:
+        """The table as it stands, for the cell (callers hold the lock)."""
+        head = "".join(f"<th>{h}</th>" for h in self._HEAD)
+        rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>"
+                       for cells in self._cells())
+        return (f"<div class='sparktrain-tune'>{html.escape(self._title())}<table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{rows}</tbody></table></div>")
+
+    def text(self) -> str:
+        """The table as text: what a front end without HTML shows (callers hold the lock)."""
+        lines = [self._title(), " | ".join(self._HEAD)]
+        lines += [" | ".join(str(c) for c in cells) for cells in self._cells()]
+        return "\n".join(lines)
 
 
 def _params(params: dict[str, Any]) -> str:

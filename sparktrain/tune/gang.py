@@ -54,7 +54,7 @@ class Gangs:
         address = TrialAddress(*self.server.address, self.server.secret, self.server.encrypted, trial.number)
         returned, error = None, None
         try:
-            with self.server.serve(trial, self._reported), self.cancellation.scope():
+            with self.server.serve(trial, self._reported, self.board.params), self.cancellation.scope():
                 returned = self._run(objective_on_rank, args=(self.objective, address), num_proc=self.num_proc,
                                      stdout=self.board.stream(trial.number),
                                      **{**self.run_kwargs, "env": env})

@@ -32,9 +32,10 @@ SUGGESTIONS = frozenset({"suggest_float", "suggest_int", "suggest_categorical"})
 class _Served:
     """One running trial, as its ranks see it: the Optuna trial and the decisions already taken."""
 
-    def __init__(self, trial, on_report: Callable[[int, int, float], None]):
+    def __init__(self, trial, on_report: Callable[[int, int, float], None],
+                 on_params: Callable[[int, dict], None]):
         self.trial = trial
-        self.on_report = on_report
+        self.on_report, self.on_params = on_report, on_params
         self.lock = threading.Condition()
         #: The pruning decision per step, taken when rank 0 reported that step.
         self.decisions: dict[int, bool] = {}
@@ -57,9 +58,11 @@ class TrialServer:
         self._thread.start()
 
     @contextlib.contextmanager
-    def serve(self, trial, on_report: Callable[[int, int, float], None]) -> Iterator[None]:
-        """The ranks of ``trial`` are answered inside the block; after it, refused."""
-        served = _Served(trial, on_report)
+    def serve(self, trial, on_report: Callable[[int, int, float], None],
+              on_params: Callable[[int, dict], None] = lambda number, params: None) -> Iterator[None]:
+        """The ranks of ``trial`` are answered inside the block; after it, refused. ``on_report``
+        hears rank 0's reports, ``on_params`` the trial's params when a suggestion added one."""
+        served = _Served(trial, on_report, on_params)
         with self._lock:
             self._trials[trial.number] = served
         try:
@@ -139,7 +142,11 @@ class TrialServer:
             if request.method not in SUGGESTIONS:
                 raise ValueError(f"{request.method!r} is not one of {sorted(SUGGESTIONS)}")
             with served.lock:  # two ranks asking one new name at once: the sampler is asked once
-                return getattr(trial, request.method)(request.name, **json.loads(request.args))
+                known = request.name in trial.params
+                value = getattr(trial, request.method)(request.name, **json.loads(request.args))
+            if not known:
+                served.on_params(trial.number, trial.params)
+            return value
         if isinstance(request, protocol.Report):
             if rank != 0:
                 return None  # Optuna records one report per step; the study's is rank 0's

@@ -38,7 +38,8 @@ _OWN = {"args": "the objective takes the trial alone; bind other arguments with 
         "kwargs": "the objective takes the trial alone; bind other arguments with functools.partial or a closure",
         "checkpoint_url": "a trial's value is rank 0's return value; write checkpoints inside the objective",
         "stdout": "the study's output goes to its own stdout= (tune.optimize's), each trial's line marked",
-        "max_attempts": "a failed trial is a trial's failure; queue it again with Optuna's retry callbacks"}
+        "max_attempts": "a failed trial is a trial's failure; queue it again with Optuna's retry callbacks",
+        "run_id": "each trial is a run of its own; a study resumes from its Optuna storage"}
 
 
 def optimize(study, objective: Callable[[Any], Any], n_trials: int | None = None, timeout: float | None = None,
