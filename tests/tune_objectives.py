@@ -110,3 +110,29 @@ def _drive(storage_url: str, outdir: str, n_trials: int) -> None:
 
 if __name__ == "__main__":
     _drive(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+def tf_keras_digits(trial) -> float:
+    """A tf_keras fit (``TF_USE_LEGACY_KERAS=1`` in the ranks) pruned by optuna-integration's
+    ``TFKerasPruningCallback``; reports how many epochs ran."""
+    import tensorflow as tf
+    from optuna_integration import TFKerasPruningCallback
+
+    import sparktrain.keras as hvd
+    from sparktrain.cli.demo import digits
+
+    hvd.init()
+    lr = trial.suggest_float("lr", 1e-6, 1e-1, log=True)
+    (x, y), (x_test, y_test) = digits(hvd.rank(), hvd.size(), n_train=600)
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(32, activation="relu"),
+                                 tf.keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(lr * hvd.size())),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    epochs = []
+    history = model.fit(x, y, batch_size=32, epochs=4, verbose=0, validation_data=(x_test, y_test), callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+        tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epochs.append(epoch)),
+        TFKerasPruningCallback(trial, "val_accuracy")])
+    trial.set_user_attr(f"line_rank_{hvd.rank()}", type(model).__module__.split(".")[0])
+    return history.history["val_accuracy"][-1]
