@@ -179,7 +179,8 @@ def _builder(s: Shard, features: Columns, label: Columns | None, sample_weight: 
     """A function from file positions to the batch's structure of arrays; checks every column now."""
     take_x = _taker(s, features, "features")
     if model is not None and label is None:
-        raise InvalidArgumentError("model= shapes the labels to the model's outputs: pass label= too, or leave model out")
+        raise InvalidArgumentError("model= shapes the labels to the model's outputs: pass label= too, or leave "
+                                   "model out")
     if label is not None:
         take = _taker(s, label, "label")
         take_y = take if model is None else _shaped(take, shaping.label_shaper(model, label))
