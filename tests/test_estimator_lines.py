@@ -134,3 +134,41 @@ def test_a_tf_keras_model_is_planned_for_tf_keras_ranks_and_mixed_lines_are_refu
         assert _jobs_started(spark) == before, case
         for word in words:
             assert word in str(e.value), (case, str(e.value))
+
+
+def test_labels_are_planned_in_the_shape_of_the_models_outputs_on_either_keras_line():
+    """A label of one value per row reaches an output of one value as (batch, 1), as Horovod fed it
+    (Keras 3 hands a metric y_true as it comes: (batch,) against (batch, 1) broadcast to (batch, batch));
+    a class id for an output of several classes stays as it is; a flat array takes its output's shape.
+    sparktrain.data's model= follows the same rule."""
+    import keras
+    import numpy as np
+
+    from sparktrain.data.shaping import label_shaper
+    from sparktrain.ml.shapes import label_shapes, model_shapes
+
+    tf_keras = pytest.importorskip("tf_keras")
+    for k in (keras, tf_keras):
+        x = k.Input((4,), name="x")
+        outputs = [k.layers.Dense(1, name="price")(x), k.layers.Dense(5, activation="softmax", name="kind")(x),
+                   k.layers.Reshape((2, 2), name="grid")(k.layers.Dense(4)(x))]
+        model = k.Model(x, outputs)
+        names = ["price", "kind", "grid"]
+        planned = label_shapes(["p", "k", "g"], {"p": 1, "k": 1, "g": 4}, model_shapes(model.outputs), names)
+        assert planned == [(1,), None, (2, 2)], (k.__name__, planned)
+        assert label_shapes(["p", "k", "g"], {"p": 1, "k": 5, "g": 4}, model_shapes(model.outputs), names)[1] == (5,)
+        shaped = label_shaper(model, {"price": "p", "kind": "k", "grid": "g"})(
+            {"price": np.zeros(6), "kind": np.arange(6), "grid": np.zeros((6, 4))})
+        assert {n: v.shape for n, v in shaped.items()} == {"price": (6, 1), "kind": (6,), "grid": (6, 2, 2)}
+        one = k.Sequential([k.Input((3,)), k.layers.Dense(1)])
+        assert label_shaper(one, "y")(np.zeros(5)).shape == (5, 1)
+        with pytest.raises(sparktrain.InvalidArgumentError) as e:
+            label_shaper(model, {"price": "p", "kind": "k", "grid": "g"})({"price": np.zeros((6, 3))})
+        for word in ["label 'p' holds 3 value(s) per row", "output 'price' has shape (1,)", "give the label 1 values"]:
+            assert word in str(e.value), str(e.value)
+        for label, words in [("y", ["label='y' is one label", "3 outputs", "{output_name: column}"]),
+                             ({"prices": "p"}, ["['prices'] name no output", "['price', 'kind', 'grid']"])]:
+            with pytest.raises(sparktrain.InvalidArgumentError) as e:
+                label_shaper(model, label)
+            for word in words:
+                assert word in str(e.value), str(e.value)

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence, Union
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from . import shaping
 from .shard import UNEVEN, Shard, check_uneven, open_shard
 
 __all__ = ["dataset", "pydataset", "numpy", "shard", "Shard", "UNEVEN"]
@@ -53,7 +54,7 @@ def shard(name: str = "train") -> Shard:
 
 def dataset(features: Columns, label: Columns | None = None, *, batch_size: int, shuffle: bool = True,
             seed: int | None = None, name: str = "train", uneven: str = "wrap", prefetch: bool = True,
-            sample_weight: str | None = None):
+            sample_weight: str | None = None, model: Any = None):
     """A ``tf.data.Dataset`` of this rank's batches: ``(features, label)``, or features alone, or
     ``(features, label, sample_weight)``.
 
@@ -73,13 +74,18 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     prefetch : prefetch batches in the background (``tf.data.AUTOTUNE``).
     sample_weight : a numeric column of per-row weights, the third element of each batch, as
         ``model.fit`` takes it (needs ``label``).
+    model : the Keras model the batches feed (either Keras line): each label is reshaped to its
+        output's shape, as ``KerasEstimator`` does (``[batch]`` to ``[batch, 1]`` for an output of
+        one value; a class id per row for an output of several classes stays ``[batch]``). A dict
+        label is keyed by output name. None: labels as the table above says.
 
     Every batch has ``batch_size`` rows and ``cardinality()`` is the steps per epoch, the same
     on every rank.
     """
     import tensorflow as tf
 
-    batch_size, seed, s, steps, build = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven)
+    batch_size, seed, s, steps, build = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven,
+                                              model)
     epochs = itertools.count()
     sample = build(s.epoch_rows(0, 1, False, 0))
     # Python hands tf.data several batches at a time (about GATHER_BYTES), which rebatch splits:
@@ -100,7 +106,7 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
 
 
 def _open(name: str, features: Columns, label: Columns | None, sample_weight: str | None, batch_size: int,
-          shuffle: bool, seed: int | None, uneven: str):
+          shuffle: bool, seed: int | None, uneven: str, model: Any = None):
     """What :func:`dataset` and :func:`pydataset` share: their arguments checked, this rank's shard
     of ``name`` opened, its steps per epoch, the builder of its batches (rank 0 says what it feeds).
     Returns ``(batch_size, seed, shard, steps, build)``."""
@@ -111,27 +117,30 @@ def _open(name: str, features: Columns, label: Columns | None, sample_weight: st
     seed = _check_seed(seed)
     s = open_shard(name)
     steps = s.steps_per_epoch(batch_size, uneven)
-    build = _builder(s, features, label, sample_weight)
+    build = _builder(s, features, label, sample_weight, model)
     if s.rank == 0:
         print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
     return batch_size, seed, s, steps, build
 
 
 def pydataset(features: Columns, label: Columns | None = None, *, batch_size: int, shuffle: bool = True,
-              seed: int | None = None, name: str = "train", uneven: str = "wrap", sample_weight: str | None = None):
+              seed: int | None = None, name: str = "train", uneven: str = "wrap", sample_weight: str | None = None,
+              model: Any = None):
     """A ``keras.utils.PyDataset`` of this rank's batches, as :func:`dataset` gives them, for
     ``model.fit`` on any Keras backend; it needs no TensorFlow.
 
     Under ``keras.distribution.DataParallel(auto_shard_dataset=False)`` on JAX, each process's
     batch of ``batch_size`` rows is its part of a global batch of ``batch_size * size()`` rows,
     and every rank has ``len()`` batches per epoch. Each epoch (``on_epoch_end``) is shuffled anew.
+    ``model=`` reshapes the labels to the model's outputs, as :func:`dataset`'s does.
 
     >>> ds = sparktrain.data.pydataset("features", label="label", batch_size=32, seed=7)  # doctest: +SKIP
     >>> model.fit(ds, epochs=5)                                                          # doctest: +SKIP
     """
     import keras
 
-    batch_size, seed, s, steps, build = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven)
+    batch_size, seed, s, steps, build = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven,
+                                              model)
 
     class ShardBatches(keras.utils.PyDataset):
         def __init__(self):
@@ -151,32 +160,42 @@ def pydataset(features: Columns, label: Columns | None = None, *, batch_size: in
 
     return ShardBatches()
 
-def numpy(features: Columns, label: Columns | None = None, name: str = "train", *, uneven: str = "wrap"):
+def numpy(features: Columns, label: Columns | None = None, name: str = "train", *, uneven: str = "wrap",
+          model: Any = None):
     """This rank's shard as numpy arrays, in the DataFrame's order: ``(x, y)``, or ``x`` alone.
 
     For data that fits in memory and ``model.fit(x, y, batch_size=...)``. Every rank gets as many
     rows as the longest shard (``uneven="wrap"``: a shorter shard repeats its first rows) or the
-    shortest (``"drop"``), so ``fit`` runs the same number of steps on every rank.
+    shortest (``"drop"``), so ``fit`` runs the same number of steps on every rank. ``model=``
+    reshapes the labels to the model's outputs, as :func:`dataset`'s does.
     """
     check_uneven(uneven)
     s = open_shard(name)
     length = max(s.rows_per_rank) if uneven == "wrap" else min(s.rows_per_rank)
-    return _builder(s, features, label)(s.epoch_rows(0, length, False, 0))
+    return _builder(s, features, label, None, model)(s.epoch_rows(0, length, False, 0))
 
 
-def _builder(s: Shard, features: Columns, label: Columns | None, sample_weight: str | None = None):
+def _builder(s: Shard, features: Columns, label: Columns | None, sample_weight: str | None = None, model: Any = None):
     """A function from file positions to the batch's structure of arrays; checks every column now."""
     take_x = _taker(s, features, "features")
+    if model is not None and label is None:
+        raise InvalidArgumentError("model= shapes the labels to the model's outputs: pass label= too, or leave "
+                                   "model out")
+    if label is not None:
+        take = _taker(s, label, "label")
+        take_y = take if model is None else _shaped(take, shaping.label_shaper(model, label))
     if sample_weight is not None:
         if label is None or not isinstance(sample_weight, str):
             raise InvalidArgumentError(f"sample_weight={sample_weight!r}: name one numeric column, and pass a label too")
         take_w = _taker(s, [sample_weight], "sample_weight")
-        take_y = _taker(s, label, "label")
         return lambda rows: (take_x(rows), take_y(rows), take_w(rows)[:, 0])
     if label is None:
         return take_x
-    take_y = _taker(s, label, "label")
     return lambda rows: (take_x(rows), take_y(rows))
+
+
+def _shaped(take, shaper):
+    return lambda rows: shaper(take(rows))
 
 
 def _taker(s: Shard, spec: Columns, what: str):

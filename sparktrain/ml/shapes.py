@@ -5,8 +5,10 @@ dense or sparse). Where the model's input takes a shape of ``n`` values in all (
 an input of ``(28, 28, 1)``), each rank reshapes the column's rows to it, as Horovod's estimator
 does; any other length is refused here, naming the column, the lengths and the fix. A label is
 reshaped to its ``label_shapes`` entry (Horovod's parameter) when one is given, or else to its
-model output's shape when it has as many values; a label of one value is left alone (sparse
-losses take class ids), and any other length is refused.
+model output's shape when it has as many values (``(batch,)`` to ``(batch, 1)`` for an output of
+one value, so that a metric function sees ``y_true`` in ``y_pred``'s shape on Keras 3 too); a
+label of one value for an output of several is left alone (sparse losses take class ids), and any
+other length is refused (the rule is sparktrain.data.shaping's).
 
 A Vector column's length comes from its ML attributes, which Spark's feature stages
 (VectorAssembler, OneHotEncoder) and the libsvm reader write; otherwise, and for arrays, from the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from ..data.shaping import label_target
 from ..errors import InvalidArgumentError
 
 Shape = tuple
@@ -92,16 +95,14 @@ def label_shapes(label_cols: Sequence[str], found: dict[str, int | None], output
     targets: list[Shape | None] = []
     for column, shape, name in zip(label_cols, outputs, output_names):
         n = found[column]
-        if n is None or n == 1 or any(d is None for d in shape):
-            targets.append(None)  # one value (a class id for a sparse loss), or an output left open
-        elif n == math.prod(shape):
-            targets.append(shape)
-        else:
+        try:  # (batch,) to (batch, 1) for an output of one value; a class id for n classes as it is
+            targets.append(label_target(n, shape))
+        except ValueError:
             raise InvalidArgumentError(
                 f"label_cols: column {column!r} holds {n} value(s) per row, and the model's output {name!r} has shape "
                 f"{shape}, {math.prod(shape)} value(s). Give the label {math.prod(shape)} values (for classes, "
                 f"OneHotEncoder(dropLast=False) makes one per class), or pass label_shapes=[({n},)] if the loss takes "
-                "labels of another shape")
+                "labels of another shape") from None
     return targets
 
 
