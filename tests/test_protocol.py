@@ -41,6 +41,16 @@ SAMPLES = [
     (DRIVER, protocol.Beat(), {"type": "beat"}),
     (DRIVER, protocol.AskStacks(), {"type": "stacks"}),
     (DRIVER, protocol.Abort("rank 1 failed"), {"type": "abort", "reason": "rank 1 failed"}),
+    # A sparktrain.tune trial's rank and the study (tune/rank.py, tune/server.py).
+    (RANK, protocol.TrialHello(3, 1), {"type": "trial", "number": 3, "rank": 1}),
+    (RANK, protocol.Suggest("lr", "suggest_float", '{"low": 0.1, "high": 1.0}'),
+     {"type": "suggest", "name": "lr", "method": "suggest_float", "args": '{"low": 0.1, "high": 1.0}'}),
+    (RANK, protocol.Report(2, 0.5), {"type": "report", "step": 2, "value": 0.5}),
+    (RANK, protocol.ShouldPrune(-1), {"type": "prune?", "step": -1}),
+    (RANK, protocol.SetUserAttr("k", "[1, 2]"), {"type": "attr", "key": "k", "value": "[1, 2]"}),
+    (RANK, protocol.Look("params"), {"type": "look", "what": "params"}),
+    (DRIVER, protocol.Answer("0.25"), {"type": "answer", "value": "0.25"}),
+    (DRIVER, protocol.Answer(error="ValueError: no"), {"type": "answer", "value": "null", "error": "ValueError: no"}),
 ]
 
 
@@ -68,14 +78,15 @@ def test_one_tag_means_what_its_sender_may_send():
 @pytest.mark.parametrize("sender, body, says", [
     (RANK, b"not json", "a message from a rank is not JSON"),
     (RANK, b"\xff\xfe", "a message from a rank is not JSON"),
-    (RANK, b"[1, 2]", "a rank sent a message of a JSON list; a rank sends only beat, failed, hello, out, quiet, stacks"),
+    (RANK, b"[1, 2]", "a rank sent a message of a JSON list; a rank sends only attr, beat, failed, hello, look, out, prune?, "
+                       "quiet, report, stacks, suggest, trial"),
     (RANK, b'{"rank": 0}', "a rank sent a message of type 'None'"),
     (RANK, b'{"type": ["hello"]}', "a rank sent a message of type \"['hello']\""),
     (RANK, b'{"type": "shutdown"}', "a rank sent a message of type 'shutdown'; a rank sends only"),
     (RANK, b'{"type": "abort", "reason": "x"}', "a rank sent a message of type 'abort'"),
     (RANK, b'{"type": "peers", "hosts": [], "ports": [], "master_port": 1, "shards": []}', "of type 'peers'"),
     (DRIVER, b'{"type": "out", "stream": "stdout", "line": "x", "time": 1}',
-     "a driver sent a message of type 'out'; a driver sends only abort, beat, peers, stacks"),
+     "a driver sent a message of type 'out'; a driver sends only abort, answer, beat, peers, stacks"),
     (DRIVER, b'{"type": "failed", "failure": {}}', "a driver sent a message of type 'failed'"),
     (RANK, b'{"type": "hello", "rank": 0, "host": "h", "port": 1, "pid": 1}',
      "a rank's 'hello' message lacks its field 'master_port'"),

@@ -67,6 +67,78 @@ def test_what_a_gangs_end_makes_of_its_trial(returned, error, state, value, mess
     assert (got.state, got.value) == (state, value) and message in got.message
 
 
+def test_the_board_says_one_line_per_trial_event_and_keeps_one_table():
+    from sparktrain.tune.board import Board
+
+    out = io.StringIO()
+    board = Board(out, "s", "minimize")
+    board.started(0, 2, {})
+    board.params(0, {"lr": 0.1})
+    board.reported(0, 3, 0.5)
+    board.stream(0).write("[0]<stdout>:epoch 3\n[0]<stdout>:part")
+    board.ended(0, "COMPLETE", {"lr": 0.1}, 0.25, "", (0, 0.25))
+    board.started(1, 2, {"lr": 0.2})
+    board.ended(1, "PRUNED", {"lr": 0.2}, None, "pruned at step 1", (0, 0.25))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "sparktrain: tune: trial 0 started on 2 rank(s)"
+    assert lines[1] == "[trial 0] [0]<stdout>:epoch 3"  # the unfinished line waits for its end
+    assert lines[2].startswith("sparktrain: tune: trial 0 complete, value 0.25 after ") and \
+        lines[2].endswith("with lr=0.1; best so far: trial 0, value 0.25")
+    assert lines[3] == "sparktrain: tune: trial 1 started on 2 rank(s) with lr=0.2"
+    assert "trial 1 pruned after" in lines[4] and ": pruned at step 1;" in lines[4] and len(lines) == 5
+    text = board.text().splitlines()
+    assert text[0] == "sparktrain.tune: study s (minimize), 0 running, 2 ended; best so far: trial 0, value 0.25"
+    assert text[2].startswith("1 | pruned | lr=0.2 |") and text[3].startswith("0 | complete | lr=0.1 | 3 | 0.25 | 2 |")
+    assert "<td>pruned</td>" in board.html() and "<script" not in board.html()
+
+
+def test_the_study_server_answers_a_trials_ranks_in_process():
+    """The driver's trial server and the ranks' RankTrial over real sockets, without Spark: one value
+    per name, rank 0's reports recorded, one pruning answer per step (a rank asking first waits for
+    rank 0's report), a wrong secret refused, a trial that ended refused."""
+    import threading
+
+    from sparktrain.tune.rank import RankTrial, StudyChannelError, TrialAddress, _Study
+    from sparktrain.tune.server import TrialServer
+
+    study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=1.0))
+    trial = study.ask()
+    server = TrialServer("127.0.0.1", encrypted=False)
+    reports = []
+    address = TrialAddress(*server.address, server.secret, False, trial.number)
+    try:
+        with server.serve(trial, lambda n, step, value: reports.append((n, step, value))):
+            ranks = [RankTrial(_Study(address, r), trial.number) for r in range(2)]
+            x = [t.suggest_float("x", 0.0, 1.0) for t in ranks]
+            assert x[0] == x[1] == trial.params["x"]
+            assert ranks[1].suggest_categorical("c", ["a", "b"]) == ranks[0].suggest_categorical("c", ["a", "b"])
+            ranks[1].report(5.0, 0)  # not recorded: rank 1's
+            ranks[0].report(0.5, 0)
+            assert [t.should_prune() for t in ranks] == [False, False]
+            # Rank 1 asks about step 1 before rank 0 reported it: it gets the answer rank 0's report decides.
+            ranks[1].report(0.0, 1)
+            answer = []
+            asking = threading.Thread(target=lambda: answer.append(ranks[1].should_prune()))
+            asking.start()
+            ranks[0].report(2.0, 1)  # over the threshold: prune
+            asking.join(timeout=30)
+            assert answer == [True] and ranks[0].should_prune() is True
+            ranks[0].set_user_attr("note", {"k": [1, 2]})
+            assert ranks[1].user_attrs == {"note": {"k": [1, 2]}} and ranks[1].params == trial.params
+            assert set(ranks[1].distributions) == {"x", "c"}
+            with pytest.raises(StudyChannelError, match="low"):
+                ranks[0].suggest_float("x", 5.0, 1.0)  # Optuna's own error, raised on the rank
+        assert trial.storage.get_trial(trial._trial_id).intermediate_values == {0: 0.5, 1: 2.0}
+        assert reports == [(trial.number, 0, 0.5), (trial.number, 1, 2.0)]
+        with pytest.raises(StudyChannelError, match="not running"):
+            ranks[0].report(1.0, 2)  # the trial's gang has ended
+        wrong = TrialAddress(*server.address, b"x" * 32, False, trial.number)
+        with pytest.raises((StudyChannelError, OSError)):
+            RankTrial(_Study(wrong, 0), trial.number).suggest_float("x", 0.0, 1.0)
+    finally:
+        server.close()
+
+
 # -- on Spark ----------------------------------------------------------------------------------------
 
 def test_the_same_suggestions_on_every_rank_trials_at_once_and_queued_params(spark, tmp_path, monkeypatch):
