@@ -453,3 +453,19 @@ def test_where_the_conf_does_not_say_a_probe_counts_the_slots(spark, monkeypatch
     with pytest.raises(sparktrain.InvalidArgumentError, match="num_proc is required over Spark Connect"):
         sparktrain.run(lambda: 0, verbose=0)
     assert sparktrain.run(lambda: sparktrain.size(), num_proc=3, verbose=0) == 3  # the probe left nothing behind
+
+
+def test_a_study_runs_its_gangs_over_connect(spark):
+    optuna = pytest.importorskip("optuna")
+    import sparktrain.tune
+    import tune_objectives
+
+    study = optuna.create_study()
+    with pytest.raises(sparktrain.InvalidArgumentError, match="need 4 task slots at once; the cluster has 3"):
+        sparktrain.tune.optimize(study, tune_objectives.where, n_trials=2, concurrent_trials=2, num_proc=2)
+    study.enqueue_trial({"x": 0.25})
+    sparktrain.tune.optimize(study, tune_objectives.where, n_trials=3, concurrent_trials=3, num_proc=1,
+                             stdout=io.StringIO())
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    assert study.trials[0].params == {"x": 0.25} and study.trials[0].intermediate_values == {0: 0.25}
+    assert all(t.value == t.params["x"] for t in study.trials)

@@ -136,3 +136,13 @@ def tf_keras_digits(trial) -> float:
         TFKerasPruningCallback(trial, "val_accuracy")])
     trial.set_user_attr(f"line_rank_{hvd.rank()}", type(model).__module__.split(".")[0])
     return history.history["val_accuracy"][-1]
+
+
+def where(trial) -> float:
+    """Keeps the GPUs its rank sees and the Spark task it ran in, reports once, returns its suggestion."""
+    import sparktrain
+
+    x = trial.suggest_float("x", 0.0, 1.0)
+    trial.set_user_attr(f"gpus_rank_{sparktrain.rank()}", os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    trial.report(x, 0)
+    return x
