@@ -22,6 +22,8 @@ from .errors import InvalidArgumentError
 LEGACY_ENV = "TF_USE_LEGACY_KERAS"
 #: The values TensorFlow takes for "on" (tensorflow/python/util/lazy_loader.py); any other leaves Keras 3.
 LEGACY_ON = ("1", "true", "True")
+#: The values that say "off" as plainly (the ``legacy_keras`` setting takes these, or those above).
+LEGACY_OFF = ("0", "false", "False", "")
 KERAS_3 = "keras"
 TF_KERAS = "tf_keras"
 _NAMES = {KERAS_3: "Keras 3 (import keras)", TF_KERAS: "tf_keras (Keras 2, tf.keras under TF_USE_LEGACY_KERAS=1)"}

@@ -119,7 +119,7 @@ RANK_SETTINGS_BAD = {
     "gc_threshold": ("700,10", "must be three whole numbers"),
     "encryption": ("yes", "must be one of auto, on, off; got 'yes'"),
     "elastic_url": ("  ", "must be an fsspec URL"),
-    "legacy_keras": ("keras2", "must be true or false, got 'keras2'"),
+    "legacy_keras": ("yes", "TensorFlow reads only 1, true, True as tf_keras"),
 }
 
 

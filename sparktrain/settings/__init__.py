@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from ..host import nics
 from ..seam import worker_env
-from .parsers import (choice as _choice, parse_bool, parse_gc_threshold, parse_positive_int, parse_seconds,
-                      parse_seconds_or_off, parse_spin, url as _url)
+from .parsers import (choice as _choice, parse_bool, parse_gc_threshold, parse_legacy_keras, parse_positive_int,
+                      parse_seconds, parse_seconds_or_off, parse_spin, url as _url)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,10 +117,12 @@ SETTINGS = {
                 "the Keras backend of every rank (run's backend argument, else the driver's KERAS_BACKEND or the "
                 "one run's env gives): 'jax' also hands each rank what keras.distribution.initialize() and "
                 "sparktrain.jax.initialize() read (docs/jax.md); None leaves the ranks' KERAS_BACKEND as it is"),
-        Setting("legacy_keras", "TF_USE_LEGACY_KERAS", "spark.sparktrain.legacyKeras", None, parse_bool,
+        Setting("legacy_keras", "TF_USE_LEGACY_KERAS", "spark.sparktrain.legacyKeras", None, parse_legacy_keras,
                 "whether tf.keras is tf_keras (Keras 2) in every rank: true writes TF_USE_LEGACY_KERAS=1 into the "
                 "ranks' environment, false 0; from the driver's TF_USE_LEGACY_KERAS, run's env or the conf. None "
-                "leaves the ranks' own (docs/from-horovod.md, Keras 2 code)",
+                "leaves the ranks' own (docs/from-horovod.md, Keras 2 code). Read as TensorFlow reads it: 1, true "
+                "or True, else 0, false, False or empty; any other value (yes, on, TRUE) is refused before launch, "
+                "since TensorFlow would give this driver Keras 3",
                 read_in="both"),
         Setting("jax_cpu_devices", "JAX_NUM_CPU_DEVICES", "spark.sparktrain.jaxCpuDevices", 1, parse_positive_int,
                 "on a JAX run, how many devices JAX's CPU platform shows in each rank that has no GPU (a mesh of "

@@ -95,6 +95,24 @@ def parse_bool(name: str, value: Any) -> bool:
     raise InvalidArgumentError(f"{name} must be true or false, got {value!r}")
 
 
+def parse_legacy_keras(name: str, value: Any) -> bool:
+    """``TF_USE_LEGACY_KERAS`` read exactly as TensorFlow reads it (``1``, ``true``, ``True``: tf_keras),
+    its off values (``0``, ``false``, ``False``, empty) too; any other value is refused, since
+    TensorFlow would serve Keras 3 to this driver where the ranks were asked for tf_keras."""
+    from ..kerasline import LEGACY_OFF, LEGACY_ON
+
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip() in LEGACY_ON:
+        return True
+    if isinstance(value, str) and value.strip() in LEGACY_OFF:
+        return False
+    raise InvalidArgumentError(
+        f"{name}={value!r}: TensorFlow reads only {', '.join(LEGACY_ON)} as tf_keras (Keras 2) and any other value "
+        f"as Keras 3, so this driver and the ranks would serve different Keras lines. Set it to 1 for tf_keras, "
+        f"or 0 (or unset it) for Keras 3")
+
+
 def url(name: str, value: Any) -> str:
     """An fsspec URL, or "" for "none" (turned off)."""
     if isinstance(value, str) and value.strip().lower() in ("none", "off"):
