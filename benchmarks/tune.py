@@ -22,7 +22,6 @@ the wall time times the 4 slots); the best value, and the trials pruned.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import os
 import statistics

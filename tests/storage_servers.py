@@ -206,3 +206,26 @@ def cuttable_s3(moto_s3):
                                             "endpoint_url": f"http://127.0.0.1:{proxy.port}"}}
     yield options, proxy
     proxy.kill()
+
+
+def fresh_place(request, scheme: str, tmp_path, leaf: str) -> tuple[str, dict | None]:
+    """(URL, storage_options) of a fresh, empty place on ``scheme``'s store, ending in ``leaf``: a
+    tmp_path folder, memory://, a new bucket on moto's S3, or a new container on Azurite (abfs or az)."""
+    import uuid
+
+    from sparktrain import storage
+
+    name = uuid.uuid4().hex[:10]
+    if scheme == "file":
+        return f"file://{tmp_path}/{leaf}", None
+    if scheme == "memory":
+        return f"memory://sparktrain-tests/{name}", None
+    if scheme == "s3":
+        options = request.getfixturevalue("moto_s3")
+        fs, _ = storage.filesystem("s3://x", options)
+        fs.mkdir(f"bucket-{name}")
+        return f"s3://bucket-{name}/{leaf}", options
+    options = request.getfixturevalue("azurite").options()
+    fs, _ = storage.filesystem("abfs://x", options)
+    fs.mkdir(f"container-{name}")
+    return f"{scheme}://container-{name}/{leaf}", options

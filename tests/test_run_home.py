@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 
 import pytest
 
 from sparktrain import storage
+from storage_servers import fresh_place
 from sparktrain.errors import InvalidArgumentError, RunInUseError
 from sparktrain.storage import conditional, home as homes, lease as leases
 
@@ -19,19 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(params=["file", "s3", "abfs"])
 def base(request, tmp_path):
     """(elastic_url, storage_options) of a fresh, empty place on each store."""
-    name = uuid.uuid4().hex[:10]
-    if request.param == "file":
-        return f"file://{tmp_path}/runs", None
-    if request.param == "s3":
-        options = request.getfixturevalue("moto_s3")
-        fs, _ = storage.filesystem("s3://x", options)
-        fs.mkdir(f"bucket-{name}")
-        return f"s3://bucket-{name}/runs", options
-    server = request.getfixturevalue("azurite")
-    options = server.options()
-    fs, _ = storage.filesystem("abfs://x", options)
-    fs.mkdir(f"container-{name}")
-    return f"abfs://container-{name}/runs", options
+    return fresh_place(request, request.param, tmp_path, "runs")
 
 
 def test_conditional_writes_create_once_and_replace_only_the_version_read(base):

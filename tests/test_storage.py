@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 from sparktrain import storage
+from storage_servers import fresh_place
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -14,21 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(params=["file", "memory", "s3", "abfs", "az"])
 def target(request, tmp_path):
     """(base URL, storage_options, fs) of a fresh, empty place on each backend."""
-    name = uuid.uuid4().hex[:10]
-    if request.param == "file":
-        return f"file://{tmp_path}/ckpt", None
-    if request.param == "memory":
-        return f"memory://sparktrain-tests/{name}", None
-    if request.param == "s3":
-        options = request.getfixturevalue("moto_s3")
-        fs, _ = storage.filesystem("s3://x", options)
-        fs.mkdir(f"bucket-{name}")
-        return f"s3://bucket-{name}/ckpt", options
-    server = request.getfixturevalue("azurite")
-    options = server.options()
-    fs, _ = storage.filesystem("abfs://x", options)
-    fs.mkdir(f"container-{name}")
-    return f"{request.param}://container-{name}/ckpt", options
+    return fresh_place(request, request.param, tmp_path, "ckpt")
 
 
 def test_bytes_round_trip_with_manifest(target):

@@ -201,13 +201,13 @@ class ObjectState(State):
         self._saved_state.update(attrs)
 
 
-def _values(variables) -> list:
+def variable_values(variables) -> list:
     import numpy as np
 
     return [np.array(v.numpy()) for v in variables]
 
 
-def _assign(variables, values, what: str) -> None:
+def assign_variables(variables, values, what: str) -> None:
     variables = list(variables)
     if len(variables) != len(values):
         raise SparkTrainError(f"the saved {what} has {len(values)} variables but this one has {len(variables)}; "
@@ -245,14 +245,14 @@ class TensorFlowKerasState(ObjectState):
         return list(variables() if callable(variables) else variables)
 
     def _save_model(self) -> None:
-        self._saved_model_state = _values(self.model.variables)
-        self._saved_optimizer_state = _values(self._optimizer_variables())
+        self._saved_model_state = variable_values(self.model.variables)
+        self._saved_optimizer_state = variable_values(self._optimizer_variables())
 
     def _load_model(self) -> None:
-        _assign(self.model.variables, self._saved_model_state, "model")
+        assign_variables(self.model.variables, self._saved_model_state, "model")
         if len(self._saved_optimizer_state) != len(self._optimizer_variables()):
             self._build_optimizer()  # Keras builds optimizers lazily; the saved one had been built
-        _assign(self._optimizer_variables(), self._saved_optimizer_state, "optimizer")
+        assign_variables(self._optimizer_variables(), self._saved_optimizer_state, "optimizer")
 
     def save(self) -> None:
         self._save_model()
@@ -294,21 +294,21 @@ class TensorFlowState(ObjectState):
         if session is not None:
             raise InvalidArgumentError("TensorFlowState(session=...) is TensorFlow 1; leave session out")
         self.variables = list(variables)
-        self._saved_variables = _values(self.variables)
+        self._saved_variables = variable_values(self.variables)
         super().__init__(**kwargs)
 
     def save(self) -> None:
-        self._saved_variables = _values(self.variables)
+        self._saved_variables = variable_values(self.variables)
         super().save()
 
     def restore(self) -> None:
-        _assign(self.variables, self._saved_variables, "variable list")
+        assign_variables(self.variables, self._saved_variables, "variable list")
         super().restore()
 
     def sync(self) -> None:
         if _ctx.size() > 1:
             _tfc().broadcast_variables(self.variables, 0)
-        self._saved_variables = _values(self.variables)
+        self._saved_variables = variable_values(self.variables)
         super().sync()
 
     def _payload(self) -> dict:

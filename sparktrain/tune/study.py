@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import InvalidArgumentError, RankFailedError
 from . import slots
@@ -74,7 +74,7 @@ def optimize(study, objective: Callable[[Any], Any], n_trials: int | None = None
     """
     import optuna
 
-    from ..driver import config, run as runs, views
+    from ..driver import config, run as runs
 
     if not isinstance(study, optuna.Study):
         raise InvalidArgumentError(f"study must be an optuna.Study (optuna.create_study(...)); got "
