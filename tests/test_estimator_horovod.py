@@ -92,7 +92,7 @@ def test_a_horovod_style_fit_honours_backend_store_steps_and_the_checkpoint_call
         backend=backend, store=store, model=_convnet(), optimizer=keras.optimizers.Adam(1e-2),
         loss=keras.losses.CategoricalCrossentropy(), metrics=[keras.metrics.CategoricalAccuracy()],
         feature_cols=["features"], label_cols=["label_vec"], validation=0.25, batch_size=16, epochs=2,
-        train_steps_per_epoch=3, validation_steps_per_epoch=2, random_seed=3, verbose=0, run_id="steps",
+        train_steps_per_epoch=3, validation_steps_per_epoch=2, random_seed=3, verbose=0,
         callbacks=[_recorder(str(outdir))], inmemory_cache_all=True, reader_pool_type="process",
         checkpoint_callback=BestModelCheckpoint(monitor="marker", mode="min"))  # Horovod's, without filepath
     with caplog.at_level("WARNING", logger="sparktrain"):
@@ -105,7 +105,7 @@ def test_a_horovod_style_fit_honours_backend_store_steps_and_the_checkpoint_call
     hints = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
     assert len(hints) == 1 and "inmemory_cache_all=True" in hints[0] and "reader_pool_type='process'" in hints[0]
     # Horovod's layout of the store: <prefix>/runs/<run_id>/; the trained model is the one the callback kept.
-    run = tmp_path / "store" / "runs" / "steps"
+    run = tmp_path / "store" / "runs" / model.getRunId()
     assert model.getModelUrl() == f"file://{run}/model.keras"
     trained = _weights(str(run / "model.keras"))
     assert trained == _weights(str(run / "checkpoints" / "epoch-0001.keras"))
@@ -149,12 +149,13 @@ def test_label_shapes_reshape_the_labels_and_stacked_columns_feed_a_shaped_input
     est = KerasEstimator(model=model, optimizer=keras.optimizers.Adam(1e-2), loss=_pairs_loss, metrics=[_pairs_gap],
                          feature_cols=[f"c{i}" for i in range(4)], label_cols=["target"], label_shapes=[(2, 2)],
                          batch_size=8, epochs=3, num_proc=2, store=f"file://{tmp_path}/store", verbose=0, env=ENV,
-                         run_id="pairs", checkpoint_callback=keep)
-    history = est.fit(df).getHistory()
+                         checkpoint_callback=keep)
+    fitted = est.fit(df)
+    history = fitted.getHistory()
     assert len(history["loss"]) == 3 and history["loss"][-1] < history["loss"][0], history
     assert len(history["_pairs_gap"]) == 3 and history["_pairs_gap"][-1] < history["_pairs_gap"][0], history
     best = int(np.argmin(history["loss"])) + 1
-    run = tmp_path / "store" / "pairs"
+    run = tmp_path / "store" / fitted.getRunId()
     assert _weights(str(run / "model.keras")) == _weights(str(run / "checkpoints" / f"epoch-{best:04d}.keras"))
 
 

@@ -79,8 +79,10 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
         from .model import KerasModel
 
         spec, data, launch = self._prepare(dataset)
-        history = sparktrain.run(_train_on_rank, args=(spec,), data=data, **launch)
-        return KerasModel(model_url=spec.model_url, history=history, run_id=spec.run_url.rsplit("/", 1)[-1],
+        run_id = self.getRunId()
+        value = sparktrain.run(_train_on_rank, args=(spec,), data=data, run_id=run_id, **launch)
+        history, model_url = _fit_result(value, run_id)
+        return KerasModel(model_url=model_url, history=history, run_id=spec.run_url.rsplit("/", 1)[-1],
                           feature_cols=spec.feature_cols, label_cols=spec.label_cols,
                           output_cols=self.getOutputCols() or [f"{c}__output" for c in spec.label_cols],
                           custom_objects=spec.custom_objects, storage_options=spec.storage_options,
@@ -135,7 +137,8 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
             storage_options=options, mlflow=bool(tracking.mlflow_handoff(user_env=launch["env"])),
             registered_model_name=self.getRegisteredModelName(), feature_shapes=feature_shapes,
             label_shapes=label_shapes, train_steps=steps[0], val_steps=steps[1], checkpoint_callback=callback,
-            mp_start_method=method, keras_line=line, feature_dtypes=feature_dtypes, label_dtypes=label_dtypes)
+            mp_start_method=method, keras_line=line, feature_dtypes=feature_dtypes, label_dtypes=label_dtypes,
+            named=self.getRunId() is not None)
         return spec, data, launch
 
     def _store(self) -> tuple[str, str, dict | None, dict]:
@@ -152,7 +155,12 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
                 f"store={store!r}: pass store=Store.create('abfss://container@account.dfs.core.windows.net/models') "
                 "(from sparktrain.ml) or the URL itself (any fsspec URL; file:///path for a shared disk)")
         storage.check_url(store, options)
-        run_url = f"{store.rstrip('/')}/{self.getRunId() or 'keras_' + uuid.uuid4().hex[:12]}"
+        run_id = self.getRunId()
+        if run_id is not None:
+            from ..storage.home import check_run_id
+
+            check_run_id(run_id)
+        run_url = f"{store.rstrip('/')}/{run_id or 'keras_' + uuid.uuid4().hex[:12]}"
         return run_url, model_url_of(run_url, name), options, env
 
     def _launch(self, options, store_env, line: str) -> dict[str, Any]:
@@ -218,10 +226,25 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
                         ", ".join(given), "has" if len(given) == 1 else "have")
 
 
+#: Marks rank 0's value of a fit: a named run records it in its home, and a later fit with that
+#: ``run_id`` gets it back instead of training.
+FIT_RESULT = "sparktrain-keras-estimator/1"
+
+
 def _train_on_rank(spec):
     from .training import train
 
-    return train(spec)
+    history = train(spec)
+    return {"format": FIT_RESULT, "history": history, "model_url": spec.model_url}
+
+
+def _fit_result(value, run_id: str | None) -> tuple[dict, str]:
+    """The history and the model's URL in rank 0's value, of this fit or recorded by an earlier one."""
+    if not isinstance(value, dict) or value.get("format") != FIT_RESULT:
+        raise InvalidArgumentError(
+            f"run_id={run_id!r} names a finished run whose recorded result is not a KerasEstimator fit's (a "
+            f"sparktrain.run under the same elastic_url, say): give this fit a run_id of its own")
+    return value["history"], value["model_url"]
 
 
 def _split(df, validation, seed):

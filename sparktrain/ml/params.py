@@ -40,7 +40,8 @@ COMMON = (
     Spec("output_cols", "the prediction columns, one per label; default '<label>__output'", _NAMES),
     Spec("custom_objects", "custom layers, losses and metrics, by name, to load the model with", None),
     Spec("storage_options", "credentials for the store's filesystem, as fsspec takes them; never saved", None),
-    Spec("run_id", "the training run's name in the store; a store that has it already resumes it", _STR),
+    Spec("run_id", "the run's name, with the elastic_url setting: a new job's fit resumes it from its last epoch "
+         "backed up in <elastic_url>/<run_id>/, a finished one returns its recorded model; None: a fresh run", _STR),
 )
 
 ESTIMATOR = COMMON + (

@@ -16,7 +16,9 @@ per epoch where it is set.
 
 A run that finds checkpoints under its ``run_id`` (a retried attempt, or a fit given the
 ``run_id`` of an unfinished one) resumes after the latest, and its history starts with the epochs
-already done. Keras and sparktrain.keras are imported here only inside the rank.
+already done. A fit given a ``run_id`` is a named run of ``sparktrain.run``: on TensorFlow its
+ranks also run ``BackupAndRestore`` into the run's home (``<elastic_url>/<run_id>/backup/``), which
+every rank reads at ``fit``'s start. Keras and sparktrain.keras are imported here only inside the rank.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class TrainSpec(NamedTuple):
     keras_line: str = "keras"  # kerasline.KERAS_3 or TF_KERAS: the Keras the ranks train with
     feature_dtypes: list | None = None  # per model input: the dtype its column(s) are cast to, or None
     label_dtypes: list | None = None  # per label column, likewise
+    named: bool = False  # a run_id: a named run, backed up at epoch ends into its home (on TensorFlow)
 
 
 def checkpoints_of(run_url: str) -> str:
@@ -139,6 +142,8 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
             callbacks.append(spec.checkpoint_callback)
         callbacks.append(hvd.callbacks.RemoteCheckpoint(prefix + "/epoch-{epoch:04d}.keras",
                                                         storage_options=spec.storage_options))
+        if spec.named and not jax:  # the run's home, <elastic_url>/<run_id>/backup/: a new job resumes from it
+            callbacks.append(hvd.callbacks.BackupAndRestore(storage_options=spec.storage_options))
         model.fit(ds, validation_data=val, epochs=spec.epochs, initial_epoch=initial_epoch, shuffle=False,
                   verbose=spec.verbose if hvd.rank() == 0 else 0, callbacks=callbacks)
         if hvd.rank() != 0:
