@@ -1,6 +1,7 @@
 """KerasEstimator's history equals one process's ``model.fit`` on the same rows, in the same order,
-in the same global batches, to float32 tolerance, on each Keras line: one fit per line, of one
-model of two inputs and four outputs that holds the cases, trained with sample weights:
+in the same global batches, to float32 tolerance, on each Keras line (Keras 3 with the ranks on
+TensorFlow, Keras 3 with the ranks on JAX, tf_keras): one fit per line, of one model of two inputs
+and four outputs that holds the cases, trained with sample weights:
 
 - ``reg``: a regression, scored by custom metric functions (``my_mae``, and ``label_rank``, the
   rank of ``y_true`` the metric sees: 2, as in ``y_pred``'s ``(batch, 1)``);
@@ -11,7 +12,8 @@ model of two inputs and four outputs that holds the cases, trained with sample w
 A callback on each rank writes the rank's shard as ``sparktrain.data.numpy(..., model=...)`` gives
 it (labels in the outputs' shapes); the one process fits on the global batches those shards make
 (rank 0's batch i, then rank 1's). The checkpoint callback, on the custom metric, keeps the epoch
-one process finds best."""
+one process finds best; on JAX it is left out: with it, rank 0 hangs saving the kept model at the
+first epoch's end (a bug of the estimator's JAX path, open)."""
 from __future__ import annotations
 
 import math
@@ -36,13 +38,26 @@ CASES = {"regression, custom metrics": "reg_", "binary": "bin_", "sparse classes
          "one-hot classes": "hot_", "weighted total of 2 inputs, 4 outputs": ""}
 
 
+def _on_jax(tensor) -> bool:
+    """Whether Keras hands the metric JAX arrays (the ranks on JAX), not TensorFlow tensors."""
+    return type(tensor).__module__.startswith("jax")
+
+
 def my_mae(y_true, y_pred):
+    if _on_jax(y_true):
+        from keras import ops
+
+        return ops.mean(ops.abs(y_true - y_pred))
     import tensorflow as tf
 
     return tf.reduce_mean(tf.abs(y_true - y_pred))
 
 
 def label_rank(y_true, y_pred):
+    if _on_jax(y_true):
+        from keras import ops
+
+        return ops.cast(ops.ndim(y_true), "float32") + 0.0 * ops.mean(y_pred)
     import tensorflow as tf
 
     return tf.cast(tf.rank(y_true), "float32") + 0.0 * tf.reduce_mean(y_pred)
@@ -115,6 +130,8 @@ def _global_batches(outdir, name, batch):
 def _keras(line):
     if line == "tf_keras":
         return pytest.importorskip("tf_keras")
+    if line == "jax":
+        pytest.importorskip("jax")
     import keras
 
     return keras
@@ -128,8 +145,11 @@ def _best(k, line):
     return BestModelCheckpoint(monitor="val_reg_my_mae", mode="min")
 
 
-@pytest.mark.parametrize("line", ["keras", pytest.param("tf_keras", marks=pytest.mark.keras2)])
+@pytest.mark.parametrize("line", ["keras", pytest.param("jax", marks=pytest.mark.jax),
+                                  pytest.param("tf_keras", marks=pytest.mark.keras2)])
 def test_the_history_equals_one_process_fit_on_the_same_global_batches(spark, tmp_path, line):
+    """``line``: the model's Keras, and for Keras 3 the ranks' backend ("jax": Keras 3 on JAX, the
+    one process on this process's TensorFlow backend)."""
     from sparktrain.ml import KerasEstimator
 
     k = _keras(line)
@@ -142,7 +162,7 @@ def test_the_history_equals_one_process_fit_on_the_same_global_batches(spark, tm
     est = KerasEstimator(model=model, **_compiled(k), feature_cols=["a", "b"], label_cols=list(LABELS.values()),
                          sample_weight_col="w", validation="is_val", batch_size=BATCH, val_batch_size=VAL_BATCH,
                          epochs=EPOCHS, shuffle=False, num_proc=2, store=f"file://{tmp_path}/store", verbose=0,
-                         env=ENV, callbacks=[_recorder(k, str(outdir))], checkpoint_callback=_best(k, line),
+                         env={**ENV, "KERAS_BACKEND": "jax"} if line == "jax" else ENV, callbacks=[_recorder(k, str(outdir))], checkpoint_callback=None if line == "jax" else _best(k, line),
                          custom_objects={"my_mae": my_mae, "label_rank": label_rank})
     fitted = est.fit(_frame(spark, table, val))
     history = fitted.getHistory()
@@ -171,6 +191,8 @@ def test_the_history_equals_one_process_fit_on_the_same_global_batches(spark, tm
     # The metric is a function of (y_true, y_pred): the estimator's equals it as one process computes it.
     assert history["val_reg_my_mae"] != history["val_reg_loss"]
 
+    if line == "jax":  # rank 0's BestModelCheckpoint as the estimator's checkpoint_callback hangs on JAX (issue 58)
+        return
     best = int(np.argmin(expected["val_reg_my_mae"]))
     print(f"{line}: val_reg_my_mae by epoch {history['val_reg_my_mae']}, kept epoch {best + 1}")
     kept = fitted.getModel().get_weights()
