@@ -2,7 +2,8 @@
 in epoch 2 of 4, then a fit with the same ``run_id`` that starts at epoch 2 (from the backup in the
 run's home, ``<elastic_url>/<run_id>/``) and ends with the weights of a fit never interrupted; a
 third fit on that live run refused, naming the driver; a fourth that returns the recorded model
-without starting a rank; and a ``run_id`` without an ``elastic_url`` refused before launch."""
+without starting a rank; a ``run_id`` without an ``elastic_url`` is Horovod's (the run's folder in the
+store), and a bad one is refused before launch."""
 from __future__ import annotations
 
 import os
@@ -133,11 +134,15 @@ def test_a_failed_fit_resumes_from_its_backup_in_a_new_fit_and_a_finished_one_re
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_run_id_needs_an_elastic_url_and_a_good_name(spark, tmp_path, monkeypatch):
+def test_a_run_id_without_an_elastic_url_names_the_store_folder_as_in_horovod_and_a_bad_one_is_refused(
+        spark, tmp_path, monkeypatch):
     monkeypatch.delenv("SPARKTRAIN_ELASTIC_URL", raising=False)
     df = _frame(spark)
-    with pytest.raises(sparktrain.InvalidArgumentError, match="run_id='nightly'.*elastic_url setting"):
-        _estimator(tmp_path, "nightly", [], elastic=False).fit(df)
+    # Without the elastic_url setting, run_id is Horovod's: the run's folder in the store, not a named run.
+    spec, _, _ = _estimator(tmp_path, "nightly", [], elastic=False)._prepare(df)
+    assert not spec.named and spec.run_url.endswith("/nightly")
+    spec, _, _ = _estimator(tmp_path, "nightly", [])._prepare(df)
+    assert spec.named
     with pytest.raises(sparktrain.InvalidArgumentError, match=r"run_id='a/b'.*letters, digits"):
         _estimator(tmp_path, "a/b", []).fit(df)
-    assert not (tmp_path / "store").exists() and not (tmp_path / "runs").exists()
+    assert not (tmp_path / "runs").exists()

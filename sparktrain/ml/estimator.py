@@ -8,6 +8,7 @@ performance hints without effect here, and which are refused).
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from typing import Any
 
@@ -79,7 +80,7 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
         from .model import KerasModel
 
         spec, data, launch = self._prepare(dataset)
-        run_id = self.getRunId()
+        run_id = self.getRunId() if spec.named else None
         value = sparktrain.run(_train_on_rank, args=(spec,), data=data, run_id=run_id, **launch)
         history, model_url = _fit_result(value, run_id)
         return KerasModel(model_url=model_url, history=history, run_id=spec.run_url.rsplit("/", 1)[-1],
@@ -138,7 +139,7 @@ class KerasEstimator(Estimator, MLReadable, MLWritable):
             registered_model_name=self.getRegisteredModelName(), feature_shapes=feature_shapes,
             label_shapes=label_shapes, train_steps=steps[0], val_steps=steps[1], checkpoint_callback=callback,
             mp_start_method=method, keras_line=line, feature_dtypes=feature_dtypes, label_dtypes=label_dtypes,
-            named=self.getRunId() is not None)
+            named=self.getRunId() is not None and _has_elastic_url(launch["env"]))
         return spec, data, launch
 
     def _store(self) -> tuple[str, str, dict | None, dict]:
@@ -236,6 +237,17 @@ def _train_on_rank(spec):
 
     history = train(spec)
     return {"format": FIT_RESULT, "history": history, "model_url": spec.model_url}
+
+
+def _has_elastic_url(env: dict) -> bool:
+    """Whether the elastic_url setting is there (run's env, the driver's environment, the conf): a
+    run_id is then a named run of ``sparktrain.run``; without it, Horovod's name of the run's folder
+    in the store, as in Horovod."""
+    from ..driver import cluster, config, views
+
+    spark = cluster.active_session()
+    conf = views.of(spark).conf if spark is not None else {}
+    return bool(config.settings_of(conf, {**os.environ, **env}).elastic_url)
 
 
 def _fit_result(value, run_id: str | None) -> tuple[dict, str]:
