@@ -51,6 +51,24 @@ def test_each_rank_sees_exactly_one_gpu(cluster, tmp_path):
     assert {r["local_size"] for r in ranks.values()} == {3}
 
 
+def test_a_study_runs_three_one_gpu_gangs_at_once_each_on_its_own_gpu(cluster):
+    optuna = pytest.importorskip("optuna")
+    import sparktrain.tune
+    import tune_objectives
+
+    study = optuna.create_study()
+    with pytest.raises(sparktrain.InvalidArgumentError, match="need 4 task slots at once; the cluster has 3"):
+        sparktrain.tune.optimize(study, tune_objectives.where, n_trials=4, concurrent_trials=4, num_proc=1)
+    sparktrain.tune.optimize(study, tune_objectives.where, n_trials=3, num_proc=1, resources={"gpus": 1},
+                             verbose=0)  # as many gangs as the slots hold: 3
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    seen = [t.user_attrs["gpus_rank_0"] for t in study.trials]
+    assert all(g in ("5", "6", "7") for g in seen), seen
+    # All three ran at once (none waited for another's slot): the 3 GPU slots held 3 gangs, one GPU each.
+    ends = [t.datetime_complete for t in study.trials]
+    assert all(t.datetime_start < min(ends) for t in study.trials)
+
+
 def test_slot_check_fires_within_seconds_when_4_gpus_are_asked_of_3(cluster):
     started = time.monotonic()
     with pytest.raises(sparktrain.InsufficientResourcesError) as e:
@@ -167,20 +185,3 @@ def test_an_elastic_gpu_run_that_loses_an_executor_goes_on_with_the_gpus_left(cl
     lines = [r.getMessage() for r in caplog.records if "continuing with 2 rank(s)" in r.getMessage()]
     assert len(lines) == 1 and "was lost" in lines[0], lines
 
-
-def test_a_study_runs_three_one_gpu_gangs_at_once_each_on_its_own_gpu(cluster):
-    optuna = pytest.importorskip("optuna")
-    import sparktrain.tune
-    import tune_objectives
-
-    study = optuna.create_study()
-    with pytest.raises(sparktrain.InvalidArgumentError, match="need 4 task slots at once; the cluster has 3"):
-        sparktrain.tune.optimize(study, tune_objectives.where, n_trials=4, concurrent_trials=4, num_proc=1)
-    sparktrain.tune.optimize(study, tune_objectives.where, n_trials=3, num_proc=1, resources={"gpus": 1},
-                             verbose=0)  # as many gangs as the slots hold: 3
-    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
-    seen = [t.user_attrs["gpus_rank_0"] for t in study.trials]
-    assert all(g in ("5", "6", "7") for g in seen), seen
-    # All three ran at once (none waited for another's slot): the 3 GPU slots held 3 gangs, one GPU each.
-    ends = [t.datetime_complete for t in study.trials]
-    assert all(t.datetime_start < min(ends) for t in study.trials)

@@ -176,7 +176,7 @@ def legacy_keras_in_rank():
 
 @pytest.mark.parametrize("driver, env, expected", [
     ("1", {}, ("1", "tf_keras")),                                 # the driver's own variable reaches the ranks
-    (None, {"TF_USE_LEGACY_KERAS": "yes"}, ("1", "tf_keras")),    # env=, in the form TensorFlow reads
+    (None, {"TF_USE_LEGACY_KERAS": "True"}, ("1", "tf_keras")),   # env=, in the form TensorFlow reads
     ("1", {"TF_USE_LEGACY_KERAS": "false"}, ("0", "keras")),      # env= wins over the driver's
     (None, {}, (None, "keras"))])
 def test_the_legacy_keras_setting_reaches_every_rank(monkeypatch, driver, env, expected):
@@ -187,9 +187,17 @@ def test_the_legacy_keras_setting_reaches_every_rank(monkeypatch, driver, env, e
     assert sparktrain.run(legacy_keras_in_rank, num_proc=-1, env=env, verbose=0) == expected
 
 
-def test_a_bad_legacy_keras_value_is_refused_before_any_rank_starts():
-    with pytest.raises(sparktrain.InvalidArgumentError, match=r"TF_USE_LEGACY_KERAS must be true or false, got 'maybe'"):
-        sparktrain.run(legacy_keras_in_rank, num_proc=-1, env={"TF_USE_LEGACY_KERAS": "maybe"}, verbose=0)
+@pytest.mark.parametrize("value", ["yes", "on", "TRUE", "maybe"])
+@pytest.mark.parametrize("where", ["env", "driver"])
+def test_a_legacy_keras_value_tensorflow_reads_otherwise_is_refused_before_any_rank_starts(monkeypatch, value, where):
+    """TensorFlow reads only 1, true and True as tf_keras: with yes, on or TRUE this driver's tf.keras
+    is Keras 3, so a run that gave its ranks tf_keras would train on two lines. Refused, naming the values."""
+    if where == "driver":
+        monkeypatch.setenv("TF_USE_LEGACY_KERAS", value)
+    with pytest.raises(sparktrain.InvalidArgumentError,
+                       match=rf"TF_USE_LEGACY_KERAS='{value}': TensorFlow reads only 1, true, True as tf_keras"):
+        sparktrain.run(legacy_keras_in_rank, num_proc=-1, env={"TF_USE_LEGACY_KERAS": value} if where == "env" else {},
+                       verbose=0)
 
 
 @pytest.mark.parametrize("env, words", [({"SPARKTRAIN_COLLECTIVE_TIMEOUT": "abc"}, "SPARKTRAIN_COLLECTIVE_TIMEOUT"),
