@@ -17,7 +17,7 @@ For each: the study's wall time and its ratio to the peer's; the median gap from
 the cluster's slot-time that held a rank (the ranks' time in the objective, times 2 ranks, over
 the wall time times the 4 slots); the best value, and the trials pruned.
 
-    python benchmarks/tune.py [--trials 12] [--epochs 4] [--write benchmarks/RESULTS.md]
+    python benchmarks/tune.py [--trials 12] [--epochs 4] [--rounds 3] [--write benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -96,11 +96,9 @@ def study_of(trials: int, pruned: bool):
     return study
 
 
-def peer(trials: int, epochs: int):
-    """``study.optimize(lambda t: sparktrain.run(...))``, as users write it today."""
+def peer(study, trials: int, epochs: int) -> float:
+    """``study.optimize(lambda t: sparktrain.run(...))``, as users write it today; its wall time."""
     import sparktrain
-
-    study = study_of(trials, pruned=False)
 
     def run_one(t):
         value, entered, left = sparktrain.run(timed_fit, args=(t.suggest_float("lr", 1e-6, 1e-2, log=True),
@@ -112,33 +110,35 @@ def peer(trials: int, epochs: int):
 
     start = time.monotonic()
     study.optimize(run_one, n_trials=trials)
-    return study, time.monotonic() - start
+    return time.monotonic() - start
 
 
-def tuned(trials: int, epochs: int, concurrent: int, pruned: bool):
+def tuned(study, trials: int, epochs: int, concurrent: int) -> float:
     import sparktrain.tune
 
-    study = study_of(trials, pruned)
     start = time.monotonic()
     sparktrain.tune.optimize(study, functools.partial(objective, epochs), n_trials=trials,
                              concurrent_trials=concurrent, num_proc=NUM_PROC, stdout=open(os.devnull, "w"))
-    return study, time.monotonic() - start
+    return time.monotonic() - start
 
 
-def gaps(study) -> list[float]:
-    """For each trial that waited for a slot: its rank 0's entry minus the end of the trial before it."""
+def gaps(study, calls: list[float]) -> list[float]:
+    """For each trial that waited for a slot: its rank 0's entry minus the end of the trial before it,
+    within one optimize call (``calls``: when each began)."""
     ended = sorted(t.datetime_complete.timestamp() for t in study.trials if t.datetime_complete)
     out = []
     for t in study.trials:
         entered = t.user_attrs.get("entered")
         started = t.datetime_start.timestamp()
-        before = [e for e in ended if e <= started + 0.05]
+        call = max((c for c in calls if c <= started), default=0.0)
+        before = [e for e in ended if call <= e <= started + 0.05]
         if entered is not None and before:
             out.append(entered - before[-1])
     return out
 
 
 def busy(study, wall: float) -> float:
+    """The ranks' time in the objective times the ranks, over the wall time times the slots."""
     held = sum(t.user_attrs["left"] - t.user_attrs["entered"] for t in study.trials if "left" in t.user_attrs)
     return held * NUM_PROC / (wall * SLOTS)
 
@@ -147,6 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of trials, the contenders' order rotated")
     parser.add_argument("--write", metavar="RESULTS.md")
     a = parser.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -159,21 +160,33 @@ def main() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     spark = SparkSession.builder.master(f"local[{SLOTS}]").config("spark.ui.enabled", "false").getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    contenders = [("study.optimize(lambda t: sparktrain.run(...)) (peer)", lambda: peer(a.trials, a.epochs)),
-                  ("tune.optimize, concurrent_trials=1", lambda: tuned(a.trials, a.epochs, 1, False)),
-                  ("tune.optimize, concurrent_trials=2", lambda: tuned(a.trials, a.epochs, 2, False)),
-                  ("tune.optimize, concurrent_trials=2, MedianPruner", lambda: tuned(a.trials, a.epochs, 2, True))]
-    rows, peer_wall = [], None
-    for name, go in contenders:
-        settle()
-        study, wall = go()
-        peer_wall = peer_wall or wall
+    contenders = [("study.optimize(lambda t: sparktrain.run(...)) (peer)", False,
+                   lambda st, n: peer(st, n, a.epochs)),
+                  ("tune.optimize, concurrent_trials=1", False, lambda st, n: tuned(st, n, a.epochs, 1)),
+                  ("tune.optimize, concurrent_trials=2", False, lambda st, n: tuned(st, n, a.epochs, 2)),
+                  ("tune.optimize, concurrent_trials=2, MedianPruner", True, lambda st, n: tuned(st, n, a.epochs, 2))]
+    # Each contender's study runs in rounds of trials, the contenders' order rotated each round: a
+    # busy moment of the machine falls on all of them, not on one.
+    studies = [study_of(a.trials, pruned) for _, pruned, _ in contenders]
+    walls = [0.0] * len(contenders)
+    calls: list[list[float]] = [[] for _ in contenders]
+    per_round = -(-a.trials // a.rounds)
+    for r in range(a.rounds):
+        n = min(per_round, a.trials - r * per_round)
+        order = list(range(len(contenders)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for i in order:
+            settle()
+            calls[i].append(time.time())
+            walls[i] += contenders[i][2](studies[i], n)
+            print(f"round {r + 1}: {contenders[i][0]}: {walls[i]:.1f} s so far", flush=True)
+    rows = []
+    for (name, _, _), study, wall, began in zip(contenders, studies, walls, calls):
         states = [t.state.name for t in study.trials]
-        g = gaps(study)
-        rows.append([name, f"{wall:.1f}", f"{wall / peer_wall:.2f}x",
+        g = gaps(study, began)
+        rows.append([name, f"{wall:.1f}", f"{wall / walls[0]:.2f}x",
                      f"{statistics.median(g):.2f}" if g else "-", f"{busy(study, wall):.2f}",
                      f"{study.best_value:.3f}", str(states.count("PRUNED")), str(states.count("COMPLETE"))])
-        print(f"{name}: {wall:.1f} s", flush=True)
     header = ["contender", "study wall s", "vs peer", "median gap s (end to next ranks)", "slot-time held",
               "best val_accuracy", "pruned", "complete"]
     print(text_table(header, rows))
@@ -182,11 +195,13 @@ def main() -> None:
             a.write, SECTION_BEGIN, SECTION_END, "A study of gangs: sparktrain.tune",
             f"{a.trials} trials of the digits CNN ({a.epochs} epochs, Keras 3 on TensorFlow, "
             f"DistributedOptimizer, {NUM_PROC} ranks each), the same queued parameters for every contender, "
-            f"on one warm local[{SLOTS}] session. Gap: from the driver telling the study a trial ended to the "
+            f"on one warm local[{SLOTS}] session, in {a.rounds} rounds of trials with the contenders' order rotated "
+            "each round (the wall time is the sum over the rounds). Gap: from the driver telling the study a trial ended to the "
             "next trial's rank 0 entering the objective (the launch of its gang included). Slot-time held: the "
             f"ranks' time in the objective over the study's wall time times {SLOTS} slots.",
             machine_line(["tensorflow", "keras", "optuna"], f"local[{SLOTS}]"),
-            f"python benchmarks/tune.py --trials {a.trials} --epochs {a.epochs} --write {a.write}", header, rows)
+            f"python benchmarks/tune.py --trials {a.trials} --epochs {a.epochs} --rounds {a.rounds} --write {a.write}",
+            header, rows, after_table=[f"Load average (1 min) when it ended: {os.getloadavg()[0]:.2f}."])
 
 
 if __name__ == "__main__":
