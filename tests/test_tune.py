@@ -187,11 +187,14 @@ def test_a_pruned_gang_stops_early_and_a_failed_trial_lets_the_study_go_on(spark
     for params in ({"x": 0.0, "fail": False}, {"x": 0.1, "fail": False}, {"x": 4.0, "fail": False},
                    {"x": 0.2, "fail": True}, {"x": 0.05, "fail": False}):
         study.enqueue_trial(params)
-    out = io.StringIO()
+    out, told = io.StringIO(), []
     sparktrain.tune.optimize(study, functools.partial(objectives.steps, str(tmp_path)), n_trials=5,
-                             concurrent_trials=1, num_proc=2, stdout=out)
+                             concurrent_trials=1, num_proc=2, stdout=out,
+                             callbacks=[lambda study, trial: told.append((trial.number, trial.state.name))])
     states = [t.state.name for t in study.trials]
     assert states == ["COMPLETE", "COMPLETE", "PRUNED", "FAIL", "COMPLETE"], out.getvalue()
+    # Optuna's callbacks heard every trial's end, the failed one too (caught: the study went on).
+    assert told == list(enumerate(states))
     seen = objectives.read(str(tmp_path))
     # The pruned gang stopped at the first step past the warm-up, on both ranks (one answer per step).
     assert seen[2, 0]["last_step"] == seen[2, 1]["last_step"] == 1
@@ -202,6 +205,20 @@ def test_a_pruned_gang_stops_early_and_a_failed_trial_lets_the_study_go_on(spark
     failed = study.trials[3]
     assert "rank 1 of trial 3 fails on purpose" in failed.user_attrs[sparktrain.tune.ERROR_ATTR]
     assert "trial 3 failed" in out.getvalue() and "trial 2 pruned" in out.getvalue()
+
+
+def test_a_multi_objective_study_takes_rank_0s_sequence_and_a_callback_stops_it(spark):
+    study = optuna.create_study(directions=["minimize", "maximize"])
+
+    def stop_after_two(study, trial):
+        if len(study.trials) >= 2:
+            study.stop()
+
+    sparktrain.tune.optimize(study, objectives.two_values, n_trials=6, concurrent_trials=1, num_proc=2,
+                             callbacks=[stop_after_two], stdout=io.StringIO())
+    assert len(study.trials) == 2  # study.stop() in a callback ended the study, as in Study.optimize
+    for trial in study.trials:
+        assert trial.state.name == "COMPLETE" and trial.values == [trial.params["x"], 1.0 - trial.params["x"]]
 
 
 def test_gangs_the_cluster_cannot_hold_are_refused_before_any_trial(spark, tmp_path):

@@ -146,3 +146,11 @@ def where(trial) -> float:
     trial.set_user_attr(f"gpus_rank_{sparktrain.rank()}", os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     trial.report(x, 0)
     return x
+
+
+def two_values(trial) -> tuple[float, float]:
+    """A multi-objective trial: rank 0 returns (x, 1 - x); the other rank returns something else."""
+    import sparktrain
+
+    x = trial.suggest_float("x", 0.0, 1.0)
+    return (x, 1.0 - x) if sparktrain.rank() == 0 else (-1.0, -1.0)
