@@ -199,6 +199,39 @@ def test_a_second_driver_on_a_live_run_is_refused_naming_the_first(tmp_path):
     assert homes.Home(url, "busy").state() == "finished"
 
 
+def test_a_driver_that_loses_its_lease_stops_its_run(tmp_path):
+    """Another driver took the lease over (this one was thought dead): at its next renewal, this
+    driver stops its run, naming the lease, and its ranks go."""
+    from sparktrain.storage import conditional
+
+    url, flag = str(tmp_path / "runs"), str(tmp_path / "flag")
+    env = {"SPARKTRAIN_ELASTIC_URL": url, "SPARKTRAIN_LEASE_TIMEOUT": "3"}  # renewed every second
+    errors = []
+
+    def run():
+        try:
+            sparktrain.run(waits, args=(flag,), num_proc=-1, run_id="taken", env=env, verbose=0)
+        except sparktrain.SparkTrainError as e:
+            errors.append(e)
+
+    first = threading.Thread(target=run)
+    first.start()
+    try:
+        wait_for_file(flag + ".started", timeout=60)
+        home = homes.Home(url, "taken")
+        record = dict(home.lease_record(), token="another-driver", pid=1, host="elsewhere")
+        target = f"{home.url}/{homes.LEASE}"
+        data, version = conditional.read(target, None)
+        assert conditional.replace(target, json.dumps(record).encode(), version, None)  # the other driver's
+        first.join(timeout=60)
+    finally:
+        open(flag, "w").close()
+        first.join(timeout=60)
+    assert not first.is_alive() and len(errors) == 1, errors
+    assert isinstance(errors[0], sparktrain.errors.RunCancelledError)
+    assert "lost the run's lease (another driver holds it now" in str(errors[0]) and "elsewhere" in str(errors[0])
+
+
 def test_run_id_needs_an_elastic_url_and_a_good_name(monkeypatch):
     monkeypatch.delenv("SPARKTRAIN_ELASTIC_URL", raising=False)
     with pytest.raises(sparktrain.InvalidArgumentError, match="run_id='nightly'.*elastic_url setting"):

@@ -7,6 +7,8 @@ another driver's is live), keeps it renewed, and clears an earlier job's resize 
 find the name as ``SPARKTRAIN_ELASTIC_ID``, so ``hvd.elastic`` commits under the home and
 ``@hvd.elastic.run`` resumes from the last commit of any earlier job. After: rank 0's value is
 recorded in the home (whole or not at all), or the failure's first line is; the lease is released.
+A driver that finds its lease lost while the run lives (another driver took it over) stops the run:
+it raises ``RunCancelledError`` naming the lease.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, Callable
 from ..errors import InvalidArgumentError
 from ..seam import worker_env
 from .config import RunConfig
+from .interrupts import Cancellation
 
 log = logging.getLogger("sparktrain")
 
@@ -52,15 +55,17 @@ def run_named(cfg: RunConfig, launch: Callable[[], Any]) -> Any:
         return value
     lease = home.lease(cfg.settings.lease_timeout)
     lease.acquire(what)
+    stop = Cancellation()  # a lost lease stops the run: another driver may hold the run now
     try:
-        lease.keep(what)
+        lease.keep(what, stop.cancel)
         home.clear_markers()
         commit = home.last_commit()
         if commit is not None:
             log.warning("sparktrain: %s resumes from its last commit (epoch %s, batch %s)", what, commit["epoch"],
                         commit["batch"])
         try:
-            value = launch()
+            with stop.scope():
+                value = launch()
         except BaseException as e:
             _record_failure(home, what, e)
             raise

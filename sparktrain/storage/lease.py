@@ -133,8 +133,9 @@ class Lease:
         if record is not None and record.get("token") == self.token:
             conditional.replace(self.url, json.dumps(self.record(released=True)).encode(), current[1], self.options)
 
-    def keep(self, what: str) -> "Lease":
-        """Renew the lease every third of its time, in a daemon thread, until :meth:`stop`.
+    def keep(self, what: str, on_lost: Callable[[str], None] = lambda why: None) -> "Lease":
+        """Renew the lease every third of its time, in a daemon thread, until :meth:`stop`; a lease
+        found lost calls ``on_lost`` with why (the run stops: one driver at a time).
         A run's driver has no loop of its own between attempts (``run_elastic`` may wait minutes
         for slots), so the lease has this one thread."""
         interval = self.seconds / 3
@@ -143,8 +144,10 @@ class Lease:
             while not self._stop.wait(interval):
                 try:
                     if not self.renew():
-                        log.error("sparktrain: %s: this driver lost its lease (%s); another driver may be training "
-                                  "the run too", what, self.lost)
+                        log.error("sparktrain: %s: this driver lost its lease (%s); stopping its run", what,
+                                  self.lost)
+                        on_lost(f"{what}: this driver lost the run's lease ({self.lost}); one driver trains a "
+                                "run at a time")
                         return
                 except Exception as e:  # noqa: BLE001 - a store that fails now may answer at the next renewal
                     log.warning("sparktrain: %s: renewing the lease failed (%s); trying again in %.0f s", what,
