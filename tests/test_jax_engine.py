@@ -3,7 +3,7 @@
 Each run fits the same MLP on the same global batches twice on real ranks of a local Spark: first
 under ``keras.distribution.DataParallel`` (XLA's collectives, today's path), then with the
 distribution unset and ``hvd.DistributedOptimizer`` (one fused buffer per step through the native
-engine) with the broadcast and metric-average callbacks. Both start from the same weights; the
+engine, in its XLA FFI handler) with the broadcast and metric-average callbacks. Both start from the same weights; the
 tests compare what they end with, on 2 and 3 ranks.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ def fit_both_ways(outdir: str, x, y, passes: int):
     import keras
 
     import sparktrain.keras as hvd
+    from sparktrain.keras import jax_ffi
 
     keras.utils.set_random_seed(5)
     hvd.init()
@@ -78,7 +79,7 @@ def fit_both_ways(outdir: str, x, y, passes: int):
             "moved": max(float(np.max(np.abs(a - b))) for a, b in zip(start, got)),
             "digest": hashlib.sha256(b"".join(w.tobytes() for w in got)).hexdigest(),
             "loss": seen["loss"], "history": history.history["loss"],
-            "optimizer": type(fused.optimizer).__name__})
+            "optimizer": type(fused.optimizer).__name__, "ffi": jax_ffi.ready()})
 
 
 def run_both_ways(outdir: str, ranks: int, passes: int = 1) -> list:
@@ -99,6 +100,7 @@ def test_the_fused_engine_path_ends_with_the_weights_of_data_parallel(spark, tmp
     assert len({r["loss"] for r in results}) == 1  # the metric-average callback agreed on the epoch's loss
     for r in results:
         assert r["optimizer"] == "SGD"  # the user's class name, as a saved model names it
+        assert r["ffi"] is True  # reduced in the XLA FFI handler (built at init), no Python in the step
         assert r["moved"] > 1e-2  # training changed the weights
         assert r["max_difference"] < 1e-5, r  # the same weights as today's path, to float32 rounding
 

@@ -4,11 +4,11 @@ from inside a compiled step, one fused buffer per dtype.
 A JAX rank of ``sparktrain.run(..., backend="jax")`` has the same env contract as a TensorFlow one
 (the ring's addresses in ``TF_CONFIG``, the run's key), so :func:`start` makes the same
 :class:`sparktrain.engine.Communicator`. Inside ``jax.jit`` the gradients of one dtype are
-flattened and concatenated into one array, which ``jax.pure_callback`` hands to the host as a
-numpy buffer; the engine reduces it in place (shared memory within a host, the ring between hosts,
-encrypted where the run is) and the step goes on with the result, split back into the gradients.
-On CPU the callback's buffer is the device's own memory, so the only copies are the concatenation
-and the one the callback's result needs. No TensorFlow is imported here.
+flattened and concatenated into one array, which the engine reduces in place (shared memory within
+a host, the ring between hosts, encrypted where the run is): on CPU in an XLA FFI custom call
+(``jax_ffi``, no Python in the step), else, or where the handler cannot be built, in a
+``jax.pure_callback`` on a host numpy copy. The step goes on with the result, split back into the
+gradients. No TensorFlow is imported here.
 """
 from __future__ import annotations
 
@@ -23,13 +23,28 @@ _comm: list = []  # this process's communicator, once started
 
 def start():
     """This process's communicator, made from the rank's env contract on the first call (every rank
-    must call it: the ranks meet to make it). Returns the communicator."""
+    must call it: the ranks meet to make it) and made the process's current one, which the FFI
+    handler (``jax_ffi``) finds; the handler is built and registered here too, on CPU. Returns the
+    communicator."""
     with _lock:
         if not _comm:
             from .. import engine
 
-            _comm.append(engine.from_env())
-        return _comm[0]
+            comm = engine.from_env()
+            comm.make_current()
+            _comm.append(comm)
+        comm = _comm[0]
+    if _on_cpu():
+        from . import jax_ffi
+
+        jax_ffi.ready()
+    return comm
+
+
+def _on_cpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "cpu"
 
 
 def communicator():
@@ -110,7 +125,7 @@ def fused_allreduce(arrays: list, op: str = "average", prescale: float = 1.0, po
     for group in dtype_groups([str(sent[i].dtype) for i in present]):
         idx = [present[k] for k in group]
         flat = jnp.concatenate([sent[i].reshape(-1) for i in idx]) if len(idx) > 1 else sent[idx[0]].reshape(-1)
-        reduced = jax.pure_callback(host_allreduce(op), jax.ShapeDtypeStruct(flat.shape, flat.dtype), flat)
+        reduced = _reduce_flat(flat, op)
         offset = 0
         for i in idx:
             n = sent[i].size
@@ -118,6 +133,28 @@ def fused_allreduce(arrays: list, op: str = "average", prescale: float = 1.0, po
             out[i] = r if postscale == 1.0 else r * postscale
             offset += n
     return out
+
+
+def _reduce_flat(flat, op: str):
+    """One fused buffer reduced inside the step: in the FFI handler on CPU where it is registered,
+    else through ``jax.pure_callback`` (on GPU too, where XLA's own collectives are the fast path)."""
+    import jax
+
+    if _on_cpu():
+        from . import jax_ffi
+
+        if jax_ffi.ready():
+            from .. import engine
+
+            return jax_ffi.allreduce(flat, engine.OPS.index(op))
+        if not jax_ffi.turned_off():
+            # A pure_callback's argument reaches the host through a transfer that XLA's CPU client can
+            # queue behind the very step that waits in the callback: seen to stall a 2-core machine.
+            raise SparkTrainError(f"sparktrain.keras.DistributedOptimizer on JAX (CPU) reduces in its XLA FFI "
+                                  f"handler, which is not available here ({jax_ffi.failure()}); install a C++ "
+                                  f"compiler where the ranks run (or set CXX), or set {jax_ffi.SWITCH_ENV}=0 to "
+                                  "reduce through jax.pure_callback (slower, and seen to stall on small machines)")
+    return jax.pure_callback(host_allreduce(op), jax.ShapeDtypeStruct(flat.shape, flat.dtype), flat)
 
 
 def broadcast_arrays(arrays: list, root: int) -> list:
