@@ -14,10 +14,10 @@ from pyspark import keyword_only
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
-from ..kerasline import KERAS_3
 from . import columns
 from .params import MODEL, set_defaults, with_params
 from .persistence import StageReader, StageWriter
+from .scoring import ArrowScorer, load  # noqa: F401 - load: this module's name for it too
 
 
 @with_params(MODEL)
@@ -58,8 +58,6 @@ class KerasModel(Model, MLReadable, MLWritable):
     def _transform(self, dataset):
         from pyspark.sql.types import ArrayType, FloatType, StructField, StructType
 
-        from .scoring import ArrowScorer
-
         model = self.getModel()
         xs = columns.feature_columns(dataset.schema, self.getFeatureCols(), len(model.inputs))
         out_cols = self.getOutputCols()
@@ -73,24 +71,3 @@ class KerasModel(Model, MLReadable, MLWritable):
         scorer = ArrowScorer(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), self.getKerasLine(),
                              features, in_shapes, keep, out_cols, scalar, self.getBatchSize())
         return staged.mapInArrow(scorer, StructType(list(dataset.schema.fields) + fields))
-
-
-def load(url: str, storage_options=None, custom_objects=None, line: str = KERAS_3):
-    """The Keras model at ``url`` in the store, for prediction (not compiled), loaded by the Keras of
-    ``line`` (``"keras"``: Keras 3; ``"tf_keras"``)."""
-    import os
-    import tempfile
-
-    from .. import storage
-    from ..host import tflog
-
-    # TensorFlow's start-up lines (its import, and the first op's look for a GPU) are filtered as a
-    # rank's are, without changing this process's environment: a driver's later runs in local mode,
-    # whose ranks inherit it, keep their verbosity.
-    quiet = tflog.filtered_stderr(tflog.level_from_env(unset=2))
-    with quiet, tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
-        from .portable import load_file
-
-        local = os.path.join(tmp, "model.keras")
-        storage.get_file(url, local, storage_options)
-        return load_file(local, custom_objects, line)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+from ..kerasline import KERAS_3
+
 #: The models this worker process has loaded, by (url, Keras line): the latest few.
 _models: dict = {}
 _models_lock = threading.Lock()
@@ -20,9 +22,7 @@ _KEEP = 2
 
 
 def cached_model(url: str, storage_options, custom_objects, line: str):
-    """The model at ``url``, loaded once per worker process (see :func:`sparktrain.ml.model.load`)."""
-    from .model import load
-
+    """The model at ``url``, loaded once per worker process (see :func:`load`)."""
     key = (url, line)
     with _models_lock:
         model = _models.get(key)
@@ -32,6 +32,27 @@ def cached_model(url: str, storage_options, custom_objects, line: str):
                 _models.pop(next(iter(_models)))
             _models[key] = model
         return model
+
+
+def load(url: str, storage_options=None, custom_objects=None, line: str = KERAS_3):
+    """The Keras model at ``url`` in the store, for prediction (not compiled), loaded by the Keras of
+    ``line`` (``"keras"``: Keras 3; ``"tf_keras"``)."""
+    import os
+    import tempfile
+
+    from .. import storage
+    from ..host import tflog
+
+    # TensorFlow's start-up lines (its import, and the first op's look for a GPU) are filtered as a
+    # rank's are, without changing this process's environment: a driver's later runs in local mode,
+    # whose ranks inherit it, keep their verbosity.
+    quiet = tflog.filtered_stderr(tflog.level_from_env(unset=2))
+    with quiet, tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
+        from .portable import load_file
+
+        local = os.path.join(tmp, "model.keras")
+        storage.get_file(url, local, storage_options)
+        return load_file(local, custom_objects, line)
 
 
 def list_to_numpy(column, shape, name: str):
