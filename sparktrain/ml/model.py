@@ -14,6 +14,7 @@ from pyspark import keyword_only
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
+from ..driver.cluster import without_pyspark_warnings
 from . import columns
 from .params import MODEL, set_defaults, with_params
 from .persistence import StageReader, StageWriter
@@ -70,4 +71,5 @@ class KerasModel(Model, MLReadable, MLWritable):
         staged = dataset.select("*", *[x.alias(f) for x, f in zip(xs, features)])
         scorer = ArrowScorer(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), self.getKerasLine(),
                              features, in_shapes, keep, out_cols, scalar, self.getBatchSize())
-        return staged.mapInArrow(scorer, StructType(list(dataset.schema.fields) + fields))
+        with without_pyspark_warnings():
+            return staged.mapInArrow(scorer, StructType(list(dataset.schema.fields) + fields))
