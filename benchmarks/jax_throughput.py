@@ -112,6 +112,8 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=96)
     parser.add_argument("--xla-flags", default="", help="XLA_FLAGS for the JAX ranks, e.g. "
                         "'--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="more environment for every rank (repeatable), e.g. JAX_CPU_ENABLE_ASYNC_DISPATCH=0")
     parser.add_argument("--only", help="comma-separated contender names to run (default: all)")
     parser.add_argument("--write", help="results file to put this benchmark's section into")
     args = parser.parse_args()
@@ -128,7 +130,8 @@ def main() -> int:
         if n < 1:
             continue
         local = args.global_batch if weak else args.global_batch // n
-        env = {"TF_CPP_MIN_LOG_LEVEL": "3", **({"XLA_FLAGS": args.xla_flags} if args.xla_flags else {})}
+        env = {"TF_CPP_MIN_LOG_LEVEL": "3", **({"XLA_FLAGS": args.xla_flags} if args.xla_flags else {}),
+               **dict(kv.split("=", 1) for kv in args.env)}
         settle()
         try:
             got = sparktrain.run(train, args=(backend, mode, args.repeat_data, local, args.epochs),
