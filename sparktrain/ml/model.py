@@ -1,13 +1,14 @@
 """``KerasModel``: the trained model as a Spark ML Model; ``transform(df)`` scores a DataFrame.
 
-Scoring is ``DataFrame.mapInArrow`` (``scoring``): each Python worker loads the model once, from
-the store, and predicts Arrow batch after Arrow batch, ``batch_size`` rows at a time, without
-pandas. Only the model's URL, the custom objects and the storage options travel in the task
+Scoring is a scalar Arrow UDF (``pyspark.sql.functions.arrow_udf``, pyspark 4.1 on; before, a
+``DataFrame.mapInArrow``), in ``scoring``: each Python worker loads the model once, from the store,
+and predicts Arrow batch after Arrow batch, ``batch_size`` rows at a time, without pandas. Only the model's URL, the custom objects and the storage options travel in the task
 closure, never the model's bytes. The model is loaded by the
 Keras it was trained with (``keras_line``: Keras 3, or tf_keras for a Keras 2 model).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from pyspark import keyword_only
@@ -18,7 +19,7 @@ from ..driver.cluster import without_pyspark_warnings
 from . import columns
 from .params import MODEL, set_defaults, with_params
 from .persistence import StageReader, StageWriter
-from .scoring import ArrowScorer, load  # noqa: F401 - load: this module's name for it too
+from .scoring import ArrowScorer, ColumnScorer, load  # noqa: F401 - load: this module's name for it too
 
 
 @with_params(MODEL)
@@ -57,6 +58,7 @@ class KerasModel(Model, MLReadable, MLWritable):
         return list(self.getOrDefault("output_cols") or [f"{c}__output" for c in self.getLabelCols()])
 
     def _transform(self, dataset):
+        from pyspark.sql import functions as F
         from pyspark.sql.types import ArrayType, FloatType, StructField, StructType
 
         model = self.getModel()
@@ -68,8 +70,22 @@ class KerasModel(Model, MLReadable, MLWritable):
         in_shapes = [[int(d) if d is not None else -1 for d in t.shape[1:]] for t in model.inputs]
         keep = list(dataset.columns)
         features = [f"__sparktrain_x{i}" for i in range(len(xs))]
-        staged = dataset.select("*", *[x.alias(f) for x, f in zip(xs, features)])
-        scorer = ArrowScorer(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), self.getKerasLine(),
-                             features, in_shapes, keep, out_cols, scalar, self.getBatchSize())
+        args = (self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), self.getKerasLine(), features,
+                in_shapes, keep, out_cols, scalar, self.getBatchSize())
         with without_pyspark_warnings():
-            return staged.mapInArrow(scorer, StructType(list(dataset.schema.fields) + fields))
+            try:  # pyspark 4.1 on: a scalar Arrow UDF, which sends only the features to Python
+                from pyspark.sql.functions import ArrowUDFType, arrow_udf
+            except ImportError:
+                staged = dataset.select("*", *[x.alias(f) for x, f in zip(xs, features)])
+                return staged.mapInArrow(ArrowScorer(*args), StructType(list(dataset.schema.fields) + fields))
+            scorer = ColumnScorer(*args)
+
+            def score(*arrays):
+                return scorer(*arrays)
+
+            with warnings.catch_warnings():  # pyspark prefers type hints, which a *args function cannot give
+                warnings.filterwarnings("ignore", "It is preferred to specify type hints", UserWarning)
+                udf = arrow_udf(score, StructType(fields), ArrowUDFType.SCALAR)
+            scored = "__sparktrain_scored"
+            out = dataset.withColumn(scored, udf(*xs))
+            return out.select("*", *[F.col(f"{scored}.{c}").alias(c) for c in out_cols]).drop(scored)

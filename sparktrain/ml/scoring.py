@@ -134,3 +134,22 @@ class ArrowScorer:
             else:
                 columns += [pa.array([], pa.float32() if s else pa.list_(pa.float32())) for s in self.scalar]
             yield pa.RecordBatch.from_arrays(columns, names=names)
+
+
+class ColumnScorer(ArrowScorer):
+    """A scalar Arrow UDF's function (``pyspark.sql.functions.arrow_udf``, pyspark 4.1 on): the
+    feature columns of one Arrow batch in, one struct of the prediction columns out. Only the
+    features cross to Python and only the predictions come back; the row's other columns stay in
+    the JVM, which ``mapInArrow`` (:class:`ArrowScorer`) must send both ways."""
+
+    def __call__(self, *arrays):
+        import pyarrow as pa
+
+        model = cached_model(self.url, self.storage_options, self.custom_objects, self.line)
+        n = len(arrays[0])
+        if n:
+            xs = [list_to_numpy(a, s, f) for a, s, f in zip(arrays, self.in_shapes, self.features)]
+            columns = [predictions_to_arrow(o, n, s) for o, s in zip(self.predict(model, xs), self.scalar)]
+        else:
+            columns = [pa.array([], pa.float32() if s else pa.list_(pa.float32())) for s in self.scalar]
+        return pa.StructArray.from_arrays(columns, names=self.out_cols)
