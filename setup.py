@@ -11,10 +11,10 @@ no C compiler the install still succeeds, the wheel holds no native code and is 
 ``py3-none-any``, and sparktrain falls back to TensorFlow's own ring with one warning (see
 ``sparktrain.engine``).
 
-The TensorFlow kernels over the engine (``native/tf_kernels.cc``) are not built here: pip builds
-in an environment without TensorFlow. Their source and the engine's header are copied into the
-package (``sparktrain/_native/``), and ``sparktrain.tensorflow.kernels`` compiles them at first
-use.
+The TensorFlow kernels over the engine (``native/tf_kernels.cc``) and the XLA FFI handler for JAX
+(``native/jax_ffi.cc``) are not built here: pip builds in an environment without TensorFlow or
+jaxlib. Their sources and the engine's header are copied into the package (``sparktrain/_native/``),
+and ``sparktrain.tensorflow.kernels`` and ``sparktrain.keras.jax_ffi`` compile them at first use.
 """
 import glob
 import os
@@ -31,6 +31,8 @@ from setuptools.command.build_py import build_py
 ENGINE = "sparktrain._collective"
 KERNEL_SOURCES = ["native/tf_kernels.cc", "native/tf_ragged_kernels.cc", "native/tf_kernel.h", "native/tf_sequencer.cc",
                   "native/tf_sequencer.h", "native/collective.h"]
+#: The XLA FFI handler for JAX (``sparktrain.keras.jax_ffi`` compiles it at first use, against jaxlib).
+JAX_SOURCES = ["native/jax_ffi.cc"]
 #: The libraries every manylinux host has (glibc's own), which the engine may link.
 MANYLINUX_LIBS = {"libc.so.6", "libpthread.so.0", "librt.so.1", "libdl.so.2", "libm.so.6",
                   "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1"}
@@ -40,13 +42,14 @@ SHT_DYNAMIC, SHT_GNU_VERNEED, DT_NEEDED = 6, 0x6FFFFFFE, 1
 
 
 class BuildPy(build_py):
-    """Also puts the kernels' sources into the built package, for ``sparktrain.tensorflow.kernels``."""
+    """Also puts the kernels' and the JAX handler's sources into the built package, for
+    ``sparktrain.tensorflow.kernels`` and ``sparktrain.keras.jax_ffi``."""
 
     def run(self):
         super().run()
         target = os.path.join(self.build_lib, "sparktrain", "_native")
         os.makedirs(target, exist_ok=True)
-        for src in KERNEL_SOURCES:
+        for src in KERNEL_SOURCES + JAX_SOURCES:
             shutil.copy(src, os.path.join(target, os.path.basename(src)))
 
 

@@ -46,7 +46,7 @@ def fit_digits(outdir: str, x_test, y_test, x_all, y_all):
     hvd.init()  # keras.distribution.initialize()
     keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
     try:
-        hvd.DistributedOptimizer(keras.optimizers.Adam())
+        hvd.PartialDistributedOptimizer(keras.optimizers.Adam())
     except sparktrain.SparkTrainError as e:
         refused = str(e)
     r = hvd.rank()
@@ -156,7 +156,7 @@ def test_sparktrain_keras_saves_from_rank_0_alone_and_refuses_what_is_tensorflow
                                                                                    "saved-0.keras"]
     for info in fitted["ranks"].values():
         got = info["got"]
-        assert "DistributedOptimizer works on the TensorFlow backend only" in got["refused"]
+        assert "PartialDistributedOptimizer works on the TensorFlow backend only" in got["refused"]
         assert "keras.distribution" in got["refused"]
         # Every rank reads rank 0's last checkpoint back.
         assert got["restored_epoch"] == EPOCHS and got["restored_same"], got["restored_epoch"]

@@ -39,8 +39,11 @@ def test_a_rank_of_a_jax_run_gets_the_coordinator_and_the_cpu_platform(tmp_path,
             "KERAS_DISTRIBUTION_PROCESS_ID": "1"}
         assert (env["KERAS_BACKEND"], env["JAX_PLATFORMS"], env["JAX_NUM_CPU_DEVICES"]) == ("jax", "cpu", "4")
         assert env["MASTER_PORT"] == "5002"  # the coordinator is rank 0's reserved second port
+        # XLA's threads capped where the rank has one core's share, as TensorFlow's are
+        assert env.get("XLA_FLAGS") == ("--xla_cpu_multi_thread_eigen=false" if env["OMP_NUM_THREADS"] == "1" else None)
     else:
         assert not set(worker_env.JAX_VARS) & set(env)
+        assert "XLA_FLAGS" not in env
         assert env.get("KERAS_BACKEND") == backend or backend is None
 
 

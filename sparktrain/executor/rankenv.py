@@ -62,6 +62,7 @@ def rank_env(spec: TaskSpec, rank: int, hosts: Sequence[str], ports: Sequence[in
     ))
     if spec.backend == "jax":
         env.update(worker_env.jax_env(hosts, rank, master_port, gpu_ids, spec.jax_cpu_devices))
+        env.update(worker_env.xla_thread_defaults(threads, gpu_ids, env))  # unless the user or executor set XLA_FLAGS
     elif spec.backend is not None:
         env["KERAS_BACKEND"] = spec.backend
     env.update(worker_env.thread_defaults(threads, spec.user_env))

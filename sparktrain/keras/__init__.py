@@ -40,6 +40,7 @@ if _jax.on_jax():
     from ..errors import InvalidArgumentError
     from ..host.localfiles import replaced_atomically
     from . import callbacks  # noqa: F401
+    from .jax_optimizer import Average, Compression, DistributedOptimizer, Sum  # noqa: F401
 else:  # an older TensorFlow under Keras 3 fails in sparktrain.tensorflow's import, with the version and the fix
     from ..errors import InvalidArgumentError
     from ..host.localfiles import replaced_atomically

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import InvalidArgumentError, SparkTrainError
 from .front import Callback, is_variable as _is_variable
-from .on_jax import refuse_on_jax as _refuse_on_jax, tensorflow_collectives as _tfc
+from .on_jax import on_jax as _on_jax, tensorflow_collectives as _tfc
 
 
 def check_equal_steps(steps) -> None:
@@ -16,10 +16,15 @@ def check_equal_steps(steps) -> None:
     collective until it times out. sparktrain raises instead of equalizing: silently dropping or
     repeating a rank's batches changes what is trained on.
     """
-    import tensorflow as tf
-
     known = -1 if steps is None else int(steps)
-    everyone = [int(s) for s in _tfc().allgather(tf.constant([known], tf.int64)).numpy()]
+    if _on_jax():
+        from .jax_engine import gather_ints
+
+        everyone = gather_ints(known)
+    else:
+        import tensorflow as tf
+
+        everyone = [int(s) for s in _tfc().allgather(tf.constant([known], tf.int64)).numpy()]
     if len(set(everyone)) > 1:
         listing = ", ".join(f"rank {r}: {'unknown' if s < 0 else s}" for r, s in enumerate(everyone))
         good = [s for s in everyone if s >= 0]
@@ -51,11 +56,13 @@ class BroadcastGlobalVariablesCallback(Callback):
 
     def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
-        _refuse_on_jax("callbacks.BroadcastGlobalVariablesCallback")
         self.root_rank = root_rank
+        self._jax = _on_jax()
         self.device = device
         if local_variables is None:
             local_variables = []
+        elif self._jax:
+            raise InvalidArgumentError("local_variables: on JAX every variable is broadcast")
         elif _is_variable(local_variables):
             local_variables = [local_variables]
         local_variables = list(local_variables)
@@ -67,7 +74,9 @@ class BroadcastGlobalVariablesCallback(Callback):
         self._done_first_batch = False
 
     def register_local_var(self, var) -> None:
-        """Never broadcast ``var``: it stays each rank's own."""
+        """Never broadcast ``var``: it stays each rank's own (TensorFlow backend only)."""
+        if self._jax:
+            raise InvalidArgumentError("register_local_var: on JAX every variable is broadcast")
         if not _is_variable(var):
             raise InvalidArgumentError(f"register_local_var takes a variable, got {type(var).__name__}")
         self._local_vars[id(var)] = var
@@ -80,6 +89,13 @@ class BroadcastGlobalVariablesCallback(Callback):
         return [v for v in variables if id(v) not in local]
 
     def on_train_begin(self, logs=None):
+        if self._jax:
+            from .jax_callbacks import broadcast_model
+
+            check_equal_steps(self.params.get("steps") if self.params else None)
+            broadcast_model(self.model, self.root_rank, with_optimizer=False)
+            self._done_first_batch = False
+            return
         from ..tensorflow.keras_optimizer import agree_on_overflow
 
         _tfc().init()
@@ -96,6 +112,11 @@ class BroadcastGlobalVariablesCallback(Callback):
         if self._done_first_batch:
             return
         self._done_first_batch = True
+        if self._jax:
+            from .jax_callbacks import broadcast_model
+
+            broadcast_model(self.model, self.root_rank, with_optimizer=True)
+            return
         _tfc().broadcast_variables(self._global(list(self.model.variables) + _optimizer_variables(self.model)),
                                    self.root_rank)
 
@@ -116,11 +137,16 @@ class MetricAverageCallback(Callback):
 
     def __init__(self, device: str = ""):
         super().__init__()
-        _refuse_on_jax("callbacks.MetricAverageCallback")  # on JAX, metrics are the global batch's already
         self.device = device
+        self._jax = _on_jax()
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
+            return
+        if self._jax:
+            from .jax_callbacks import average_logs
+
+            average_logs(logs)
             return
         import tensorflow as tf
 

@@ -1,9 +1,10 @@
 """``sparktrain.keras`` on Keras' JAX backend (``run(..., backend="jax")``): what keeps its meaning.
 
-Who the rank is, ``init`` (``keras.distribution.initialize()``, once), saving from rank 0 and the
-checkpoint and tracking callbacks work as on TensorFlow. What only exists on the TensorFlow backend
-(``DistributedOptimizer``, Horovod's collectives and broadcasts, ``SyncBatchNormalization``) raises
-and names ``keras.distribution``, which does that work on JAX. No TensorFlow is imported here.
+Who the rank is, ``init`` (``keras.distribution.initialize()`` and the native engine's
+communicator, once), ``DistributedOptimizer`` (``jax_optimizer``), the broadcast and metric-average
+callbacks, saving from rank 0 and the checkpoint and tracking callbacks work as on TensorFlow. What
+only exists on the TensorFlow backend (Horovod's tensor collectives, ``PartialDistributedOptimizer``,
+``SyncBatchNormalization``) raises and names ``keras.distribution``. No TensorFlow is imported here.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..jax import coordinator, not_on_jax
 
 #: What ``sparktrain.keras`` offers on TensorFlow only; on JAX each name raises when called.
 TENSORFLOW_ONLY = (
-    "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization", "allreduce", "allgather",
+    "PartialDistributedOptimizer", "SyncBatchNormalization", "allreduce", "allgather",
     "broadcast", "broadcast_variables", "broadcast_global_variables", "reducescatter", "add_process_set",
     "remove_process_set", "start_timeline", "stop_timeline",
 )
@@ -74,16 +75,21 @@ def refuse(name: str):
 
 
 def init(timeout: float | None = None, **kwargs) -> None:
-    """``keras.distribution.initialize()`` from the rank's environment, once per process; outside a
+    """``keras.distribution.initialize()`` from the rank's environment, once per process, and the
+    native engine's communicator, which ``DistributedOptimizer`` and the callbacks use; outside a
     JAX run (no coordinator in the environment) nothing, as one process. ``timeout`` and the other
     Horovod arguments are accepted and not used: JAX's own initialization timeout applies.
     """
     import jax
     import keras
 
-    if jax.distributed.is_initialized() or coordinator() is None:
+    from . import jax_engine
+
+    if coordinator() is None:
         return
-    keras.distribution.initialize()
+    if not jax.distributed.is_initialized():
+        keras.distribution.initialize()
+    jax_engine.start()
 
 
 def is_initialized() -> bool:
@@ -93,7 +99,10 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Nothing to do: JAX's processes part when they exit."""
+    """Close the native engine's communicator (JAX's processes part when they exit)."""
+    from . import jax_engine
+
+    jax_engine.stop()
 
 
 rank, size, local_rank, local_size = context.rank, context.size, context.local_rank, context.local_size

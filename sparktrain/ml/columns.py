@@ -1,5 +1,5 @@
 """What the estimator and the model read from a DataFrame: the column checks, on the driver before any
-job, and the feature columns that scoring hands ``predict_batch_udf``.
+job, and the feature columns that scoring (``mapInArrow``) reads.
 
 The column types are the feed's (sparktrain.data): numeric scalars, ``array<numeric>`` and
 pyspark.ml Vectors. A model of one input reads one Vector or array column, or several numeric
@@ -74,7 +74,7 @@ def check_boolean(schema, column: str, param: str) -> None:
 
 
 def feature_columns(schema, feature_cols: Sequence[str], inputs: int) -> list:
-    """One ``array<float>`` column expression per model input, as predict_batch_udf takes them."""
+    """One ``array<float>`` column expression per model input, as scoring reads them."""
     check_features(schema, feature_cols, inputs)
     if inputs == 1:
         return [_as_array(schema, feature_cols)]

@@ -1,12 +1,14 @@
 """``KerasModel``: the trained model as a Spark ML Model; ``transform(df)`` scores a DataFrame.
 
-Scoring is ``pyspark.ml.functions.predict_batch_udf``: each Python worker loads the model once,
-from the store, and predicts batch after batch. Only the model's URL, the custom objects and the
-storage options travel in the task closure, never the model's bytes. The model is loaded by the
+Scoring is a scalar Arrow UDF (``pyspark.sql.functions.arrow_udf``, pyspark 4.1 on; before, a
+``DataFrame.mapInArrow``), in ``scoring``: each Python worker loads the model once, from the store,
+and predicts Arrow batch after Arrow batch, ``batch_size`` rows at a time, without pandas. Only the model's URL, the custom objects and the storage options travel in the task
+closure, never the model's bytes. The model is loaded by the
 Keras it was trained with (``keras_line``: Keras 3, or tf_keras for a Keras 2 model).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from pyspark import keyword_only
@@ -14,10 +16,10 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..driver.cluster import without_pyspark_warnings
-from ..kerasline import KERAS_3
 from . import columns
 from .params import MODEL, set_defaults, with_params
 from .persistence import StageReader, StageWriter
+from .scoring import ArrowScorer, ColumnScorer, load  # noqa: F401 - load: this module's name for it too
 
 
 @with_params(MODEL)
@@ -56,7 +58,6 @@ class KerasModel(Model, MLReadable, MLWritable):
         return list(self.getOrDefault("output_cols") or [f"{c}__output" for c in self.getLabelCols()])
 
     def _transform(self, dataset):
-        from pyspark.ml.functions import predict_batch_udf
         from pyspark.sql import functions as F
         from pyspark.sql.types import ArrayType, FloatType, StructField, StructType
 
@@ -67,60 +68,24 @@ class KerasModel(Model, MLReadable, MLWritable):
         scalar = [all(d == 1 for d in shape) for shape in shapes]
         fields = [StructField(c, FloatType() if s else ArrayType(FloatType())) for c, s in zip(out_cols, scalar)]
         in_shapes = [[int(d) if d is not None else -1 for d in t.shape[1:]] for t in model.inputs]
+        keep = list(dataset.columns)
+        features = [f"__sparktrain_x{i}" for i in range(len(xs))]
+        args = (self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), self.getKerasLine(), features,
+                in_shapes, keep, out_cols, scalar, self.getBatchSize())
         with without_pyspark_warnings():
-            predict = predict_batch_udf(
-                _Loader(self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), out_cols, scalar,
-                        self.getKerasLine()),
-                return_type=StructType(fields), batch_size=self.getBatchSize(), input_tensor_shapes=in_shapes)
-        scored = "__sparktrain_scored"
-        out = dataset.withColumn(scored, predict(*xs))
-        return out.select("*", *[F.col(f"{scored}.{c}").alias(c) for c in out_cols]).drop(scored)
+            try:  # pyspark 4.1 on: a scalar Arrow UDF, which sends only the features to Python
+                from pyspark.sql.functions import ArrowUDFType, arrow_udf
+            except ImportError:
+                staged = dataset.select("*", *[x.alias(f) for x, f in zip(xs, features)])
+                return staged.mapInArrow(ArrowScorer(*args), StructType(list(dataset.schema.fields) + fields))
+            scorer = ColumnScorer(*args)
 
+            def score(*arrays):
+                return scorer(*arrays)
 
-def load(url: str, storage_options=None, custom_objects=None, line: str = KERAS_3):
-    """The Keras model at ``url`` in the store, for prediction (not compiled), loaded by the Keras of
-    ``line`` (``"keras"``: Keras 3; ``"tf_keras"``)."""
-    import os
-    import tempfile
-
-    from .. import storage
-    from ..host import tflog
-
-    # TensorFlow's start-up lines (its import, and the first op's look for a GPU) are filtered as a
-    # rank's are, without changing this process's environment: a driver's later runs in local mode,
-    # whose ranks inherit it, keep their verbosity.
-    quiet = tflog.filtered_stderr(tflog.level_from_env(unset=2))
-    with quiet, tempfile.TemporaryDirectory(prefix="sparktrain-model-") as tmp:
-        from .portable import load_file
-
-        local = os.path.join(tmp, "model.keras")
-        storage.get_file(url, local, storage_options)
-        return load_file(local, custom_objects, line)
-
-
-class _Loader:
-    """``predict_batch_udf``'s make_predict_fn: loads the model in the Python worker, once."""
-
-    def __init__(self, url, storage_options, custom_objects, out_cols, scalar, line=KERAS_3):
-        self.url, self.storage_options, self.custom_objects = url, storage_options, custom_objects
-        self.out_cols, self.scalar, self.line = list(out_cols), list(scalar), line
-
-    def __call__(self):
-        import inspect
-
-        import numpy as np
-
-        model = load(self.url, self.storage_options, self.custom_objects, self.line)
-        out_cols, scalar = self.out_cols, self.scalar
-
-        def predict(*xs):
-            outs = model.predict_on_batch(list(xs) if len(xs) > 1 else xs[0])
-            outs = outs if isinstance(outs, (list, tuple)) else [outs]
-            n = len(xs[0])
-            return {c: (np.asarray(o).reshape(n) if s else np.asarray(o).reshape(n, -1)).astype(np.float32)
-                    for c, o, s in zip(out_cols, outs, scalar)}
-
-        # predict_batch_udf counts the function's parameters to know how many inputs it takes.
-        predict.__signature__ = inspect.Signature(
-            [inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(len(model.inputs))])
-        return predict
+            with warnings.catch_warnings():  # pyspark prefers type hints, which a *args function cannot give
+                warnings.filterwarnings("ignore", "It is preferred to specify type hints", UserWarning)
+                udf = arrow_udf(score, StructType(fields), ArrowUDFType.SCALAR)
+            scored = "__sparktrain_scored"
+            out = dataset.withColumn(scored, udf(*xs))
+            return out.select("*", *[F.col(f"{scored}.{c}").alias(c) for c in out_cols]).drop(scored)

@@ -334,6 +334,27 @@ def build_worker_env(
     return env
 
 
+def xla_thread_defaults(threads: int, gpu_ids: str, env: Mapping[str, str]) -> dict[str, str]:
+    """XLA's CPU threads for a JAX rank without a GPU, where ``env`` sets no ``XLA_FLAGS``: Eigen's
+    thread pool off (each op on the calling thread) for a rank that has one core's share; a rank
+    with more keeps XLA's default.
+
+    As with TensorFlow's pools (:func:`thread_defaults`), JAX ranks that each start a thread per
+    core fight over the cores: 3 ranks of ``sparktrain.keras.DistributedOptimizer`` on 2 cores took
+    15.8 s an epoch with XLA's own threads, 4.9 s with Eigen's pool off (benchmarks/jax_throughput.py).
+
+    >>> xla_thread_defaults(1, "-1", {})
+    {'XLA_FLAGS': '--xla_cpu_multi_thread_eigen=false'}
+    >>> xla_thread_defaults(2, "-1", {})
+    {}
+    >>> xla_thread_defaults(1, "-1", {"XLA_FLAGS": "--xla_dump_to=/tmp/x"})
+    {}
+    """
+    if gpu_ids != NO_GPU or "XLA_FLAGS" in env or threads > 1:
+        return {}
+    return {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+
+
 def jax_env(hosts: Sequence[str], rank: int, coordinator_port: int, gpu_ids: str,
             cpu_devices: int = 1) -> dict[str, str]:
     """What a rank of a JAX run finds besides the rest of the contract: JAX's coordinator (rank 0's

@@ -1,0 +1,195 @@
+"""The native engine under Keras 3 on JAX: this process's communicator, and arrays reduced through it
+from inside a compiled step, one fused buffer per dtype.
+
+A JAX rank of ``sparktrain.run(..., backend="jax")`` has the same env contract as a TensorFlow one
+(the ring's addresses in ``TF_CONFIG``, the run's key), so :func:`start` makes the same
+:class:`sparktrain.engine.Communicator`. Inside ``jax.jit`` the gradients of one dtype are
+flattened and concatenated into one array, which the engine reduces in place (shared memory within
+a host, the ring between hosts, encrypted where the run is): on CPU in an XLA FFI custom call
+(``jax_ffi``, no Python in the step), else, or where the handler cannot be built, in a
+``jax.pure_callback`` on a host numpy copy. The step goes on with the result, split back into the
+gradients. No TensorFlow is imported here.
+"""
+from __future__ import annotations
+
+import threading
+
+from .. import context
+from ..errors import SparkTrainError
+
+_lock = threading.Lock()
+_comm: list = []  # this process's communicator, once started
+
+
+def start():
+    """This process's communicator, made from the rank's env contract on the first call (every rank
+    must call it: the ranks meet to make it) and made the process's current one, which the FFI
+    handler (``jax_ffi``) finds; the handler is built and registered here too, on CPU. Returns the
+    communicator."""
+    with _lock:
+        if not _comm:
+            from .. import engine
+
+            comm = engine.from_env()
+            comm.make_current()
+            _comm.append(comm)
+        comm = _comm[0]
+    if _on_cpu():
+        from . import jax_ffi
+
+        jax_ffi.ready()
+    return comm
+
+
+def _on_cpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
+def communicator():
+    """The communicator :func:`start` made, or a SparkTrainError naming ``init()``."""
+    if not _comm:
+        raise SparkTrainError("sparktrain's native engine is not running in this JAX process; call "
+                              "sparktrain.keras.init() on every rank first (after shutdown(), init() again)")
+    return _comm[0]
+
+
+def stop() -> None:
+    """Close the communicator, if one runs; :func:`start` makes a new one."""
+    with _lock:
+        while _comm:
+            _comm.pop().close()
+
+
+def dtype_groups(dtype_names: list[str]) -> list[list[int]]:
+    """The positions of each dtype's arrays, the dtypes in name order: one engine call per group, in
+    the same order on every rank.
+
+    >>> dtype_groups(["float32", "int64", "float32", "bfloat16"])
+    [[3], [0, 2], [1]]
+    """
+    by_dtype: dict[str, list[int]] = {}
+    for i, name in enumerate(dtype_names):
+        by_dtype.setdefault(name, []).append(i)
+    return [by_dtype[name] for name in sorted(by_dtype)]
+
+
+def host_allreduce(op: str):
+    """The host side of one fused collective: a function from a numpy buffer to its reduction over
+    every rank with ``op``, on the communicator running when it is called (not when it was traced)."""
+    import numpy as np
+
+    def reduce(flat):
+        out = np.array(flat, order="C", copy=True)  # the callback's argument is read-only
+        communicator().allreduce_(out, op)
+        return out
+
+    return reduce
+
+
+def fused_allreduce(arrays: list, op: str = "average", prescale: float = 1.0, postscale: float = 1.0,
+                    wire_dtype=None) -> list:
+    """``arrays`` (JAX arrays, traced or not) reduced over every rank with ``op``, as one engine call
+    per dtype; each comes back in its own shape and dtype.
+
+    Parameters
+    ----------
+    arrays : list
+        The arrays; None stays None.
+    op : str
+        ``"average"`` or ``"sum"`` (or another of ``sparktrain.engine.OPS``).
+    prescale, postscale : float
+        Factors applied before and after the reduction (Horovod's ``gradient_predivide_factor``).
+    wire_dtype : optional
+        A floating dtype the floating arrays travel in (``float16`` for ``Compression.fp16``).
+
+    Returns
+    -------
+    list
+        The reduced arrays, in the order of ``arrays``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    out = list(arrays)
+    present = [i for i, a in enumerate(arrays) if a is not None]
+    if context.size() == 1 or not present:
+        return [a if a is None or (prescale == postscale == 1.0) else a * (prescale * postscale) for a in arrays]
+    sent = {}
+    for i in present:
+        a = arrays[i] if prescale == 1.0 else arrays[i] * prescale
+        if wire_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
+            a = a.astype(wire_dtype)
+        sent[i] = a
+    for group in dtype_groups([str(sent[i].dtype) for i in present]):
+        idx = [present[k] for k in group]
+        flat = jnp.concatenate([sent[i].reshape(-1) for i in idx]) if len(idx) > 1 else sent[idx[0]].reshape(-1)
+        reduced = _reduce_flat(flat, op)
+        offset = 0
+        for i in idx:
+            n = sent[i].size
+            r = reduced[offset:offset + n].reshape(arrays[i].shape).astype(arrays[i].dtype)
+            out[i] = r if postscale == 1.0 else r * postscale
+            offset += n
+    return out
+
+
+def _reduce_flat(flat, op: str):
+    """One fused buffer reduced inside the step: in the FFI handler on CPU where it is registered,
+    else through ``jax.pure_callback`` (on GPU too, where XLA's own collectives are the fast path)."""
+    import jax
+
+    if _on_cpu():
+        from . import jax_ffi
+
+        if jax_ffi.ready():
+            from .. import engine
+
+            return jax_ffi.allreduce(flat, engine.OPS.index(op))
+        if not jax_ffi.turned_off():
+            # A pure_callback's argument reaches the host through a transfer that XLA's CPU client can
+            # queue behind the very step that waits in the callback: seen to stall a 2-core machine.
+            raise SparkTrainError(f"sparktrain.keras.DistributedOptimizer on JAX (CPU) reduces in its XLA FFI "
+                                  f"handler, which is not available here ({jax_ffi.failure()}); install a C++ "
+                                  f"compiler where the ranks run (or set CXX), or set {jax_ffi.SWITCH_ENV}=0 to "
+                                  "reduce through jax.pure_callback (slower, and seen to stall on small machines)")
+    return jax.pure_callback(host_allreduce(op), jax.ShapeDtypeStruct(flat.shape, flat.dtype), flat)
+
+
+def broadcast_arrays(arrays: list, root: int) -> list:
+    """Host numpy arrays as they are on ``root``: one engine call per dtype (in-place on a copy)."""
+    import numpy as np
+
+    arrays = [np.asarray(a) for a in arrays]
+    if context.size() == 1 or not arrays:
+        return arrays
+    comm = communicator()
+    out: list = [None] * len(arrays)
+    for idx in dtype_groups([a.dtype.name for a in arrays]):
+        flat = np.concatenate([arrays[i].reshape(-1) for i in idx])
+        flat = comm.broadcast(flat, root)
+        offset = 0
+        for i in idx:
+            n = arrays[i].size
+            out[i] = flat[offset:offset + n].reshape(arrays[i].shape)
+            offset += n
+    return out
+
+
+def average_floats(values: list[float]) -> list[float]:
+    """Each of ``values`` averaged over every rank (float64, one engine call)."""
+    import numpy as np
+
+    if context.size() == 1:
+        return [float(v) for v in values]
+    return communicator().allreduce(np.asarray(values, np.float64), "average").tolist()
+
+
+def gather_ints(value: int) -> list[int]:
+    """Every rank's ``value``, in rank order."""
+    import numpy as np
+
+    if context.size() == 1:
+        return [int(value)]
+    return [int(v) for v in communicator().allgather(np.asarray([value], np.int64))]
