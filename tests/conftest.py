@@ -242,8 +242,8 @@ def pytest_configure(config):
                                        "notebooks: pytest -m '(keras2 or notebooks) and not jax and not multihost'")
     config.addinivalue_line("markers", "notebooks: the shipped notebooks, run in one Jupyter kernel; the users' tier, "
                                        "with keras2: pytest -m '(keras2 or notebooks) and not jax and not multihost'")
-    config.addinivalue_line("markers", "slow: the slow multi-host tier, run before a release rather than in "
-                                       "CI: pytest -m 'multihost and slow' -n 0")
+    config.addinivalue_line("markers", "slow: the slow tier, run before a release rather than in CI (whole jobs "
+                                       "killed and resumed, the slower multi-host flows): bash tests/run slow")
 
 
 def pytest_unconfigure(config):

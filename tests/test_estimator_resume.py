@@ -86,6 +86,7 @@ def _epochs(outdir, job) -> list[int]:
         return [int(e) for e in f.read().split()]
 
 
+@pytest.mark.slow  # four fits: run by hand, bash tests/run slow
 def test_a_failed_fit_resumes_from_its_backup_in_a_new_fit_and_a_finished_one_returns_its_model(spark, tmp_path):
     df, out = _frame(spark), str(tmp_path)
     reference = _estimator(tmp_path, "never-stopped", [_marker(out, "ref")]).fit(df)

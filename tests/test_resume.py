@@ -127,6 +127,7 @@ def _ours(pid: int, job: subprocess.Popen) -> psutil.Process:
     return proc
 
 
+@pytest.mark.slow  # four spark-submit jobs: run by hand, bash tests/run slow
 def test_a_killed_job_resumes_in_a_new_job_and_a_finished_run_returns_at_once(tmp_path):
     import numpy as np
 

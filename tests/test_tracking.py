@@ -8,6 +8,7 @@ import hashlib
 import io
 import logging
 import os
+import sys
 import uuid
 
 import pytest
@@ -47,7 +48,10 @@ def _digest(value: str | None) -> str | None:
 
 # -- the hand-off itself, without Spark -------------------------------------------------------------
 
-def test_handoff_from_the_environment_and_what_each_rank_gets(tmp_path):
+def test_handoff_from_the_environment_and_what_each_rank_gets(tmp_path, monkeypatch):
+    # The hand-off from the environment alone: a driver that has not imported MLflow (an earlier test
+    # of this process may have, and MLflow's own tracking URI would then win, as it should on a driver).
+    monkeypatch.delitem(sys.modules, "mlflow", raising=False)
     environ = {"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db", "MLFLOW_RUN_ID": "r1", "MLFLOW_TRACKING_TOKEN": TOKEN,
                "DATABRICKS_TOKEN": TOKEN, "HOME": "/root"}
     handoff = tracking.mlflow_handoff(environ, {}, cwd="/work/here")

@@ -8,6 +8,8 @@ Keras it was trained with (``keras_line``: Keras 3, or tf_keras for a Keras 2 mo
 """
 from __future__ import annotations
 
+import uuid
+
 import warnings
 from typing import Any
 
@@ -57,6 +59,11 @@ class KerasModel(Model, MLReadable, MLWritable):
     def getOutputCols(self) -> list[str]:  # noqa: N802
         return list(self.getOrDefault("output_cols") or [f"{c}__output" for c in self.getLabelCols()])
 
+    def copy(self, extra=None):
+        that = super().copy(extra)
+        that.__dict__.pop("_scoring_token", None)  # a copy's transform loads its model afresh
+        return that
+
     def _transform(self, dataset):
         from pyspark.sql import functions as F
         from pyspark.sql.types import ArrayType, FloatType, StructField, StructType
@@ -70,8 +77,11 @@ class KerasModel(Model, MLReadable, MLWritable):
         in_shapes = [[int(d) if d is not None else -1 for d in t.shape[1:]] for t in model.inputs]
         keep = list(dataset.columns)
         features = [f"__sparktrain_x{i}" for i in range(len(xs))]
+        # The workers keep this model object's model between its transforms, and load a new object's
+        # (a new fit, a load, a copy) afresh: a store path written again by a later fit is never stale.
+        token = self.__dict__.setdefault("_scoring_token", uuid.uuid4().hex)
         args = (self.getModelUrl(), self.getStorageOptions(), self.getCustomObjects(), self.getKerasLine(), features,
-                in_shapes, keep, out_cols, scalar, self.getBatchSize())
+                in_shapes, keep, out_cols, scalar, self.getBatchSize(), token)
         with without_pyspark_warnings():
             try:  # pyspark 4.1 on: a scalar Arrow UDF, which sends only the features to Python
                 from pyspark.sql.functions import ArrowUDFType, arrow_udf

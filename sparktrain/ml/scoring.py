@@ -5,7 +5,7 @@ Each feature column arrives as an Arrow ``list<float>`` whose values are one con
 the rows of a batch become one ``(rows, features)`` numpy array without a copy per row; the
 predictions go back the same way, as one values buffer and its offsets. The model is loaded once
 per Python worker process (Spark reuses its workers between tasks) and kept for the next task of
-the same model. ``predict_on_batch`` sees the same chunks of each Arrow batch as
+the same ``KerasModel`` object. ``predict_on_batch`` sees the same chunks of each Arrow batch as
 ``predict_batch_udf`` gave it (``batch_size`` rows at a time), so every row's prediction is the
 same.
 """
@@ -21,9 +21,10 @@ _models_lock = threading.Lock()
 _KEEP = 2
 
 
-def cached_model(url: str, storage_options, custom_objects, line: str):
-    """The model at ``url``, loaded once per worker process (see :func:`load`)."""
-    key = (url, line)
+def cached_model(url: str, storage_options, custom_objects, line: str, token: str = ""):
+    """The model at ``url``, loaded once per worker process for the ``KerasModel`` object whose
+    ``token`` it is (see :func:`load`)."""
+    key = (url, line, token)
     with _models_lock:
         model = _models.get(key)
         if model is None:
@@ -100,10 +101,11 @@ class ArrowScorer:
     input) predicted ``batch_size`` rows at a time."""
 
     def __init__(self, url, storage_options, custom_objects, line, features, in_shapes, keep, out_cols, scalar,
-                 batch_size: int):
+                 batch_size: int, token: str = ""):
         self.url, self.storage_options, self.custom_objects, self.line = url, storage_options, custom_objects, line
         self.features, self.in_shapes, self.keep = list(features), list(in_shapes), list(keep)
         self.out_cols, self.scalar, self.batch_size = list(out_cols), list(scalar), int(batch_size)
+        self.token = token
 
     def predict(self, model, xs: list) -> list:
         """Every output's predictions for ``xs``, in chunks of ``batch_size`` rows, concatenated."""
@@ -122,7 +124,7 @@ class ArrowScorer:
     def __call__(self, batches):
         import pyarrow as pa
 
-        model = cached_model(self.url, self.storage_options, self.custom_objects, self.line)
+        model = cached_model(self.url, self.storage_options, self.custom_objects, self.line, self.token)
         names = self.keep + self.out_cols
         for batch in batches:
             n = batch.num_rows
@@ -145,7 +147,7 @@ class ColumnScorer(ArrowScorer):
     def __call__(self, *arrays):
         import pyarrow as pa
 
-        model = cached_model(self.url, self.storage_options, self.custom_objects, self.line)
+        model = cached_model(self.url, self.storage_options, self.custom_objects, self.line, self.token)
         n = len(arrays[0])
         if n:
             xs = [list_to_numpy(a, s, f) for a, s, f in zip(arrays, self.in_shapes, self.features)]
