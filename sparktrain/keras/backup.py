@@ -20,7 +20,6 @@ from ..seam import worker_env
 from .. import kerasline
 from .front import LINE, Callback
 from .on_jax import refuse_on_jax
-from ..tensorflow.elastic import assign_variables, variable_values
 
 _FORMAT = "sparktrain-backup/1"
 
@@ -68,11 +67,11 @@ class BackupAndRestore(Callback):
             return
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise SparkTrainError(f"{self.url} is not a sparktrain backup; point backup_url elsewhere")
-        assign_variables(self.model.variables, payload["model"], "model")
+        _assign(self.model.variables, payload["model"], "model")
         optimizer = self.model.optimizer
         if len(_optimizer_variables(optimizer)) != len(payload["optimizer"]) and hasattr(optimizer, "build"):
             optimizer.build(self.model.trainable_variables)  # Keras builds optimizers lazily
-        assign_variables(_optimizer_variables(optimizer), payload["optimizer"], "optimizer")
+        _assign(_optimizer_variables(optimizer), payload["optimizer"], "optimizer")
         self.restored_epoch = epoch = int(payload["epoch"])
         if LINE == kerasline.KERAS_3:
             self.model._initial_epoch = epoch  # what Keras 3's own BackupAndRestore sets; fit reads it next
@@ -86,8 +85,8 @@ class BackupAndRestore(Callback):
             return
         from .. import storage
 
-        payload = {"format": _FORMAT, "epoch": epoch + 1, "model": variable_values(self.model.variables),
-                   "optimizer": variable_values(_optimizer_variables(self.model.optimizer))}
+        payload = {"format": _FORMAT, "epoch": epoch + 1, "model": _values(self.model.variables),
+                   "optimizer": _values(_optimizer_variables(self.model.optimizer))}
         storage.put_bytes(self.url, pickle.dumps(payload), self.storage_options, metadata={"epoch": epoch + 1})
 
     def on_train_end(self, logs=None):
@@ -124,3 +123,13 @@ def _optimizer_variables(optimizer) -> list:
     return list(variables() if callable(variables) else variables)
 
 
+def _values(variables) -> list:
+    from ..tensorflow.elastic import variable_values  # lazily: Keras 3 on JAX imports no TensorFlow
+
+    return variable_values(variables)
+
+
+def _assign(variables, values, what: str) -> None:
+    from ..tensorflow.elastic import assign_variables
+
+    assign_variables(variables, values, what)
