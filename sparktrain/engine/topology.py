@@ -31,3 +31,17 @@ def segment_name(name: str, node: int) -> str:
     return f"/sparktrain-{hashlib.sha256(name.encode()).hexdigest()[:16]}-h{node}"
 
 
+
+
+def dtype_groups(dtype_names: list[str]) -> list[list[int]]:
+    """The positions of each dtype's tensors, the dtypes in name order: the order in which every
+    grouped collective (here, in the kernels and on TensorFlow's runtime) makes its one call per
+    dtype, so that ranks on either path issue the same calls.
+
+    >>> dtype_groups(["float32", "int64", "float32", "bfloat16"])
+    [[3], [0, 2], [1]]
+    """
+    by_dtype: dict[str, list[int]] = {}
+    for i, name in enumerate(dtype_names):
+        by_dtype.setdefault(name, []).append(i)
+    return [by_dtype[name] for name in sorted(by_dtype)]

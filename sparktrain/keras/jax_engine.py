@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 from .. import context
+from ..engine.topology import dtype_groups
 from ..errors import SparkTrainError
 
 _lock = threading.Lock()
@@ -62,17 +63,6 @@ def stop() -> None:
             _comm.pop().close()
 
 
-def dtype_groups(dtype_names: list[str]) -> list[list[int]]:
-    """The positions of each dtype's arrays, the dtypes in name order: one engine call per group, in
-    the same order on every rank.
-
-    >>> dtype_groups(["float32", "int64", "float32", "bfloat16"])
-    [[3], [0, 2], [1]]
-    """
-    by_dtype: dict[str, list[int]] = {}
-    for i, name in enumerate(dtype_names):
-        by_dtype.setdefault(name, []).append(i)
-    return [by_dtype[name] for name in sorted(by_dtype)]
 
 
 def host_allreduce(op: str):

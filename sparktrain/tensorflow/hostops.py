@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.topology import dtype_groups  # noqa: F401 - the backends call it as hostops.dtype_groups
+
 
 def adasum(parts: list) -> np.ndarray:
     """Horovod's Adasum of ``parts`` (one array per rank), in float64.
@@ -44,18 +46,6 @@ def allreduce(comm, a: np.ndarray, op: str) -> np.ndarray:
     return comm.allreduce(a, op)
 
 
-def dtype_groups(dtype_names: list[str]) -> list[list[int]]:
-    """The positions of each dtype's tensors, the dtypes in name order: the order in which every
-    grouped collective (here, in the kernels and on TensorFlow's runtime) makes its one call per
-    dtype, so that ranks on either path issue the same calls.
-
-    >>> dtype_groups(["float32", "int64", "float32", "bfloat16"])
-    [[3], [0, 2], [1]]
-    """
-    by_dtype: dict[str, list[int]] = {}
-    for i, name in enumerate(dtype_names):
-        by_dtype.setdefault(name, []).append(i)
-    return [by_dtype[name] for name in sorted(by_dtype)]
 
 
 def grouped_allreduce(comm, arrays: list, op: str) -> list:
