@@ -121,7 +121,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     import sparktrain
-    from sparktrain.driver.cluster import start_session
+    from sparktrain.driver.launch.cluster import start_session
 
     master = f"local[{RANKS}]"
     spark = start_session(master)

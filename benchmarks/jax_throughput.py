@@ -118,7 +118,7 @@ def main() -> int:
     parser.add_argument("--write", help="results file to put this benchmark's section into")
     args = parser.parse_args()
     import sparktrain
-    from sparktrain.driver import cluster
+    from sparktrain.driver.launch import cluster
 
     master = f"local[{max(args.num_proc, args.weak_ranks)}]"
     spark = cluster.start_session(master)

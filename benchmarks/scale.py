@@ -89,7 +89,7 @@ def threads_fds() -> tuple[int, int]:
 def attempt(n: int, processes: int, per_host: int, heartbeat: float, script, results: dict):
     """One attempt of ``n`` simulated ranks; ``script(job, sink, records)`` drives it from another thread."""
     from simranks import SimJob
-    from sparktrain.driver.attempt import Attempt, RunInfo
+    from sparktrain.driver.supervise.attempt import Attempt, RunInfo
     from sparktrain.errors import SparkTrainError
     from sparktrain.seam.spec import TaskSpec
 

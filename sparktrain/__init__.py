@@ -34,7 +34,7 @@ def __getattr__(name: str):
         globals()["run"] = run
         return run
     if name == "run_elastic":
-        from .driver.elastic import run_elastic
+        from .driver.run import run_elastic
 
         globals()["run_elastic"] = run_elastic
         return run_elastic

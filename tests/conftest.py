@@ -54,7 +54,7 @@ def make_spark(master: str, **conf):
 def _wait_for_executors(session, settings, timeout: float = 120.0) -> None:
     """Every executor of a local-cluster has registered: its JVMs start after the session does,
     and slowly on a loaded machine. Tests then never race executor start-up."""
-    from sparktrain.driver import cluster
+    from sparktrain.driver.launch import cluster
 
     conf = dict(settings)
     expected = cluster.expected_executors(session.sparkContext.master, conf)

@@ -208,11 +208,11 @@ def digits_mlp_accuracy(weights, x, y) -> float:
 
 def handed_env(env: dict, conf: dict, environ: dict | None = None) -> dict:
     """The settings' environment the ranks get, as ``run`` resolves it on the driver from ``env=``,
-    the driver's environment ``environ`` and the Spark ``conf`` (``driver.taskspec.settings_env``)."""
+    the driver's environment ``environ`` and the Spark ``conf`` (``driver.launch.taskspec.settings_env``)."""
     from types import SimpleNamespace
 
     from sparktrain import settings
-    from sparktrain.driver import config, taskspec
+    from sparktrain.driver.launch import config, taskspec
 
     values = config.settings_of(conf, {**(environ or {}), **env})
     cfg = SimpleNamespace(args=SimpleNamespace(env=env), settings=values,

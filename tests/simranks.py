@@ -3,7 +3,7 @@
 A few processes (:class:`SimJob` starts them) each play many ranks on one ``selectors`` loop, every
 rank speaking the real protocol over its own TCP connection (``sparktrain.seam.channel``: the run's
 secret, encrypted or not). The driver side is the real one: :class:`SimJob` is the job an attempt
-(``sparktrain.driver.attempt.Attempt``) waits on, in place of the Spark stage, so the real
+(``sparktrain.driver.supervise.attempt.Attempt``) waits on, in place of the Spark stage, so the real
 ``DriverServer``, supervision core, stall watch and display handle everything the ranks send.
 
 A rank checks in (hello), waits for the peers, then beats every second, and does what the
@@ -199,7 +199,7 @@ def hosts_of(size: int, per_host: int) -> list[str]:
 class SimJob:
     """The job of an attempt whose ranks are simulated: ``processes`` processes sharing the ranks.
 
-    It follows ``sparktrain.driver.jobs.Job``: it starts the processes (each says it is ready), then
+    It follows ``sparktrain.driver.launch.jobs.Job``: it starts the processes (each says it is ready), then
     lets them all connect at once (:meth:`go`); it is done when every process has ended; cancelling
     it tells them to exit. What the processes report is in :attr:`reports`.
     """

@@ -148,7 +148,7 @@ def cluster_session(hosts: int, cores: int, wait: float = 120.0):
     Standalone, session)``; stops and removes everything after, raising if anything is left."""
     from conftest import make_spark, stop_spark
 
-    from sparktrain.driver import cluster as capacity
+    from sparktrain.driver.launch import cluster as capacity
 
     sim = SimHosts(hosts).up()
     standalone = session = None

@@ -6,8 +6,8 @@ import pytest
 
 from sparktrain.seam import channel, protocol
 from sparktrain.errors import RankFailure
-from sparktrain.driver.server import DriverServer, Output, Refused
-from sparktrain.driver.supervision import CheckedIn, RankFailed
+from sparktrain.driver.supervise.server import DriverServer, Output, Refused
+from sparktrain.driver.supervise.supervision import CheckedIn, RankFailed
 
 
 def _event(server, kind, timeout=10.0):
@@ -108,7 +108,7 @@ def test_signed_messages_that_break_the_protocol_are_refused_and_the_run_goes_on
     """A peer holding the secret whose first message is not a hello is refused before it counts as a
     rank; a rank that later sends what a rank may not (here the driver's ``abort``) is dropped,
     named; a well-formed rank's events are untouched."""
-    from sparktrain.driver.server import Closed
+    from sparktrain.driver.supervise.server import Closed
 
     stranger = channel.connect(server.address, server.secret, timeout=5)
     stranger.send(protocol.Beat())

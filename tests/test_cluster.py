@@ -8,7 +8,8 @@ import pytest
 
 from sparktrain.host import localfiles
 from sparktrain import settings
-from sparktrain.driver import cluster, spark_errors
+from sparktrain.driver.launch import cluster
+from sparktrain.driver.show import spark_errors
 from sparktrain.errors import InvalidArgumentError
 
 

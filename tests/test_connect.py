@@ -62,7 +62,7 @@ def hello(n):
 
 
 def test_a_connect_session_runs_and_returns_rank_zeros_value_in_chunks(spark, caplog):
-    from sparktrain.driver import cluster
+    from sparktrain.driver.launch import cluster
 
     assert cluster.is_connect(spark)
     out = io.StringIO()
@@ -238,7 +238,7 @@ def test_an_executors_python_of_another_minor_version_is_refused_before_launch(s
     # As the classic path's version tests do, the client claims other versions; the probe that
     # chooses the rendezvous has reported the executors' Python, once per session.
     from sparktrain.seam import versions
-    from sparktrain.driver import connect, views
+    from sparktrain.driver.launch import connect, views
 
     real = versions.collect()
     monkeypatch.setattr(versions, "collect", lambda: dict(real, python="3.1.0"))
@@ -254,7 +254,7 @@ def test_an_executors_python_of_another_minor_version_is_refused_before_launch(s
 
 
 def test_an_executors_python_that_lacks_a_module_is_refused_before_launch(spark, monkeypatch):
-    from sparktrain.driver import connect, views
+    from sparktrain.driver.launch import connect, views
 
     key = (str(spark.session_id), connect.client_host(spark))
     seen = connect.probe(views.of(spark), key[1])
@@ -417,7 +417,7 @@ API_MODE = textwrap.dedent("""
     import sys
     from pyspark.sql import SparkSession
     import sparktrain
-    from sparktrain.driver import cluster
+    from sparktrain.driver.launch import cluster
 
     spark = SparkSession.builder.master("local[2]").config("spark.api.mode", "connect").getOrCreate()
     print("CONNECT", cluster.is_connect(spark), type(spark).__module__)
@@ -438,7 +438,7 @@ def test_a_classic_application_switched_to_connect_by_api_mode_runs(spark):
 
 
 def test_where_the_conf_does_not_say_a_probe_counts_the_slots(spark, monkeypatch, caplog):
-    from sparktrain.driver import connect
+    from sparktrain.driver.launch import connect
 
     # As on a cluster whose conf names no executor count: the slots are found by a probe job.
     monkeypatch.setattr(connect, "capacity", lambda conf: None)

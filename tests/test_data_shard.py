@@ -1,6 +1,6 @@
 """The spool and the shard without Spark: what a barrier task writes, and what a rank reads from it.
 
-The stage's input batches are built here the way ``driver.feed.stage_input`` shapes them: a feed
+The stage's input batches are built here the way ``driver.launch.feed.stage_input`` shapes them: a feed
 column, and one struct column per named DataFrame.
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def test_a_rank_without_rows_is_told_why(tmp_path):
 
 
 def test_the_stage_marker_row_is_dropped(tmp_path):
-    # driver.feed.stage_input adds one row of no DataFrame (a null feed index, null structs) so that
+    # driver.launch.feed.stage_input adds one row of no DataFrame (a null feed index, null structs) so that
     # the stage is never empty; it must not count as a row of any DataFrame, with one name or more.
     kind = pa.struct([("id", pa.int64()), (layout.ROW_COLUMN, pa.int64())])
     marker_only = pa.RecordBatch.from_arrays([pa.array([None], pa.int8()), pa.array([None], kind)],

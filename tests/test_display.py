@@ -1,11 +1,11 @@
 """What a terminal would show of a rank's stream (executor/termline.py), and how the driver shows
-ranks' lines, progress bars and the run's status (driver/display.py), without Spark or ranks."""
+ranks' lines, progress bars and the run's status (driver/show/display.py), without Spark or ranks."""
 from __future__ import annotations
 
 import io
 import re
 
-from sparktrain.driver.display import Display, sink_kind
+from sparktrain.driver.show.display import Display, sink_kind
 from sparktrain.executor.termline import TermLine
 
 
@@ -80,7 +80,7 @@ def test_a_plain_stream_gets_finished_lines_only_and_the_log_the_summary(caplog)
     d.outcome = "train finished; rank 0 returned 5 bytes pickled"
     d.finish()
     assert out.getvalue().splitlines() == ["[0]<stdout>:Epoch 1/1", "[0]<stdout>:10/10 ━━━━━━━━━━ - loss: 0.1"]
-    summary = [r.getMessage() for r in caplog.records if r.name == "sparktrain.driver.display"]
+    summary = [r.getMessage() for r in caplog.records if r.name == "sparktrain.driver.show.display"]
     assert len(summary) == 1 and re.fullmatch(
         r"sparktrain r1: train finished; rank 0 returned 5 bytes pickled · 2 ranks on hostA · [\d.]+ s", summary[0])
 

@@ -94,7 +94,7 @@ def test_an_elastic_fit_loses_a_host_and_finishes_on_the_other(cluster, tmp_path
 
     from helpers import digits, read_ranks
     from pyspark.ml.linalg import Vectors
-    from sparktrain.driver import cluster as capacity
+    from sparktrain.driver.launch import cluster as capacity
 
     hosts, standalone, session = cluster
     (x, y), _ = digits()
@@ -143,7 +143,7 @@ def test_an_elastic_fit_grows_back_when_the_host_returns(cluster, tmp_path, capl
 
     from helpers import digits, read_ranks
     from pyspark.ml.linalg import Vectors
-    from sparktrain.driver import cluster as capacity
+    from sparktrain.driver.launch import cluster as capacity
 
     hosts, standalone, session = cluster
     conf = dict(session.sparkContext.getConf().getAll())
@@ -204,7 +204,7 @@ def test_a_decommissioned_worker_shrinks_an_elastic_fit_at_a_step(cluster, tmp_p
     inside the epoch whatever the timing.)"""
     from helpers import digits, read_ranks
     from pyspark.ml.linalg import Vectors
-    from sparktrain.driver import cluster as capacity
+    from sparktrain.driver.launch import cluster as capacity
 
     hosts, standalone, session = cluster
     conf = dict(session.sparkContext.getConf().getAll())

@@ -101,7 +101,7 @@ def test_a_host_that_dies_fails_the_run_naming_it(cluster, tmp_path):
     allreduce across hosts. The run fails naming a rank of that host, and nothing of the run is left
     on the other host. The worker then starts again, for whatever runs next on the cluster."""
     from helpers import fault_time
-    from sparktrain.driver import cluster as capacity
+    from sparktrain.driver.launch import cluster as capacity
 
     hosts, standalone, session = cluster
     n = HOSTS * PER_HOST

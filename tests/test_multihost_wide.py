@@ -27,7 +27,7 @@ N = HOSTS * PER_HOST
 
 def wait_for_slots(session, slots: int) -> None:
     """Every host's executor is back (after a cut healed, or a worker restarted)."""
-    from sparktrain.driver import cluster as capacity
+    from sparktrain.driver.launch import cluster as capacity
 
     conf = dict(session.sparkContext.getConf().getAll())
     found = capacity.wait_for_executors(session.sparkContext, conf, lambda c: c.slots(False) >= slots, 120)

@@ -7,7 +7,7 @@ import pytest
 
 import sparktrain
 from sparktrain import settings
-from sparktrain.driver import capacity, config, preflight
+from sparktrain.driver.launch import capacity, config, preflight
 from sparktrain.errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError, PicklingFailedError
 
 

@@ -9,8 +9,8 @@ import pytest
 
 import sparktrain
 from sparktrain.seam import worker_env
-from sparktrain.driver import capacity
-from sparktrain.driver.capacity import TaskResources
+from sparktrain.driver.launch import capacity
+from sparktrain.driver.launch.capacity import TaskResources
 from sparktrain.errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,7 +57,7 @@ def test_run_refuses_bad_resources_before_spark(monkeypatch):
     # Every error must come before a SparkSession would be looked for or started.
     import pyspark.sql
 
-    from sparktrain.driver import cluster
+    from sparktrain.driver.launch import cluster
 
     def no_spark(*a, **k):
         raise AssertionError("a SparkSession was asked for")

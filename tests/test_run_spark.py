@@ -333,7 +333,7 @@ def import_missing_on_task_1(batches):
 
 
 def test_a_spark_failure_reads_as_the_rank_and_its_python_exception_first(spark):
-    from sparktrain.driver import spark_errors
+    from sparktrain.driver.show import spark_errors
 
     with pytest.raises(Exception) as e:  # what pyspark raises for a failed job
         spark.range(0, 2, 1, 2).mapInArrow(import_missing_on_task_1, "x int", barrier=True).collect()

@@ -1,6 +1,6 @@
 """Many ranks against the real driver: simulated ranks (simranks.py) on the real protocol and
 sockets, the real ``Attempt``, ``DriverServer`` and supervision core; and what a cell shows of
-many ranks' lines (``driver.outputlimit``)."""
+many ranks' lines (``driver.show.outputlimit``)."""
 from __future__ import annotations
 
 import io
@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from simranks import SimJob
-from sparktrain.driver.attempt import Attempt, RunInfo
-from sparktrain.driver.display import Display
-from sparktrain.driver.outputlimit import BURST, OutputLimit
+from sparktrain.driver.supervise.attempt import Attempt, RunInfo
+from sparktrain.driver.show.display import Display
+from sparktrain.driver.show.outputlimit import BURST, OutputLimit
 from sparktrain.errors import RankFailedError
 from sparktrain.seam.spec import TaskSpec
 
@@ -138,7 +138,7 @@ def test_the_output_limit_refills_at_its_rate_and_notes_at_its_pace():
 
 
 def test_a_growing_map_keeps_every_version_as_it_was():
-    from sparktrain.driver.growing import Growing
+    from sparktrain.driver.supervise.growing import Growing
 
     empty = Growing()
     one = empty.plus(1, "a")

@@ -215,8 +215,8 @@ def test_an_interrupted_run_prints_every_ranks_stack_then_stops_them(tmp_path):
 
 FLOODED_LOOP = textwrap.dedent("""
     import sys, threading
-    from sparktrain.driver.interrupts import Interrupts
-    from sparktrain.driver.server import DriverServer, Interrupted, Output
+    from sparktrain.driver.supervise.interrupts import Interrupts
+    from sparktrain.driver.supervise.server import DriverServer, Interrupted, Output
 
     server = DriverServer(b"k" * 32, 1, "127.0.0.1")  # the queue the supervision loop reads
     def pour():  # a rank's output, as fast as it comes

@@ -1,5 +1,5 @@
-"""The supervision core (``sparktrain.driver.supervision``) as table tests, and an attempt's shell
-(``sparktrain.driver.attempt``) driven by fake jobs: no Spark, no rank process.
+"""The supervision core (``sparktrain.driver.supervise.supervision``) as table tests, and an attempt's shell
+(``sparktrain.driver.supervise.attempt``) driven by fake jobs: no Spark, no rank process.
 
 Each case here used to need a real Spark session; the end-to-end fault tests (tests/test_faults.py,
 test_retries.py, test_run_spark.py) keep proving the real thing.
@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from sparktrain.driver import supervision as core
-from sparktrain.driver.attempt import RunInfo
-from sparktrain.driver.attempts import FixedSize, NotWatched, run_attempts
+from sparktrain.driver.supervise import supervision as core
+from sparktrain.driver.supervise.attempt import RunInfo
+from sparktrain.driver.supervise.attempts import FixedSize, NotWatched, run_attempts
 from sparktrain.seam.protocol import RankError
 from sparktrain.errors import (RankFailedError, RankFailure, ResultTooLargeError, RunCancelledError,
                                RunTimeoutError, SparkTrainError, StartTimeoutError)

@@ -4,7 +4,8 @@ the compiler; with ``SPARKTRAIN_CACHE_DIR`` on a shared mount, one host's build 
 with the same installation."""
 from __future__ import annotations
 
-from ..driver import probe, spark_errors
+from ..driver.launch import probe
+from ..driver.show import spark_errors
 from ..engine import kernel_cache
 
 #: Seconds the build stage may take on top of the check's timeout: one compile, and the import of TensorFlow.

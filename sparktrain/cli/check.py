@@ -20,7 +20,8 @@ from . import findings as capabilities
 from .findings import Report
 from ..host import nics
 from ..seam import versions
-from ..driver import capacity, cluster, config, preflight, probe, spark_errors, views
+from ..driver.launch import capacity, cluster, config, preflight, probe, views
+from ..driver.show import spark_errors
 from ..errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.

@@ -91,7 +91,7 @@ def encryption(report, driver: dict, tasks: list[dict], setting: str, on: bool) 
 def kernels(report, driver: dict, tasks: list[dict], values) -> None:
     """Which path each host's ranks take for the TensorFlow kernels (cached, compiled at the first
     ``init()``, or the ``tf.numpy_function`` fallback), why, and where the cache is. ``values``: the
-    settings as a run here resolves them (``driver.config.settings_of``)."""
+    settings as a run here resolves them (``driver.launch.config.settings_of``)."""
     from ..engine import kernel_cache
 
     report.line()

@@ -1,7 +1,8 @@
-"""The public ``sparktrain.run``, as a pipeline: check the arguments, choose the cluster view,
-resolve the settings against its conf (``driver.config``), fit the ranks to its slots, build the
-ranks' spec, and hand over to the attempts (``driver.attempts``). ``run_elastic``
-(``driver.elastic``) goes through the same steps, with its own size policy.
+"""The public ``sparktrain.run`` and ``sparktrain.run_elastic``, as pipelines of the same steps: check
+the arguments, choose the cluster view, resolve the settings against its conf
+(``driver.launch.config``), fit the ranks to its slots, build the ranks' spec, and hand over to the
+attempts (``driver.supervise.attempts``), with a fixed size policy, or the elastic one
+(``driver.supervise.elastic``).
 
 pyspark is imported inside the functions that need it, so ``import sparktrain`` stays fast
 and works where only the worker API is used. The flow of a run, and which module does what,
@@ -15,11 +16,15 @@ import logging
 import sys
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from . import config, resume, views
-from . import supervision as core
-from .attempt import RunInfo
-from .attempts import FixedSize, Sizer, run_attempts
-from .taskspec import task_spec
+from .. import settings
+from ..errors import InsufficientResourcesError, InvalidArgumentError, UnsupportedError
+from ..seam import worker_env
+from .launch import cluster, config, views
+from .launch.taskspec import task_spec
+from .supervise import resume
+from .supervise import supervision as core
+from .supervise.attempt import RunInfo
+from .supervise.attempts import FixedSize, Sizer, run_attempts
 
 log = logging.getLogger("sparktrain")
 
@@ -126,6 +131,77 @@ def _launch(a: config.Arguments, view: views.ClusterView, cfg: config.RunConfig)
         a.run_id, policy, lambda: view.fit(size, cfg.use_gpu, cfg.stage, profile, retry_wait)))
 
 
+def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: Mapping[str, Any] | None = None,
+                num_proc: int | None = None, min_num_proc: int | None = None, max_num_proc: int | None = None,
+                start_timeout: float | None = None, elastic_timeout: float | None = None,
+                reset_limit: int | None = None, env: Mapping[str, str] | None = None, stdout=None, stderr=None,
+                verbose: int = 1, prefix_output_with_timestamp: bool = False, **run_kwargs: Any) -> Any:
+    """Run ``train_fn`` on ``num_proc`` ranks, and go on with fewer (down to ``min_num_proc``) when
+    ranks or hosts are lost; returns rank 0's value. Horovod's ``horovod.spark.run_elastic``.
+
+    Parameters
+    ----------
+    num_proc : ranks of the first attempt; default ``max_num_proc``, else every slot.
+    min_num_proc : the fewest ranks an attempt may have; default ``num_proc``.
+    max_num_proc : the most; default ``num_proc``.
+    elastic_timeout : seconds an attempt waits for ``min_num_proc`` slots (default 600).
+    reset_limit : the most restarts, of any kind; None: no limit.
+    Every other keyword is ``sparktrain.run``'s, except ``max_attempts``; ``timeout`` bounds the whole
+    run, every attempt together. ``train_fn`` keeps its state with ``hvd.elastic``
+    (``state.commit()``, ``@hvd.elastic.run``), and the ``elastic_url`` setting
+    (``SPARKTRAIN_ELASTIC_URL`` in ``env=`` or the driver's environment, or
+    ``spark.sparktrain.elasticUrl``) says where the commits go: under ``run_id`` where it is given, so
+    that a later job with that ``run_id`` resumes from them (docs/elastic.md, "Resuming in a new job").
+    """
+    from .supervise import elastic
+
+    if "max_attempts" in run_kwargs:
+        raise InvalidArgumentError("run_elastic does not take max_attempts: it restarts as long as at least min_num_proc "
+                                   "ranks can run; bound the restarts with reset_limit=")
+    if run_kwargs.get("local_mode") or (isinstance(num_proc, int) and num_proc < 0):
+        raise InvalidArgumentError("run_elastic runs on a Spark cluster; local mode has no executors to lose")
+    elastic.check_sizes(num_proc, min_num_proc, max_num_proc)
+    timeout = settings.parse_seconds("elastic_timeout", elastic_timeout if elastic_timeout is not None
+                                     else elastic.ELASTIC_TIMEOUT)
+    if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int) or reset_limit < 0):
+        raise InvalidArgumentError(f"reset_limit must be a non-negative int or None, got {reset_limit!r}")
+    view = _classic_view()
+    a = arguments(train_fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
+                  prefix_output_with_timestamp, **run_kwargs)
+    configure_logging(verbose)
+    cfg = config.resolve(a, view)
+    elastic_url, grow_after = config.elastic_settings(cfg)
+    if not elastic_url:
+        raise InvalidArgumentError(
+            "run_elastic resumes each attempt from the last state.commit(), which needs a place every attempt can read: "
+            "set the elastic_url setting to an fsspec URL, e.g. env={'SPARKTRAIN_ELASTIC_URL': "
+            "'abfss://container@account.dfs.core.windows.net/elastic'} (or the driver's SPARKTRAIN_ELASTIC_URL, or "
+            "spark.sparktrain.elasticUrl)")
+    profile = view.profile(cfg.stage) if cfg.stage is not None else None
+    slots = view.slots(cfg.use_gpu, cfg.stage, profile)
+    low, first, high = elastic.sizes(num_proc, min_num_proc, max_num_proc, slots)
+    if cluster.is_local(view.master) and low > slots:
+        raise InsufficientResourcesError(
+            f"min_num_proc={low} ranks cannot run at once: the local master {view.master} has {slots} task slot(s). "
+            "Lower min_num_proc, or use a master with more slots")
+    policy = core.Elastic(low, first, high, reset_limit, timeout, grow_after)
+    # The elastic id, under which the commits and the resize markers go, is the run's name, else its id.
+    spec = task_spec(cfg, high, view.max_result_bytes(), view.tails_without_channel)
+    spec = dataclasses.replace(spec, user_env={**spec.user_env, worker_env.ELASTIC_ID: resume.home_id(cfg)})
+    return resume.run_named(cfg, lambda: attempts(cfg, view, profile, spec, policy,
+                                                  elastic.ElasticSize(view, cfg, profile, policy, elastic_url)))
+
+
+def _classic_view() -> views.ClusterView:
+    """The active classic session's view; Spark Connect and no session are refused."""
+    spark = cluster.active_session()
+    view = views.of(spark) if spark is not None else None
+    if view is None or not view.lists_executors:
+        raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
+                               "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
+    return view
+
+
 def arguments(*args: Any, **kwargs: Any) -> config.Arguments:
     """``run``'s arguments, given as to ``run`` (an unknown keyword is a TypeError), checked."""
     bound = inspect.signature(run).bind(*args, **kwargs)
@@ -156,6 +232,6 @@ def _stage_input(frames, size: int):
     """The barrier stage's input, carrying the fed DataFrames to the ranks; None without data."""
     if not frames:
         return None
-    from . import feed
+    from .launch import feed
 
     return feed.stage_input(frames, size)

@@ -4,7 +4,7 @@ The native engine keeps a small record (``stc_progress`` in ``native/collective.
 named by ``SPARKTRAIN_PROGRESS_FILE``: how many collectives the rank has begun, whether one is
 running now, since when, and what it is (kind, dtype, shape). The rank's task reads it every
 second and sends it to the driver with its beat, so the driver can tell which ranks wait in a
-collective and which have not arrived (``sparktrain.driver.stalls``). Pure: no ctypes, no engine.
+collective and which have not arrived (``sparktrain.driver.supervise.stalls``). Pure: no ctypes, no engine.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The barrier task's side of ``run(..., data=...)``: spool this task's partition to local disk.
 
-The stage's input rows (see ``sparktrain.driver.feed``) arrive as Arrow record batches of at
+The stage's input rows (see ``sparktrain.driver.launch.feed``) arrive as Arrow record batches of at
 most ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows. Each named DataFrame's rows go to
 their own Arrow IPC file, uncompressed so the rank can memory-map it and read it without a copy.
 Batches are merged into record batches of about :data:`SPOOL_CHUNK` bytes on the way, so the
@@ -43,7 +43,7 @@ class Spool:
 
         try:
             for batch in batches:
-                if batch.column(0).null_count:  # the stage's marker row (driver.feed.stage_input)
+                if batch.column(0).null_count:  # the stage's marker row (driver.launch.feed.stage_input)
                     batch = batch.filter(batch.column(0).is_valid())
                 if batch.num_rows == 0:
                     continue

@@ -1,7 +1,7 @@
 """What the task tells the driver about a rank that may be stalled: the rank's progress with
 every beat, and its threads' stacks when the driver asks.
 
-The driver (``sparktrain.driver.stalls``) compares the ranks' progress; when some have waited in a
+The driver (``sparktrain.driver.supervise.stalls``) compares the ranks' progress; when some have waited in a
 collective for ``stall_warning`` seconds, it asks the ranks that have not arrived for their stacks.
 The task then signals its rank (``ChildProcess.request_stacks``) and collects what the rank's
 ``faulthandler`` writes to the stacks pipe until the pipe has been quiet for a moment.

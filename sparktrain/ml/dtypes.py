@@ -37,7 +37,7 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 def fed(data_type) -> str | None:
     """The dtype the ranks read a column of this Spark type in: its scalars' or its elements'. An ml
-    Vector is fed as float32 (sparktrain.driver.feed); None for a type the feed has no dtype for."""
+    Vector is fed as float32 (sparktrain.driver.launch.feed); None for a type the feed has no dtype for."""
     name = type(data_type).__name__
     if name == "VectorUDT":
         return "float32"

@@ -243,7 +243,7 @@ def _has_elastic_url(env: dict) -> bool:
     """Whether the elastic_url setting is there (run's env, the driver's environment, the conf): a
     run_id is then a named run of ``sparktrain.run``; without it, Horovod's name of the run's folder
     in the store, as in Horovod."""
-    from ..driver import cluster, config, views
+    from ..driver.launch import cluster, config, views
 
     spark = cluster.active_session()
     conf = views.of(spark).conf if spark is not None else {}

@@ -1,6 +1,6 @@
 """The run's authenticated channel between the driver and every rank: framing and HMAC.
 
-Pure and shared: the driver's server (``sparktrain.driver.server``) and each rank
+Pure and shared: the driver's server (``sparktrain.driver.supervise.server``) and each rank
 (``sparktrain.executor.task``) speak it. It carries the rendezvous (ranks say hello, the driver
 answers with everyone's address), every rank's output lines, beats, failure reports and stop
 orders: the messages of ``sparktrain.seam.protocol``, each encoded there as one JSON object. Nothing

@@ -1,6 +1,6 @@
 """The messages between the driver and its ranks, and their one encoding.
 
-Pure and shared: the driver's server (``sparktrain.driver.server``) and each rank's task
+Pure and shared: the driver's server (``sparktrain.driver.supervise.server``) and each rank's task
 (``sparktrain.executor``) import it; it imports neither. Every message is a frozen dataclass;
 :func:`encode` turns one into the JSON object the channel (``sparktrain.seam.channel``) frames and signs,
 ``{"type": <TYPE>, <field>: <value>, ...}`` (a field that is None is left out), and :func:`decode`

@@ -169,7 +169,7 @@ def encrypts(value: str, conf: Mapping[str, str] | None) -> bool:
 
 #: Settings the ranks read from their environment (the table's ``read_in``): ``run`` resolves them
 #: on the driver, refusing a bad value before launch, and hands each rank the value it resolved
-#: (``driver.taskspec``); the rank parses them once, at its start (``sparktrain.settings.rank``).
+#: (``driver.launch.taskspec``); the rank parses them once, at its start (``sparktrain.settings.rank``).
 READ_IN_RANK = tuple(name for name, s in SETTINGS.items() if s.read_in in ("rank", "both"))
 
 

@@ -1,6 +1,6 @@
 """The settings a rank reads, parsed once, at the rank's start, into one frozen value.
 
-The driver resolved every setting before launch (``driver.config``), refusing bad values there,
+The driver resolved every setting before launch (``driver.launch.config``), refusing bad values there,
 and handed each rank those it reads in its environment (``settings.READ_IN_RANK``). The rank's
 process parses them once, as it starts (``executor.child``), and its modules (the engine, the
 TensorFlow layer, elastic state) read :func:`current`. Outside a rank (a test, a plain process)

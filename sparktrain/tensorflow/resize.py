@@ -1,6 +1,6 @@
 """How the ranks of a ``run_elastic`` attempt learn that the driver wants a new size.
 
-While an attempt runs, the driver (``sparktrain.driver.elastic``) may leave a marker beside the
+While an attempt runs, the driver (``sparktrain.driver.supervise.elastic``) may leave a marker beside the
 elastic state, ``resize-<attempt>``: the cluster has had slots for more ranks for a while, or an
 executor under the run is being decommissioned. The ranks then end the attempt cleanly at a
 commit (``HostsUpdatedInterrupt``), and the next attempt starts at the new size from that commit.

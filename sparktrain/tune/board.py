@@ -1,6 +1,6 @@
 """What the user sees of a study: its running trials, their last reports, and the best trial so far.
 
-Rendered for where the driver's output goes, as a run's display is (``driver.display.sink_kind``):
+Rendered for where the driver's output goes, as a run's display is (``driver.show.display.sink_kind``):
 
 - **a Jupyter cell**: one table updated in place: each running trial's number, params, last step
   and value, ranks and elapsed time; the trials that ended, with their state; the best so far;
@@ -17,7 +17,7 @@ import threading
 import time
 from typing import IO, Any
 
-from ..driver.display import sink_kind
+from ..driver.show.display import sink_kind
 
 #: Seconds between two redraws of the Jupyter table for reports alone (a state change redraws at once).
 REDRAW_SECONDS = 1.0

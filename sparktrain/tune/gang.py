@@ -5,7 +5,7 @@ each trial, one ``sparktrain.run`` (its own barrier stage, run id, secret and ch
 ``rank.objective_on_rank`` on ``num_proc`` ranks, answered by the study's ``TrialServer`` while it
 runs. Rank 0's value is the trial's value; a pruned gang raises ``optuna.TrialPruned``; a failed
 one keeps the rank's error as the trial's ``sparktrain_error`` user attribute and raises it.
-Every run is supervised inside the study's :class:`~sparktrain.driver.interrupts.Cancellation`,
+Every run is supervised inside the study's :class:`~sparktrain.driver.supervise.interrupts.Cancellation`,
 so an interrupt stops every running gang.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Any, Callable, Mapping
 
-from ..driver.interrupts import Cancellation
+from ..driver.supervise.interrupts import Cancellation
 from ..errors import RunCancelledError, SparkTrainError
 from . import ERROR_ATTR, slots
 from .board import Board

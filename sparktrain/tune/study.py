@@ -74,7 +74,8 @@ def optimize(study, objective: Callable[[Any], Any], n_trials: int | None = None
     """
     import optuna
 
-    from ..driver import config, run as runs
+    from ..driver.launch import config
+    from ..driver import run as runs
 
     if not isinstance(study, optuna.Study):
         raise InvalidArgumentError(f"study must be an optuna.Study (optuna.create_study(...)); got "
@@ -115,7 +116,7 @@ def _objective_shape(objective):  # what run's checks pickle: the objective, as 
 def _view(a, concurrent_trials: int | None):
     """The cluster the trials run on. Without an active session, an embedded local session wide
     enough for the gangs (``run`` alone would start one as wide as one gang)."""
-    from ..driver import cluster, views
+    from ..driver.launch import cluster, views
 
     if not a.local and cluster.active_session() is None:
         width = max(os.cpu_count() or 1, (concurrent_trials or 1) * (a.size or 1))

@@ -1,9 +1,9 @@
 """One attempt of a run: start the gang, supervise it until it ends, return rank 0's value or raise.
 
-One :class:`Attempt` carries out what ``sparktrain.driver.supervision`` decides: it feeds that
-pure core the events of the run's channel (``sparktrain.driver.server``) and of its job
-(``sparktrain.driver.jobs``) with the time, and does the actions it returns (stop the ranks,
-cancel the job, log). ``sparktrain.driver.attempts`` starts attempts until one succeeds, or the
+One :class:`Attempt` carries out what ``sparktrain.driver.supervise.supervision`` decides: it feeds that
+pure core the events of the run's channel (``sparktrain.driver.supervise.server``) and of its job
+(``sparktrain.driver.launch.jobs``) with the time, and does the actions it returns (stop the ranks,
+cancel the job, log). ``sparktrain.driver.supervise.attempts`` starts attempts until one succeeds, or the
 core gives up.
 """
 from __future__ import annotations
@@ -14,14 +14,14 @@ import queue
 import time
 from typing import IO, Any
 
-from ..seam import channel
-from ..errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError
-from ..seam.protocol import failures_in
-from ..seam.spec import SPILLED, TaskSpec
-from .display import Display
-from .spark_errors import read_spark_failure
-from .jobs import Job, JobFactory
-from .results import byte_size, load_result, placement
+from ...seam import channel
+from ...errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError
+from ...seam.protocol import failures_in
+from ...seam.spec import SPILLED, TaskSpec
+from ..show.display import Display
+from ..show.spark_errors import read_spark_failure
+from ..launch.jobs import Job, JobFactory
+from ..show.results import byte_size, load_result, placement
 from .interrupts import Interrupts
 from .server import Closed, DriverServer, Event, Interrupted, JobDone, Output, Progress, Refused, Stacks
 from .stalls import StallWatch, collect_stacks, user_frames
@@ -129,7 +129,7 @@ class Attempt:
         self._job_seen_done = False
         self._stalls_checked = float("-inf")
         # Ctrl-C (a notebook's stop button) is raised at the top of a turn of the supervision loop,
-        # never inside one of its waits (see sparktrain.driver.interrupts).
+        # never inside one of its waits (see sparktrain.driver.supervise.interrupts).
         self.interrupts = Interrupts(lambda: self.events.put(Interrupted()))
         self.stalls = StallWatch(spec.size, spec.stall_warning, self.hosts, self.server.request_stacks)
 
@@ -180,7 +180,7 @@ class Attempt:
             return None
         import cloudpickle
 
-        from ..storage.outputlog import DriverTail
+        from ...storage.outputlog import DriverTail
 
         url, options = cloudpickle.loads(self.spec.log_target)
         write = lambda rank, stream, line, at: self.info.write(Output(rank, stream, line, at))  # noqa: E731

@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Protocol
 
-from ..seam import channel, protocol
-from ..seam.channel import AuthenticationError, Channel
+from ...seam import channel, protocol
+from ...seam.channel import AuthenticationError, Channel
 
 log = logging.getLogger("sparktrain")
 

@@ -24,7 +24,7 @@ import signal
 import threading
 from typing import Callable, Iterator
 
-from ..errors import RunCancelledError
+from ...errors import RunCancelledError
 
 _scope = threading.local()
 

@@ -12,10 +12,10 @@ import os
 import uuid
 from typing import IO, Any, Callable, Mapping
 
-from ..seam import payload as payloads
-from .. import settings
-from ..seam import tracking, versions
-from ..errors import InvalidArgumentError, PicklingFailedError
+from ...seam import payload as payloads
+from ... import settings
+from ...seam import tracking, versions
+from ...errors import InvalidArgumentError, PicklingFailedError
 from . import capacity, cluster, preflight
 from .capacity import TaskResources
 
@@ -115,7 +115,7 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         use_gpu = True
     checkpoint = _checkpoint(checkpoint_url, storage_options)
     if run_id is not None:
-        from ..storage.home import check_run_id
+        from ...storage.home import check_run_id
 
         run_id = check_run_id(run_id)
     frames = None
@@ -159,7 +159,7 @@ def resolve(a: Arguments, view) -> RunConfig:
     view.check_python(values.rendezvous)
     driver_host = view.driver_host()
     if values.nics:
-        from ..host import nics as networks
+        from ...host import nics as networks
 
         driver_host = networks.own_address(values.nics, "the driver")
         log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(values.nics), driver_host)
@@ -202,7 +202,7 @@ def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> b
         return None
     import cloudpickle
 
-    from .. import storage
+    from ... import storage
 
     storage.check_url(url, storage_options)  # an unknown scheme or missing backend fails here
     try:
@@ -215,7 +215,7 @@ def _log_target(url: str | None, storage_options: Mapping[str, Any] | None) -> b
     """``(log_url, storage_options)`` pickled for the ranks, or None when no log_url is set."""
     if not url:
         return None
-    from .. import storage
+    from ... import storage
 
     storage.check_url(url, storage_options)
     import cloudpickle
@@ -234,7 +234,7 @@ def _spill_url(master: str, url: str | None) -> str | None:
 
         url = "file://" + os.path.join(tempfile.gettempdir(), f"sparktrain-spill-{os.geteuid()}")  # this user's
     if url is not None:
-        from .. import storage
+        from ... import storage
 
         storage.check_url(url)
     return url

@@ -1,11 +1,11 @@
 """The :class:`~sparktrain.seam.spec.TaskSpec` a run gives every rank of every attempt: a projection
-of its resolved :class:`~sparktrain.driver.config.RunConfig`, reading nothing else."""
+of its resolved :class:`~sparktrain.driver.launch.config.RunConfig`, reading nothing else."""
 from __future__ import annotations
 
 import logging
 
-from .. import settings
-from ..seam.spec import TaskSpec
+from ... import settings
+from ...seam.spec import TaskSpec
 from . import preflight
 from .config import RunConfig
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ..errors import InvalidArgumentError
-from ..seam import worker_env
-from .config import RunConfig
+from ...errors import InvalidArgumentError
+from ...seam import worker_env
+from ..launch.config import RunConfig
 from .interrupts import Cancellation
 
 log = logging.getLogger("sparktrain")
@@ -45,7 +45,7 @@ def run_named(cfg: RunConfig, launch: Callable[[], Any]) -> Any:
             "none is set: set it to an fsspec URL every job can reach, e.g. env={'SPARKTRAIN_ELASTIC_URL': "
             "'abfss://container@account.dfs.core.windows.net/runs'} (or the driver's SPARKTRAIN_ELASTIC_URL, or "
             "spark.sparktrain.elasticUrl)")
-    from ..storage import home as homes
+    from ...storage import home as homes
 
     home = homes.Home(url, name, cfg.args.storage_options)
     what = f"run {name!r} ({home.url})"

@@ -2,7 +2,7 @@
 ranks send into events.
 
 Events are small frozen dataclasses put on one queue, which the attempt's supervision loop
-(``sparktrain.driver.attempt``) consumes on the thread that called ``run``, so output is written
+(``sparktrain.driver.supervise.attempt``) consumes on the thread that called ``run``, so output is written
 where a notebook shows it: in the running cell.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ import threading
 import time
 from typing import Union
 
-from ..seam import channel, protocol
-from ..seam.channel import Channel
-from ..errors import RankFailure
+from ...seam import channel, protocol
+from ...seam.channel import Channel
+from ...errors import RankFailure
 from .connections import Connections
 from .supervision import CheckedIn, RankFailed
 

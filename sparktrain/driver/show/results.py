@@ -7,7 +7,7 @@ import os
 import posixpath
 from typing import Any, Mapping
 
-from ..seam.spec import SPILLED
+from ...seam.spec import SPILLED
 
 log = logging.getLogger("sparktrain")
 
@@ -22,7 +22,7 @@ def load_result(data: bytes | None) -> Any:
         return cloudpickle.loads(data)
     import tempfile
 
-    from .. import storage
+    from ... import storage
 
     url = data[len(SPILLED):].decode()
     log.info("sparktrain: rank 0's value was too large for spark.driver.maxResultSize; reading it from %s", url)

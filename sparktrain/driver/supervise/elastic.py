@@ -1,38 +1,32 @@
-"""``run_elastic``: a run whose size follows the cluster, from ``min_num_proc`` to ``max_num_proc`` ranks.
+"""An elastic run's size policy on the driver: how large each attempt of ``run_elastic`` is, and
+what the driver watches while it runs.
 
-It goes through ``run``'s pipeline (``driver.run``: the arguments checked and ``train_fn``
-pickled once, the view, ``config.resolve``, the ranks' spec) and the one attempts loop
-(``driver.attempts``) with the elastic size policy (``supervision.Elastic``), so every attempt
-shares the run's id and payload. Each attempt is one barrier stage of as many ranks as the cluster
-has slots for then, up to ``max_num_proc``. When an attempt fails because a rank or a host was
-lost, the next one starts with the slots there are now, waiting up to ``elastic_timeout`` for at
-least ``min_num_proc``, and ``hvd.elastic.run`` resumes it from the last ``state.commit()``, which
-rank 0 wrote under the ``elastic_url`` setting, in the run's id. While an attempt runs, a poller
-looks at the view's slots; once more have lasted ``elastic_grow_after`` seconds, or at once when an
-executor under the run is being decommissioned (``spark.decommission.enabled``), the core decides a
-resize (``supervision.resize``) and this module leaves the attempt's marker, at which the ranks end
-the attempt at their next commit (``HostsUpdatedInterrupt``; ``CommitStateCallback`` commits at the
-end of that step), so the next one starts at the new size. ``reset_limit`` bounds the restarts,
-resizes included. Only a lost rank or host restarts the run; an exception of ``train_fn``'s own
-ends it.
+Each attempt is one barrier stage of as many ranks as the cluster has slots for then, between
+``min_num_proc`` and ``max_num_proc`` (:func:`sizes`, Horovod's defaults). When an attempt fails
+because a rank or a host was lost, the next one starts with the slots there are now, waiting up to
+``elastic_timeout`` for at least ``min_num_proc``, and ``hvd.elastic.run`` resumes it from the last
+``state.commit()``, which rank 0 wrote under the ``elastic_url`` setting, in the run's id. While an
+attempt runs, a poller looks at the view's slots; once more have lasted ``elastic_grow_after``
+seconds, or at once when an executor under the run is being decommissioned
+(``spark.decommission.enabled``), the core decides a resize (``supervision.resize``) and this module
+leaves the attempt's marker, at which the ranks end the attempt at their next commit
+(``HostsUpdatedInterrupt``; ``CommitStateCallback`` commits at the end of that step), so the next one
+starts at the new size. ``run_elastic`` itself is a pipeline of ``sparktrain.driver.run``.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
-from .. import settings
-from ..seam import worker_env
-from ..errors import InsufficientResourcesError, InvalidArgumentError, UnsupportedError
-from . import cluster, config, resume, views
-from . import run as pipeline
+from ...seam import worker_env
+from ...errors import InsufficientResourcesError, InvalidArgumentError
+from ..launch import cluster, views
+from . import resume
 from . import supervision as core
-from .config import RunConfig
-from .taskspec import task_spec
+from ..launch.config import RunConfig
 
 log = logging.getLogger("sparktrain")
 
@@ -40,75 +34,6 @@ log = logging.getLogger("sparktrain")
 ELASTIC_TIMEOUT = 600.0
 #: Seconds between the poller's looks at the slots while an attempt runs.
 POLL_SECONDS = 1.0
-
-
-def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: Mapping[str, Any] | None = None,
-                num_proc: int | None = None, min_num_proc: int | None = None, max_num_proc: int | None = None,
-                start_timeout: float | None = None, elastic_timeout: float | None = None,
-                reset_limit: int | None = None, env: Mapping[str, str] | None = None, stdout=None, stderr=None,
-                verbose: int = 1, prefix_output_with_timestamp: bool = False, **run_kwargs: Any) -> Any:
-    """Run ``train_fn`` on ``num_proc`` ranks, and go on with fewer (down to ``min_num_proc``) when
-    ranks or hosts are lost; returns rank 0's value. Horovod's ``horovod.spark.run_elastic``.
-
-    Parameters
-    ----------
-    num_proc : ranks of the first attempt; default ``max_num_proc``, else every slot.
-    min_num_proc : the fewest ranks an attempt may have; default ``num_proc``.
-    max_num_proc : the most; default ``num_proc``.
-    elastic_timeout : seconds an attempt waits for ``min_num_proc`` slots (default 600).
-    reset_limit : the most restarts, of any kind; None: no limit.
-    Every other keyword is ``sparktrain.run``'s, except ``max_attempts``; ``timeout`` bounds the whole
-    run, every attempt together. ``train_fn`` keeps its state with ``hvd.elastic``
-    (``state.commit()``, ``@hvd.elastic.run``), and the ``elastic_url`` setting
-    (``SPARKTRAIN_ELASTIC_URL`` in ``env=`` or the driver's environment, or
-    ``spark.sparktrain.elasticUrl``) says where the commits go: under ``run_id`` where it is given, so
-    that a later job with that ``run_id`` resumes from them (docs/elastic.md, "Resuming in a new job").
-    """
-    if "max_attempts" in run_kwargs:
-        raise InvalidArgumentError("run_elastic does not take max_attempts: it restarts as long as at least min_num_proc "
-                                   "ranks can run; bound the restarts with reset_limit=")
-    if run_kwargs.get("local_mode") or (isinstance(num_proc, int) and num_proc < 0):
-        raise InvalidArgumentError("run_elastic runs on a Spark cluster; local mode has no executors to lose")
-    check_sizes(num_proc, min_num_proc, max_num_proc)
-    timeout = settings.parse_seconds("elastic_timeout", elastic_timeout if elastic_timeout is not None
-                                     else ELASTIC_TIMEOUT)
-    if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int) or reset_limit < 0):
-        raise InvalidArgumentError(f"reset_limit must be a non-negative int or None, got {reset_limit!r}")
-    view = _view()
-    a = pipeline.arguments(train_fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-                           prefix_output_with_timestamp, **run_kwargs)
-    pipeline.configure_logging(verbose)
-    cfg = config.resolve(a, view)
-    elastic_url, grow_after = config.elastic_settings(cfg)
-    if not elastic_url:
-        raise InvalidArgumentError(
-            "run_elastic resumes each attempt from the last state.commit(), which needs a place every attempt can read: "
-            "set the elastic_url setting to an fsspec URL, e.g. env={'SPARKTRAIN_ELASTIC_URL': "
-            "'abfss://container@account.dfs.core.windows.net/elastic'} (or the driver's SPARKTRAIN_ELASTIC_URL, or "
-            "spark.sparktrain.elasticUrl)")
-    profile = view.profile(cfg.stage) if cfg.stage is not None else None
-    slots = view.slots(cfg.use_gpu, cfg.stage, profile)
-    low, first, high = sizes(num_proc, min_num_proc, max_num_proc, slots)
-    if cluster.is_local(view.master) and low > slots:
-        raise InsufficientResourcesError(
-            f"min_num_proc={low} ranks cannot run at once: the local master {view.master} has {slots} task slot(s). "
-            "Lower min_num_proc, or use a master with more slots")
-    policy = core.Elastic(low, first, high, reset_limit, timeout, grow_after)
-    # The elastic id, under which the commits and the resize markers go, is the run's name, else its id.
-    spec = task_spec(cfg, high, view.max_result_bytes(), view.tails_without_channel)
-    spec = dataclasses.replace(spec, user_env={**spec.user_env, worker_env.ELASTIC_ID: resume.home_id(cfg)})
-    return resume.run_named(cfg, lambda: pipeline.attempts(cfg, view, profile, spec, policy,
-                                                           ElasticSize(view, cfg, profile, policy, elastic_url)))
-
-
-def _view() -> views.ClusterView:
-    """The active classic session's view; Spark Connect and no session are refused."""
-    spark = cluster.active_session()
-    view = views.of(spark) if spark is not None else None
-    if view is None or not view.lists_executors:
-        raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
-                               "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
-    return view
 
 
 def check_sizes(num_proc, min_num_proc, max_num_proc) -> None:
@@ -187,7 +112,7 @@ class ElasticSize:
 
     def _last_commit(self) -> str:
         """Where the next attempt resumes, as the commit's manifest tells it."""
-        from .. import storage
+        from ... import storage
 
         url = worker_env.elastic_file(self.url, self.run_id, worker_env.ELASTIC_STATE)
         try:
@@ -211,7 +136,7 @@ class ElasticSize:
 
     def _mark(self, number: int, resize: core.Resize) -> None:
         """Leave attempt ``number``'s resize marker, where its rank 0 looks (``tensorflow.resize``)."""
-        from .. import storage
+        from ... import storage
 
         storage.put_bytes(worker_env.elastic_file(self.url, self.run_id, f"resize-{number}"), resize.why.encode(),
                           self.storage_options)

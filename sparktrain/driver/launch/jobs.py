@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Protocol
 
-from ..seam.spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
+from ...seam.spec import OUTPUT_SEQ, RESULT_SCHEMA, TaskSpec
 from .cluster import without_pyspark_warnings
 
 
@@ -75,7 +75,7 @@ class BarrierJob(_Background):
 
     ``collect`` builds and collects the barrier stage; ``rows`` holds what it returned.
 
-    ``view`` (``sparktrain.driver.views``) puts the job in its group and cancels it.
+    ``view`` (``sparktrain.driver.launch.views``) puts the job in its group and cancels it.
 
     >>> job = BarrierJob(view, "probe-1", "a probe", lambda: df.mapInArrow(f, schema, barrier=True).collect())  # doctest: +SKIP
     >>> job.start(); job.wait(60) or job.cancel()                                                     # doctest: +SKIP
@@ -118,7 +118,7 @@ class SparkJob(BarrierJob):
     """A run's ranks: one barrier stage of ``spec.size`` tasks, each running ``executor.task.barrier_task``.
 
     The stage reads ``source`` (the fed DataFrames, in ``spec.size`` partitions; see
-    ``driver.feed``), or one row per task when no data is fed.
+    ``driver.launch.feed``), or one row per task when no data is fed.
     """
 
     def __init__(self, view, spec: TaskSpec, fn_name: str, on_done: Callable[[], None], source=None,
@@ -132,7 +132,7 @@ class SparkJob(BarrierJob):
         self.profile = profile
 
     def _launch(self) -> list:
-        from ..executor.task import barrier_task  # the one entry into the executor side
+        from ...executor.task import barrier_task  # the one entry into the executor side
 
         df = self.source if self.source is not None else self.view.spark.range(0, self.spec.size, 1, self.spec.size)
         # profile= exists from pyspark 4.0 only; without a profile, the call stays 3.5-compatible.
@@ -158,7 +158,7 @@ class LocalJob(_Background):
         self.gpus = gpus
 
     def _body(self) -> list[bytes] | None:
-        from ..executor.task import run_rank  # the one entry into the executor side
+        from ...executor.task import run_rank  # the one entry into the executor side
 
         chunks: dict[int, list[bytes]] = {}
         errors: dict[int, BaseException] = {}

@@ -19,10 +19,10 @@ import time
 import warnings
 from typing import Callable, Iterable, Mapping
 
-from ..errors import ClusterConfigError, InsufficientResourcesError
+from ...errors import ClusterConfigError, InsufficientResourcesError
 from . import capacity as rules
 from .capacity import Capacity
-from .spark_errors import spark_error_reason
+from ..show.spark_errors import spark_error_reason
 
 
 def is_connect(spark) -> bool:

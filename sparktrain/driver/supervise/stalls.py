@@ -17,7 +17,7 @@ import dataclasses
 import time
 from typing import Callable, Mapping
 
-from ..engine import progress
+from ...engine import progress
 
 #: How long the watch waits for the late ranks' stacks before it reports without the missing ones.
 STACKS_SECONDS = 5.0

@@ -1,10 +1,10 @@
 """A run's attempts, one loop for fixed and elastic runs: start an attempt
-(``sparktrain.driver.attempt``), and when it fails, do what the supervision core decides
+(``sparktrain.driver.supervise.attempt``), and when it fails, do what the supervision core decides
 (``supervision.after_failure``): retry at a size, or give up with an error, which this loop raises.
 
 What differs between the two is a :class:`Sizer`: the size of each attempt and the wait for its
 slots, what the driver watches while it runs, and what its ranks find in their environment.
-:class:`FixedSize` serves ``run``; ``sparktrain.driver.elastic.ElasticSize`` serves ``run_elastic``.
+:class:`FixedSize` serves ``run``; ``sparktrain.driver.supervise.elastic.ElasticSize`` serves ``run_elastic``.
 Every attempt shares the run's id and its pickled payload; each gets its number and, from the
 attempt, its own secret and channel.
 """
@@ -15,11 +15,11 @@ import dataclasses
 import logging
 from typing import Any, Callable, ContextManager, Mapping, Protocol
 
-from ..errors import SparkTrainError
-from ..seam.spec import TaskSpec
+from ...errors import SparkTrainError
+from ...seam.spec import TaskSpec
 from . import supervision as core
 from .attempt import Attempt, RunInfo
-from .jobs import JobFactory
+from ..launch.jobs import JobFactory
 
 log = logging.getLogger("sparktrain")
 

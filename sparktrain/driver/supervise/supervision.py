@@ -4,7 +4,7 @@ attempts, for fixed and elastic runs alike: after a failed attempt, :func:`after
 (:class:`Retry` at a size, or :class:`GiveUp` with the error), and while an elastic attempt runs,
 :func:`resize` decides from the slots whether to ask its ranks for a new size.
 
-Nothing here reads a clock, a socket or Spark: ``sparktrain.driver.attempt`` feeds it the
+Nothing here reads a clock, a socket or Spark: ``sparktrain.driver.supervise.attempt`` feeds it the
 events of the run's channel and job with the time, and carries out the actions it returns.
 The states::
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Union
 
-from ..errors import RankFailedError, RankFailure, RunTimeoutError, SparkTrainError, StartTimeoutError
+from ...errors import RankFailedError, RankFailure, RunTimeoutError, SparkTrainError, StartTimeoutError
 from .growing import Growing
 
 
@@ -202,7 +202,7 @@ def reason_to_stop(state: Starting | Running, now: float, limits: Limits) -> tup
 # -- the run's attempts -------------------------------------------------------------------------
 #
 # After a failed attempt the core decides, as a value, what the run does: :class:`Retry` at a size,
-# or :class:`GiveUp` with the error the run raises. ``sparktrain.driver.attempts`` carries it out.
+# or :class:`GiveUp` with the error the run raises. ``sparktrain.driver.supervise.attempts`` carries it out.
 
 @dataclasses.dataclass(frozen=True)
 class Fixed:

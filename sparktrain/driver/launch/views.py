@@ -15,8 +15,8 @@ import dataclasses
 import logging
 from typing import Any, Callable, Iterator, Mapping
 
-from ..errors import InsufficientResourcesError, InvalidArgumentError, UnsupportedError
-from ..seam.spec import TaskSpec
+from ...errors import InsufficientResourcesError, InvalidArgumentError, UnsupportedError
+from ...seam.spec import TaskSpec
 from . import capacity as rules
 from . import cluster, connect
 from .capacity import Capacity, TaskResources
@@ -102,7 +102,7 @@ class ClusterView:
 
     def stage(self, size: int, task: Callable, barrier: bool) -> list[str]:
         """Collect a stage of ``size`` tasks, each running ``task`` (an iterator of rows in, of
-        strings out), as the executor probe needs (``driver.probe``)."""
+        strings out), as the executor probe needs (``driver.launch.probe``)."""
         raise UnsupportedError(f"{self.name} runs no Spark stages")
 
 

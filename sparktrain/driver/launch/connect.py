@@ -22,8 +22,8 @@ import socket
 import sys
 from typing import Mapping
 
-from ..seam import versions
-from ..errors import ClusterConfigError
+from ...seam import versions
+from ...errors import ClusterConfigError
 from . import cluster, jobs
 from . import probe as executor_probe
 from .capacity import Capacity

@@ -1,6 +1,6 @@
 """Slot arithmetic and resources per run: what one barrier stage needs and what the cluster offers.
 
-Pure: no Spark imports (``sparktrain.driver.cluster`` asks Spark and hands the figures here).
+Pure: no Spark imports (``sparktrain.driver.launch.cluster`` asks Spark and hands the figures here).
 Each check says what was required, what is available, which resource limits it, and the fix.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
-from ..errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
+from ...errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
 
 
 @dataclasses.dataclass(frozen=True)

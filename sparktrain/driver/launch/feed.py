@@ -13,8 +13,8 @@ import re
 import sys
 from typing import Any, Mapping
 
-from ..data import layout
-from ..errors import InvalidArgumentError
+from ...data import layout
+from ...errors import InvalidArgumentError
 
 #: What a column may hold, as the error message names it.
 SUPPORTED = ("numeric or boolean scalars, fixed-length array<numeric>, pyspark.ml Vector (dense or sparse), "

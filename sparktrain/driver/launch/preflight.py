@@ -1,6 +1,6 @@
 """The driver's checks before anything launches: arguments, pickling, cluster conf, slot arithmetic.
 
-Pure: no Spark imports (``sparktrain.driver.cluster`` asks Spark and hands the figures here).
+Pure: no Spark imports (``sparktrain.driver.launch.cluster`` asks Spark and hands the figures here).
 
 Argument checks echo the bad value and say what to pass instead; the slot arithmetic says
 what was required, what is available, which resource limits it, and the fix.
@@ -11,9 +11,9 @@ import logging
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
-from ..seam import crypto, tracking, worker_env
-from .. import settings
-from ..errors import (ClusterConfigError, InvalidArgumentError,
+from ...seam import crypto, tracking, worker_env
+from ... import settings
+from ...errors import (ClusterConfigError, InvalidArgumentError,
                      PicklingFailedError)
 
 #: Pickled train_fn + args + kwargs above this size get a warning: it travels with every task.
@@ -193,7 +193,7 @@ def _conf_true(conf: Mapping[str, str], key: str) -> bool:
 def check_cluster_conf(conf: Mapping[str, str], allow_unencrypted: bool, encrypted: bool,
                        cpu_collectives: str) -> None:
     """Refuse settings barrier-mode training cannot work with, and training traffic in clear where
-    Spark's own is encrypted. The values are the run's resolved settings (``driver.config``):
+    Spark's own is encrypted. The values are the run's resolved settings (``driver.launch.config``):
     ``encrypted`` whether the run encrypts, ``cpu_collectives`` its CPU engine."""
     if _conf_true(conf, "spark.dynamicAllocation.enabled"):
         raise ClusterConfigError(
