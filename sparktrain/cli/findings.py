@@ -3,7 +3,10 @@ CPU collectives run on, and whether it can encrypt, and the ``Report`` that coll
 every finding of ``sparktrain.cli.check``."""
 from __future__ import annotations
 
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 
 class Report:
@@ -88,7 +91,7 @@ def encryption(report, driver: dict, tasks: list[dict], setting: str, on: bool) 
         (report.fail if on else report.warn)(text + ("" if on else " (encryption is off for runs here)"))
 
 
-def kernels(report, driver: dict, tasks: list[dict], values) -> None:
+def kernels(report, driver: dict, tasks: list[dict], values: Settings) -> None:
     """Which path each host's ranks take for the TensorFlow kernels (cached, compiled at the first
     ``init()``, or the ``tf.numpy_function`` fallback), why, and where the cache is. ``values``: the
     settings as a run here resolves them (``driver.launch.config.settings_of``)."""

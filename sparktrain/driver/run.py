@@ -124,7 +124,7 @@ def _launch(a: config.Arguments, view: views.ClusterView, cfg: config.RunConfig)
     profile = view.profile(cfg.stage) if cfg.stage is not None else None
     size = view.fit(a.size, cfg.use_gpu, cfg.stage, profile, cfg.capacity_wait)
     spec = task_spec(cfg, size, view.max_result_bytes(), view.tails_without_channel)
-    policy = core.Fixed(size, cfg.max_attempts)
+    policy = core.Fixed(size, cfg.settings.max_attempts)
     # A lost executor is usually replaced within seconds; a retried gang needs all its slots back.
     retry_wait = max(RETRY_CAPACITY_WAIT, cfg.capacity_wait)
     return attempts(cfg, view, profile, spec, policy, FixedSize(

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from ..host import nics
 from ..seam import worker_env
+from .record import RankSettings, Settings, names as record_names
 from .parsers import (choice as _choice, parse_bool, parse_gc_threshold, parse_legacy_keras, parse_positive_int,
                       parse_seconds, parse_seconds_or_off, parse_spin, url as _url)
 
@@ -173,6 +174,17 @@ def encrypts(value: str, conf: Mapping[str, str] | None) -> bool:
 READ_IN_RANK = tuple(name for name, s in SETTINGS.items() if s.read_in in ("rank", "both"))
 
 
+def _check_records() -> None:
+    """The typed records hold the table's settings, each by its name: a setting added to the table
+    without its field, a field the table lacks, or a misspelt one fails here, at import."""
+    for record, want in ((Settings, set(SETTINGS)), (RankSettings, set(READ_IN_RANK))):
+        have = set(record_names(record))
+        if have != want:
+            raise TypeError(f"sparktrain.settings.{record.__name__} must hold exactly the table's settings "
+                            f"(settings/record.py): missing {sorted(want - have)}, unknown {sorted(have - want)}")
+
+
+
 def resolve(name: str, argument: Any = None, *, conf: Mapping[str, str] | None = None,
             environ: Mapping[str, str] | None = None) -> Any:
     """Resolve one setting: argument > environment variable > Spark conf > default.
@@ -203,60 +215,28 @@ def check_environ(environ: Mapping[str, str]) -> None:
             s.parse(s.env, environ[s.env])
 
 
-class Resolved(Mapping):
-    """Settings resolved once, read by attribute (``values.start_timeout``) or by name; frozen.
-
-    ``origin(name)`` says where a value came from: "argument", "environment", "conf" or "default".
-    """
-
-    def __init__(self, values: Mapping[str, Any], origins: Mapping[str, str]):
-        object.__setattr__(self, "_values", dict(values))
-        object.__setattr__(self, "_origins", dict(origins))
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._values[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("resolved settings are frozen")
-
-    def __getitem__(self, name: str) -> Any:
-        return self._values[name]
-
-    def __iter__(self):
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def origin(self, name: str) -> str:
-        return self._origins[name]
-
-    def __repr__(self) -> str:
-        return f"Resolved({self._values!r})"
-
-
 def resolve_all(arguments: Mapping[str, Any] | None = None, *, conf: Mapping[str, str] | None,
-                environ: Mapping[str, str], names=None) -> Resolved:
-    """Every setting of the table (or of ``names``), each by :func:`resolve`'s order; a bad value
-    raises naming where it came from.
+                environ: Mapping[str, str], record: type[RankSettings] = Settings) -> RankSettings:
+    """Every setting of ``record`` (default: the table's every one), each by :func:`resolve`'s
+    order, into that typed frozen record; a bad value raises naming where it came from.
 
     >>> v = resolve_all({"grace_period": 2}, conf={"spark.sparktrain.rendezvous": "driver"}, environ={})
     >>> v.grace_period, v.rendezvous, v.origin("rendezvous"), v.origin("start_timeout")
     (2.0, 'driver', 'conf', 'default')
     """
-    arguments = arguments or {}
+    arguments, held = arguments or {}, set(record_names(record))
     values, origins = {}, {}
-    for name in SETTINGS if names is None else names:
+    for name in (name for name in SETTINGS if name in held):  # the table's order: its first bad value raises
         s, given = SETTINGS[name], arguments.get(name)
         values[name] = resolve(name, given, conf=conf, environ=environ)
         origins[name] = ("argument" if given is not None else
                          "environment" if environ.get(s.env) not in (None, "") else
                          "conf" if conf is not None and s.conf is not None and conf.get(s.conf) not in (None, "")
                          else "default")
-    return Resolved(values, origins)
+    return record(**values, origins=origins)
+
+
+_check_records()
 
 
 def as_text(value: Any) -> str:

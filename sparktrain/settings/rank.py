@@ -13,22 +13,22 @@ from typing import Mapping
 
 from .. import settings
 
-_loaded: settings.Resolved | None = None
+_loaded: settings.RankSettings | None = None
 
 
-def parse(environ: Mapping[str, str] | None = None) -> settings.Resolved:
+def parse(environ: Mapping[str, str] | None = None) -> settings.RankSettings:
     """The rank-read settings from ``environ`` (default: this process's environment)."""
     return settings.resolve_all(conf=None, environ=os.environ if environ is None else environ,
-                                names=settings.READ_IN_RANK)
+                                record=settings.RankSettings)
 
 
-def load(environ: Mapping[str, str] | None = None) -> settings.Resolved:
+def load(environ: Mapping[str, str] | None = None) -> settings.RankSettings:
     """Parse this rank's settings once, for :func:`current` to return from now on."""
     global _loaded
     _loaded = parse(environ)
     return _loaded
 
 
-def current() -> settings.Resolved:
+def current() -> settings.RankSettings:
     """This rank's settings: those :func:`load` parsed, else the environment's now."""
     return _loaded if _loaded is not None else parse()

@@ -42,42 +42,42 @@ class Arguments:
     checkpoint: bytes | None
     storage_options: Mapping[str, Any] | None
     frames: dict[str, Any] | None
-    log_url: str | None
-    nics: tuple[str, ...] | None
-    #: The ``encryption`` argument, checked ("auto", "on", "off"), or None for the env and the conf.
-    encryption: str | None
-    #: The ``backend`` argument, checked, or None for the environment (``KERAS_BACKEND``) and the conf.
-    backend: str | None
-    start_timeout: float | None
+    #: The settings given as ``run``'s arguments (``start_timeout``, ``max_attempts``, ``nics``,
+    #: ``encryption``, ``backend``, ``log_url``), each parsed as the settings table parses it, by
+    #: name; an argument not given is not there. :func:`resolve` puts them first.
+    settings: Mapping[str, Any]
     timeout: float | None
-    max_attempts: int | None
     #: The run's name (``run_id=``): its home is ``<elastic_url>/<name>/``; None for an unnamed run.
     name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Everything a run's attempts need to know, resolved against the cluster's conf."""
+    """Everything a run's attempts need to know, resolved against the cluster's conf: each fact once.
+
+    The settings are in :attr:`settings`, a typed frozen record (``sparktrain.settings.Settings``);
+    the other fields are what follows from them and the cluster."""
 
     args: Arguments
     conf: Mapping[str, str]
+    #: Every setting of the table, resolved once against the arguments, ``env=``, the driver's
+    #: environment and the conf; the ranks' spec is projected from it.
+    settings: settings.Settings
     #: Where the ranks reach this process.
     driver_host: str
-    #: How ranks meet: "driver" (its channel) or "barrier" (Spark's allGather).
+    #: How ranks meet: "driver" (its channel) or "barrier" (Spark's allGather): the ``rendezvous``
+    #: setting, with "auto" decided for the view.
     rendezvous: str
     use_gpu: bool
     #: The run's own task resources (a ResourceProfile), or None for the application's default.
     stage: TaskResources | None
     task_cpus: int | None
-    capacity_wait: float
-    max_attempts: int
     log_target: bytes | None
+    #: Where rank 0 spills a value too large for Spark's result path: the ``spill_url`` setting, or
+    #: this host's temporary directory on a local master; None: it fails instead.
     spill_url: str | None
     #: Whether the channel and the ring between hosts are encrypted (the ``encryption`` setting).
-    encrypted: bool = False
-    #: Every setting of the table, resolved once against the arguments, ``env=``, the driver's
-    #: environment and the conf (``settings.Resolved``); the ranks' spec is projected from it.
-    settings: settings.Resolved | None = None
+    encrypted: bool
     #: The driver's versions (``sparktrain.seam.versions``) and its MLflow hand-off for rank 0.
     versions: dict | None = None
     mlflow: dict | None = None
@@ -85,6 +85,11 @@ class RunConfig:
     @property
     def master(self) -> str:
         return self.conf.get("spark.master", "")
+
+    @property
+    def capacity_wait(self) -> float:
+        """Seconds to wait for the cluster's slots: the ``capacity_wait`` setting; none in local mode."""
+        return 0.0 if self.args.local else self.settings.capacity_wait
 
 
 def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_mode, start_timeout, timeout, env,
@@ -99,10 +104,10 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
     settings.check_environ({**os.environ, **env})  # a bad value fails here, before any session
     start_timeout = settings.parse_seconds("start_timeout", start_timeout, allow_none=True)
     timeout = settings.parse_seconds("timeout", timeout, allow_none=True)
-    max_attempts, nics, encryption, backend = (
-        None if value is None else settings.parse_value(name, value)
-        for name, value in (("max_attempts", max_attempts), ("nics", nics), ("encryption", encryption),
-                            ("backend", backend)))
+    given = {name: value if name in ("start_timeout", "log_url") else settings.parse_value(name, value)
+             for name, value in (("start_timeout", start_timeout), ("max_attempts", max_attempts), ("nics", nics),
+                                 ("encryption", encryption), ("backend", backend), ("log_url", log_url))
+             if value is not None}
     if local and data is not None:
         raise InvalidArgumentError(
             "data= feeds a DataFrame through the run's Spark stage, and local mode runs without Spark. Use "
@@ -128,12 +133,11 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
         payload=preflight.pickle_payload(train_fn, args, kwargs, payloads.dumps), size=size, local=local, env=env,
         stdout=stdout, stderr=stderr, verbose=verbose, timestamps=prefix_output_with_timestamp, use_gpu=use_gpu,
         asked=asked, output_ranks=output_ranks, checkpoint=checkpoint, storage_options=storage_options,
-        frames=frames, log_url=log_url, nics=nics, encryption=encryption, backend=backend,
-        start_timeout=start_timeout, timeout=timeout, max_attempts=max_attempts, name=run_id)
+        frames=frames, settings=given, timeout=timeout, name=run_id)
 
 
 def settings_of(conf: Mapping[str, str], environ: Mapping[str, str] | None = None,
-                arguments: Mapping[str, Any] | None = None) -> settings.Resolved:
+                arguments: Mapping[str, Any] | None = None) -> settings.Settings:
     """Every setting, resolved once: ``arguments`` > ``environ`` (the driver's environment with
     ``env=`` over it) > ``conf`` > the default. A bad value raises naming where it came from."""
     return settings.resolve_all(arguments, conf=conf, environ=os.environ if environ is None else environ)
@@ -144,17 +148,15 @@ def resolve(a: Arguments, view) -> RunConfig:
     what the cluster cannot do, and any bad value of a setting the ranks read."""
     conf = view.conf
     environ = {**os.environ, **a.env}
-    values = settings_of(conf, environ, {"start_timeout": a.start_timeout, "max_attempts": a.max_attempts,
-                                         "nics": a.nics, "encryption": a.encryption, "backend": a.backend,
-                                         "log_url": a.log_url})
+    values = settings_of(conf, environ, a.settings)
     settings.warn_retired(conf, environ)
     encrypted = settings.encrypts(values.encryption, conf)
-    common = dict(settings=values, encrypted=encrypted, max_attempts=values.max_attempts,
-                  versions=versions.collect(), mlflow=_mlflow_handoff(a.run_id, a.env))
+    common = dict(settings=values, encrypted=encrypted, versions=versions.collect(),
+                  mlflow=_mlflow_handoff(a.run_id, a.env))
     if a.local:
         return RunConfig(args=a, conf=conf, driver_host="127.0.0.1", rendezvous="driver", use_gpu=bool(a.use_gpu),
-                         stage=None, task_cpus=a.asked.cpus if a.asked is not None else None, capacity_wait=0.0,
-                         log_target=None, spill_url=None, **common)
+                         stage=None, task_cpus=a.asked.cpus if a.asked is not None else None, log_target=None,
+                         spill_url=None, **common)
     preflight.check_cluster_conf(conf, values.allow_unencrypted, encrypted, values.cpu_collectives)
     view.check_python(values.rendezvous)
     driver_host = view.driver_host()
@@ -175,11 +177,10 @@ def resolve(a: Arguments, view) -> RunConfig:
     task_cpus = stage.cpus if stage is not None else \
         None if local_master else capacity.default_task_resources(conf).cpus
     return RunConfig(
-        args=dataclasses.replace(a, nics=values.nics), conf=conf, driver_host=driver_host,
+        args=a, conf=conf, driver_host=driver_host,
         rendezvous=view.default_rendezvous(values.rendezvous, driver_host, a.run_id), use_gpu=use_gpu, stage=stage,
-        task_cpus=task_cpus, capacity_wait=values.capacity_wait,
-        log_target=_log_target(values.log_url, a.storage_options), spill_url=_spill_url(view.master, values.spill_url),
-        **common)
+        task_cpus=task_cpus, log_target=_log_target(values.log_url, a.storage_options),
+        spill_url=_spill_url(view.master, values.spill_url), **common)
 
 
 def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:

@@ -41,11 +41,17 @@ def task_spec(cfg: RunConfig, size: int, max_result_bytes: int, tails_without_ch
         spill_url=cfg.spill_url, versions=cfg.versions, tf_log_level=0 if a.verbose == 2 else 2,
         feed=tuple(a.frames or ()), return_output=tails_without_channel and cfg.rendezvous == "barrier"
         and cfg.log_target is None, log_target=cfg.log_target, mlflow=cfg.mlflow, task_cpus=cfg.task_cpus,
-        nics=a.nics, backend=values.backend, jax_cpu_devices=values.jax_cpu_devices,
+        nics=_nics(cfg), backend=values.backend, jax_cpu_devices=values.jax_cpu_devices,
     )
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s "
               "task_resources=%s task_cpus=%s encrypted=%s", a.run_id, size, cfg.use_gpu, spec.start_timeout,
-              a.timeout, cfg.rendezvous, spec.grace_period, spec.max_result_bytes, cfg.max_attempts,
+              a.timeout, cfg.rendezvous, spec.grace_period, spec.max_result_bytes, values.max_attempts,
               cfg.capacity_wait, spec.spill_url, cfg.stage or "default profile", cfg.task_cpus, cfg.encrypted)
     return spec
+
+
+def _nics(cfg: RunConfig) -> tuple[str, ...] | None:
+    """The network the ranks offer each other: the ``nics`` setting; in local mode only as ``run``'s
+    argument gives it (the environment's and the conf's name a cluster's network)."""
+    return cfg.args.settings.get("nics") if cfg.args.local else cfg.settings.nics
