@@ -109,10 +109,7 @@ def run(
     >>> sparktrain.run(lambda lr: f"rank {sparktrain.rank()} at {lr}", args=(0.1,), num_proc=3)  # doctest: +SKIP
     'rank 0 at 0.1'
     """
-    a = config.check_arguments(train_fn, args, kwargs, num_proc, local_mode, start_timeout, timeout, env, stdout,
-                               stderr, verbose, prefix_output_with_timestamp, use_gpu, output_ranks, checkpoint_url,
-                               storage_options, max_attempts, data, log_url, resources, nics, encryption, backend,
-                               run_id)
+    a = config.check_arguments(**locals())  # every parameter, by its name, as ``arguments`` binds them
     configure_logging(verbose)
     view = views.choose(a.local, a.size, a.use_gpu)
     cfg = config.resolve(a, view)
@@ -215,7 +212,8 @@ def attempts(cfg: config.RunConfig, view: views.ClusterView, profile, spec, poli
     a = cfg.args
     # A fixed run's stage input is built before anything launches; an elastic one's for each size it takes.
     spec = dataclasses.replace(spec, user_env={**spec.user_env, **resume.env(cfg)})
-    sources: dict[int, Any] = {spec.size: _stage_input(a.frames, spec.size)} if isinstance(policy, core.Fixed) else {}
+    known = policy.known_size
+    sources: dict[int, Any] = {} if known is None else {known: _stage_input(a.frames, known)}
     info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=a.stdout, stderr=a.stderr, timestamps=a.timestamps,
                    timeout=a.timeout, verbose=a.verbose)
     info.display.attach(log)

@@ -1,7 +1,8 @@
 """The supervision of one attempt, as pure policy: states that carry their data, and a step
 function from ``(state, event, now)`` to ``(state, actions)``; and the run's policy between
-attempts, for fixed and elastic runs alike: after a failed attempt, :func:`after_failure` decides
-(:class:`Retry` at a size, or :class:`GiveUp` with the error), and while an elastic attempt runs,
+attempts, for fixed and elastic runs alike: after a failed attempt, the run's size policy
+(:class:`Fixed` or :class:`Elastic`, each a value) decides (:func:`after_failure`: :class:`Retry` at a
+size, or :class:`GiveUp` with the error), and while an elastic attempt runs,
 :func:`resize` decides from the slots whether to ask its ranks for a new size.
 
 Nothing here reads a clock, a socket or Spark: ``sparktrain.driver.supervise.attempt`` feeds it the
@@ -216,6 +217,18 @@ class Fixed:
         """How many attempts the run may have in all (the ranks' ``SPARKTRAIN_MAX_ATTEMPTS``)."""
         return self.max_attempts
 
+    @property
+    def known_size(self) -> int:
+        """The size of every attempt, known before the first."""
+        return self.size
+
+    def after_failure(self, error: SparkTrainError, number: int, out_of_time: bool, earlier: list[str],
+                      resize: "Resize | None") -> "Decision":
+        """All ``size`` ranks again, while attempts are left and the error could pass (:func:`retry`)."""
+        if retry(error, number, self.max_attempts, out_of_time):
+            return Retry(self.size, first_line(str(error)))
+        return GiveUp(error if number == 1 else with_attempts(error, number, list(earlier)))
+
 
 @dataclasses.dataclass(frozen=True)
 class Elastic:
@@ -234,6 +247,22 @@ class Elastic:
     def attempts(self) -> int:
         """How many attempts the run may have in all; 0: no bound."""
         return 0 if self.reset_limit is None else self.reset_limit + 1
+
+    #: The size of every attempt, known before the first: none, the slots decide each.
+    known_size = None
+
+    def after_failure(self, error: SparkTrainError, number: int, out_of_time: bool, earlier: list[str],
+                      resize: "Resize | None") -> "Decision":
+        """Again, at the size asked for (a resize) or the slots allow (a lost rank or host), within
+        ``reset_limit``; an exception of ``train_fn``'s own ends the run."""
+        resized = resize is not None and isinstance(error, RankFailedError) and bool(error.failures) and \
+            error.root_cause.exc_type.endswith("HostsUpdatedInterrupt")
+        if out_of_time or (not resized and not lost_ranks(error)):
+            return GiveUp(error)  # it would fail the same way again
+        if self.reset_limit is not None and number > self.reset_limit:
+            return GiveUp(SparkTrainError(f"run_elastic gave up after reset_limit={self.reset_limit} restart(s); the "
+                                          f"last attempt failed: {error}"))
+        return Retry(resize.size, resize.why, True) if resized else Retry(None, lost(error))
 
 
 Policy = Union[Fixed, Elastic]
@@ -276,20 +305,10 @@ def with_attempts(error: SparkTrainError, attempts: int, earlier: list[str]) -> 
 
 def after_failure(policy: Policy, error: SparkTrainError, number: int, out_of_time: bool,
                   earlier: list[str] = (), resize: "Resize | None" = None) -> Decision:
-    """What the run does after attempt ``number`` failed with ``error``. ``earlier``: why each
-    earlier attempt failed; ``resize``: what the driver asked the ranks of an elastic attempt for."""
-    if isinstance(policy, Fixed):
-        if retry(error, number, policy.max_attempts, out_of_time):
-            return Retry(policy.size, first_line(str(error)))
-        return GiveUp(error if number == 1 else with_attempts(error, number, list(earlier)))
-    resized = resize is not None and isinstance(error, RankFailedError) and bool(error.failures) and \
-        error.root_cause.exc_type.endswith("HostsUpdatedInterrupt")
-    if out_of_time or (not resized and not lost_ranks(error)):
-        return GiveUp(error)  # it would fail the same way again
-    if policy.reset_limit is not None and number > policy.reset_limit:
-        return GiveUp(SparkTrainError(f"run_elastic gave up after reset_limit={policy.reset_limit} restart(s); the last "
-                                      f"attempt failed: {error}"))
-    return Retry(resize.size, resize.why, True) if resized else Retry(None, lost(error))
+    """What the run does after attempt ``number`` failed with ``error``, as ``policy`` decides it.
+    ``earlier``: why each earlier attempt failed; ``resize``: what the driver asked the ranks of an
+    elastic attempt for."""
+    return policy.after_failure(error, number, out_of_time, list(earlier), resize)
 
 
 def first_line(text: str) -> str:
