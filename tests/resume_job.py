@@ -7,7 +7,8 @@ API is ``run`` or ``run_elastic``; JOB names this job's files under OUT; the run
 ``hvd.elastic``; in epoch KILL_IN_EPOCH (if given) rank 0 writes ``in-epoch`` and every rank
 waits for the test to SIGKILL this driver. Written under OUT: ``driver-JOB.pid``,
 ``rank-JOB-<r>.pid``, ``epochs-JOB`` (the epochs rank 0 began), ``called-JOB`` and
-``first-step-JOB`` (wall-clock times of the call and of rank 0's first step), ``returned-JOB``
+``first-step-JOB`` (wall-clock times of the call and of rank 0's first step), ``entered-JOB``
+(when rank 0 called the ``@hvd.elastic.run`` function), ``returned-JOB``
 and ``weights-JOB.json`` (rank 0's weights). The store's credentials come from the environment.
 """
 import json
@@ -73,6 +74,9 @@ def train(out, job, kill_in_epoch):
                              hvd.elastic.CommitStateCallback(state, batches_per_commit=10**6), Mark()])
         return [w.tolist() for w in model.get_weights()] if r == 0 else None
 
+    if r == 0:  # from here: the last commit read (when resuming), every rank synced to it, the first step
+        with open(os.path.join(out, f"entered-{job}"), "w") as f:
+            f.write(repr(time.time()))
     return fit(state)
 
 

@@ -95,14 +95,14 @@ def _weights(out: str, job: str):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One uninterrupted run under another run_id, in a job of its own: ``(weights, seconds from
-    the call to rank 0's first step, seconds from the submit to it)``."""
+    the call to rank 0's first step, from the submit to it, from ``@hvd.elastic.run``'s call to it)``."""
     tmp = tmp_path_factory.mktemp("reference")
     out = tmp / "out"
     out.mkdir()
     _finish(tmp, _submit(tmp, "run", "ref", "reference", f"file://{tmp}/runs", str(out), {}), "ref")
     assert _read(str(out), "epochs-ref").split() == ["0", "1", "2", "3", "4", "5"]
     return (_weights(str(out), "ref"), _seconds(str(out), "called-ref", "first-step-ref"),
-            _seconds(str(out), "submitted-ref", "first-step-ref"))
+            _seconds(str(out), "submitted-ref", "first-step-ref"), _seconds(str(out), "entered-ref", "first-step-ref"))
 
 
 def never(flag: str) -> None:
@@ -162,7 +162,8 @@ def test_a_killed_job_resumes_in_a_new_job_and_a_finished_run_returns_at_once(re
     returned = _seconds(out, "called-third", "returned-third")
     assert returned < 30, returned  # the recorded result, read from the home: no stage, no rank
     resumed = _seconds(out, "called-second", "first-step-second")
-    print(f"\n[{request.node.callspec.id}] first step after the call: fresh {reference[1]:.1f} s, resumed "
-          f"{resumed:.1f} s; after the submit: fresh {reference[2]:.1f} s, resumed "
-          f"{_seconds(out, 'submitted-second', 'first-step-second'):.1f} s; a finished run's call returned in "
-          f"{returned:.2f} s")
+    print(f"\n[{request.node.callspec.id}] seconds to rank 0's first step, fresh run / resumed run: from the call "
+          f"{reference[1]:.1f} / {resumed:.1f}, from the submit {reference[2]:.1f} / "
+          f"{_seconds(out, 'submitted-second', 'first-step-second'):.1f}, from @hvd.elastic.run's call (the "
+          f"commit read and synced) {reference[3]:.2f} / {_seconds(out, 'entered-second', 'first-step-second'):.2f}; "
+          f"a finished run's call returned in {returned:.2f}")
