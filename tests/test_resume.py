@@ -1,172 +1,23 @@
-"""A named run across jobs: spark-submit jobs on a local Spark, the first killed with SIGKILL in
-epoch 3 of 6, the second resuming from its last commit, the third returning the recorded result;
-and, in this process, a second driver on a live run refused, and run_id's bad input."""
+"""A named run in this process: a second driver on a live run refused, a driver that lost its
+lease stopping its run, run_id's bad input, and the Keras-only path (BackupAndRestore) resuming a
+fit in a new call. The killed and resumed spark-submit jobs are tests/test_resume_jobs.py."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
-import time
 
-import psutil
 import pytest
 
 import sparktrain
-from helpers import wait_for_file, wait_pids_gone
-from sparktrain.storage import home as homes, lease as leases
+from helpers import wait_for_file
+from sparktrain.storage import home as homes
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(400)]
-
-JOB = textwrap.dedent("""
-    import json, os, sys, time
-    from pyspark.sql import SparkSession
-    import sparktrain
-
-    mode, run_id, url, out = sys.argv[1:5]
-    spark = SparkSession.builder.appName("resume-" + mode).getOrCreate()
-    with open(os.path.join(out, f"driver-{mode}.pid"), "w") as f:
-        f.write(str(os.getpid()))
-
-    def train(out, job, kill_in_epoch):
-        import os, threading, time
-        import numpy as np
-        import keras
-        import sparktrain.keras as hvd
-
-        hvd.init()
-        r, n = hvd.rank(), hvd.size()
-        with open(os.path.join(out, f"rank-{job}-{r}.pid"), "w") as f:
-            f.write(str(os.getpid()))
-        keras.utils.set_random_seed(7)
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(240, 8)).astype("float32")
-        y = (x.sum(axis=1) > 0).astype("int32")
-        x, y = x[r::n], y[r::n]
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
-                                  keras.layers.Dense(2, activation="softmax")])
-        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)),
-                      loss="sparse_categorical_crossentropy")
-        state = hvd.elastic.KerasState(model, epoch=0, batch=0)
-
-        class Mark(keras.callbacks.Callback):
-            first = None
-
-            def on_epoch_begin(self, epoch, logs=None):
-                if r == 0:
-                    with open(os.path.join(out, f"epochs-{job}"), "a") as f:
-                        f.write(f"{epoch}\\n")
-                if epoch == kill_in_epoch:
-                    if r == 0:
-                        with open(os.path.join(out, "in-epoch"), "w") as f:
-                            f.write(str(epoch))
-                    threading.Event().wait(300)  # until the driver is killed
-
-            def on_train_batch_end(self, batch, logs=None):
-                if Mark.first is None and r == 0:
-                    Mark.first = time.time()
-                    with open(os.path.join(out, f"first-step-{job}"), "w") as f:
-                        f.write(repr(Mark.first))
-
-        @hvd.elastic.run
-        def fit(state):
-            model.fit(x, y, batch_size=20, epochs=6, initial_epoch=state.epoch, shuffle=False, verbose=0,
-                      callbacks=[hvd.elastic.UpdateEpochStateCallback(state),
-                                 hvd.elastic.CommitStateCallback(state, batches_per_commit=10**6), Mark()])
-            return [w.tolist() for w in model.get_weights()] if r == 0 else None
-
-        return fit(state)
-
-    env = {"SPARKTRAIN_ELASTIC_URL": url, "SPARKTRAIN_LEASE_TIMEOUT": "4", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    jobs = [("ref-" + run_id, "ref", -1)] if mode == "first" else []
-    jobs.append((run_id, mode, 3 if mode == "first" else -1))
-    for name, job, kill in jobs:
-        called = time.time()
-        with open(os.path.join(out, f"called-{job}"), "w") as f:
-            f.write(repr(called))
-        weights = sparktrain.run(train, args=(out, job, kill), num_proc=2, run_id=name, env=env)
-        with open(os.path.join(out, f"weights-{job}.json"), "w") as f:
-            json.dump(weights, f)
-""")
-
-
-def _spark_submit() -> str:
-    import pyspark
-
-    return os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
-
-
-def _submit(tmp_path, mode: str, url: str, out: str) -> subprocess.Popen:
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
-    log = open(tmp_path / f"job-{mode}.log", "w")
-    return subprocess.Popen([_spark_submit(), "--master", "local[2]", "--conf", "spark.ui.enabled=false",
-                             str(script), mode, "victim", url, out], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=tmp_path)
-
-
-def _finish(tmp_path, proc: subprocess.Popen, mode: str) -> str:
-    proc.wait(timeout=240)
-    text = (tmp_path / f"job-{mode}.log").read_text()
-    assert proc.returncode == 0, text[-4000:]
-    return text
-
 
 def _read(out: str, name: str) -> str:
     with open(os.path.join(out, name)) as f:
         return f.read()
-
-
-def _ours(pid: int, job: subprocess.Popen) -> psutil.Process:
-    """The process ``pid``, proven to be a descendant of ``job`` (the spark-submit this test started)."""
-    proc = psutil.Process(pid)
-    assert job.pid in {p.pid for p in proc.parents()}, f"{pid} is not under spark-submit {job.pid}"
-    return proc
-
-
-@pytest.mark.slow  # four spark-submit jobs: run by hand, bash tests/run slow
-def test_a_killed_job_resumes_in_a_new_job_and_a_finished_run_returns_at_once(tmp_path):
-    import numpy as np
-
-    url, out = str(tmp_path / "runs"), str(tmp_path / "out")
-    os.makedirs(out)
-    first = _submit(tmp_path, "first", url, out)
-    wait_for_file(os.path.join(out, "in-epoch"), timeout=240)
-    driver = _ours(int(_read(out, "driver-first.pid")), first)
-    ranks = [int(_read(out, f"rank-first-{r}.pid")) for r in (0, 1)]
-    driver.kill()  # SIGKILL
-    first.wait(timeout=60)
-    assert wait_pids_gone(ranks, timeout=60) == []  # no rank of the killed job lives on
-    home = homes.Home(url, "victim")
-    assert home.last_commit()["epoch"] == 3 and home.result() == (False, None)
-    assert home.state() in ("running", "failed")
-    assert not [n for n in os.listdir(home.url) if ".partial-" in n]  # nothing half-written
-    # The killed driver's lease expires on its own (4 s here); the next job takes it over.
-    deadline = time.monotonic() + 30
-    while leases.live(home.lease_record()):
-        assert time.monotonic() < deadline, home.lease_record()
-        time.sleep(0.2)  # the lease's expiry is a wall-clock time: nothing to wait on but it
-
-    second = _finish(tmp_path, _submit(tmp_path, "second", url, out), "second")
-    assert "expired; this driver takes it over" in second and "resumes from its last commit (epoch 3" in second
-    assert _read(out, "epochs-second").split() == ["3", "4", "5"]  # its first epoch is not 0
-    resumed = [np.array(w) for w in json.loads(_read(out, "weights-second.json"))]
-    reference = [np.array(w) for w in json.loads(_read(out, "weights-ref.json"))]
-    for got, want in zip(resumed, reference):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert home.state() == "finished"
-
-    third = _finish(tmp_path, _submit(tmp_path, "third", url, out), "third")
-    assert "finished before; returning its recorded result, launching no rank" in third
-    assert not os.path.exists(os.path.join(out, "epochs-third"))  # no rank started
-    assert json.loads(_read(out, "weights-third.json")) == json.loads(_read(out, "weights-second.json"))
-    # The figures: from the call to the first step, for a fresh run and for the resumed one.
-    fresh = float(_read(out, "first-step-ref")) - float(_read(out, "called-ref"))
-    again = float(_read(out, "first-step-second")) - float(_read(out, "called-second"))
-    print(f"first step after the call: fresh run {fresh:.1f} s, resumed run {again:.1f} s")
 
 
 def waits(flag: str) -> str:

@@ -4,6 +4,8 @@ expired one is taken over), the recorded result (whole or nothing), and ``sparkt
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -106,6 +108,26 @@ def test_a_result_is_recorded_whole_and_the_home_tells_its_state(base):
     fs, path = storage.filesystem(home.file(homes.RESULT), options)
     assert not [p for p in fs.ls(path.rsplit("/", 1)[0], detail=False) if ".partial-" in p]
     assert homes.run_ids(url, options) == ["done"]
+
+
+RECORD_ELSEWHERE = """
+import json, sys
+from sparktrain.storage import home
+home.Home(sys.argv[1], "elsewhere", json.loads(sys.argv[2])).record_result("from another process")
+"""
+
+
+def test_a_result_recorded_by_another_process_is_seen_after_this_one_listed_the_home(base):
+    """A long-lived driver (a notebook's) that listed a run's home, and then another job finished
+    the run: its next call sees the result, not its own listing of before (s3fs and adlfs cache
+    listings, and answered "not found" from them)."""
+    url, options = base
+    home = homes.Home(url, "elsewhere", options)
+    storage.put_bytes(home.file(homes.STATE), b"commit", options, metadata={"epoch": 1, "batch": 0})
+    home.clear_markers()  # lists the home, as a named run's driver does at its start
+    assert home.result() == (False, None) and home.state() == "failed"
+    subprocess.run([sys.executable, "-c", RECORD_ELSEWHERE, url, json.dumps(options)], check=True, timeout=120)
+    assert home.state() == "finished" and home.result() == (True, "from another process")
 
 
 @pytest.mark.parametrize("bad", ["a/b", "../up", "", "-x", "a b", 7, "x" * 200])

@@ -29,7 +29,7 @@ from ..errors import (BackendMissingError, CorruptCheckpointError, CredentialsEr
                       NotFoundError, StorageError, UnknownSchemeError)
 from ..host.localfiles import file_chunks, replaced_atomically
 from .backends import (AZURE_CLIENT, RETRIES, S3_CONFIG, StorageOptions, check_url, classify_error,  # noqa: F401
-                       filesystem, retry, scheme_of)
+                       filesystem, forget_listings, retry, scheme_of)
 
 CHUNK = 8 * 1024 * 1024
 #: Reads ask for larger ranges: fewer round trips, still bounded memory.
@@ -112,6 +112,7 @@ def put_file(local_path: str, url: str, storage_options: StorageOptions = None,
 
 
 def _read_manifest(fs, path: str, url: str) -> dict:
+    forget_listings(fs, path)  # another process may have committed it since this one listed its folder
     try:
         return json.loads(fs.cat_file(path + MANIFEST_SUFFIX))
     except FileNotFoundError:

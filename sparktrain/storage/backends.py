@@ -73,6 +73,19 @@ def filesystem(url: str, storage_options: StorageOptions = None):
         raise StorageError(f"cannot open {url!r}: {_scrub(str(e), storage_options)}") from None
 
 
+def forget_listings(fs, path: str) -> None:
+    """Drop the listings ``fs`` holds of ``path`` and of every folder above it. s3fs and adlfs keep
+    the folders this process listed and answer a file's size (``info``, which ``open`` and s3fs's
+    ``cat_file`` ask) from them, so a file another process wrote since would be "not found"."""
+    path = fs._strip_protocol(path).rstrip("/")
+    while path:
+        fs.invalidate_cache(path)  # s3fs drops the parents too; adlfs only this one
+        parent = fs._parent(path).rstrip("/")
+        if parent == path:
+            return
+        path = parent
+
+
 def check_url(url: str, storage_options: StorageOptions = None) -> None:
     """Validate a checkpoint URL on the driver before anything launches."""
     if not isinstance(url, str) or not url:
