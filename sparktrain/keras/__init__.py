@@ -19,44 +19,27 @@ collective per dtype. Keras 3 runs without any tf.distribute strategy scope.
 
 By role: ``optimizer`` (``DistributedOptimizer``, ``PartialDistributedOptimizer``),
 ``callbacks`` (broadcast, metric averaging, learning-rate warm-up and schedule, checkpoints),
-``SyncBatchNormalization`` (from ``sparktrain.tensorflow``), ``elastic`` (state that outlives a failed
+``SyncBatchNormalization``, ``elastic`` (state that outlives a failed
 attempt) and ``tracking`` (MLflow, TensorBoard); the collectives and ``Compression`` are
-``sparktrain.tensorflow``'s.
+``sparktrain.tensorflow``'s. The names come from the front that serves this process's Keras
+(``fronts``: Keras 3 on TensorFlow, tf_keras, or Keras 3 on JAX), which ``kerasline.front`` names;
+``DistributedOptimizer`` goes to the front of the optimizer's own line.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Mapping
 
 from .. import kerasline
-from ..seam.versions import require_keras_3
+from ..errors import InvalidArgumentError
+from ..host.localfiles import replaced_atomically
 from . import on_jax as _jax
 
-if not kerasline.legacy_requested():  # tf_keras (TF_USE_LEGACY_KERAS=1) is Keras 2 by design
-    require_keras_3()  # before Keras is imported: Keras 2 fails here at once, with TensorFlow's floor too
-if _jax.on_jax():
-    from .on_jax import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank,  # noqa: F401
-                         shutdown, size)
-    from ..errors import InvalidArgumentError
-    from ..host.localfiles import replaced_atomically
-    from . import callbacks  # noqa: F401
-    from .jax_optimizer import Average, Compression, DistributedOptimizer, Sum  # noqa: F401
-else:  # an older TensorFlow under Keras 3 fails in sparktrain.tensorflow's import, with the version and the fix
-    from ..errors import InvalidArgumentError
-    from ..host.localfiles import replaced_atomically
-    from ..tensorflow import Average, Sum, allgather, allreduce, broadcast, broadcast_variables  # noqa: F401
-    from ..tensorflow import (Compression, ProcessSet, add_process_set, cross_rank, cross_size,  # noqa: F401
-                              global_process_set, init, is_initialized, local_rank, local_size, rank, reducescatter,
-                              remove_process_set, shutdown, size, start_timeline, stop_timeline)
-    from ..tensorflow import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,  # noqa: F401
-                              mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
-    from . import callbacks, elastic  # noqa: F401
-    from ..tensorflow.keras_optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: F401
-                                              _distributed_class)
-    if kerasline.legacy_requested():
-        from ..tensorflow.tf_keras_sync_batch_norm import SyncBatchNormalization  # noqa: F401
-    else:
-        from ..tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
+#: The front that serves this process's Keras (``fronts``: Keras 3 on TensorFlow, tf_keras, or Keras 3
+#: on JAX), chosen once, in ``kerasline``.
+_front = importlib.import_module(kerasline.front())
+from . import callbacks  # noqa: E402,F401
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -83,43 +66,41 @@ def save_model(model, filepath: str, **kwargs) -> str | None:
     return filepath
 
 
-def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compression=None, **kwargs):
-    """``keras.models.load_model`` whose optimizer comes back distributed, with its state.
+def DistributedOptimizer(optimizer, *args, **kwargs):  # noqa: N802 - Horovod's name
+    return importlib.import_module(kerasline.front(optimizer)).DistributedOptimizer(optimizer, *args, **kwargs)
 
-    Keras's built-in optimizers, and the classes in ``custom_optimizers``, are loaded as their
-    DistributedOptimizer subclasses, as Horovod's ``hvd.load_model`` does, so training continues
-    data-parallel where it stopped; ``compression`` applies to its gradients (default none). On
-    JAX, where keras.distribution does the reduction, it is ``keras.models.load_model``.
+
+def PartialDistributedOptimizer(optimizer, *args, **kwargs):  # noqa: N802 - Horovod's name
+    return importlib.import_module(kerasline.front(optimizer)).PartialDistributedOptimizer(optimizer, *args, **kwargs)
+
+
+def tensorflow_distributed_optimizer(optimizer, name: str | None = None, use_locking: bool = False,
+                                     device_dense: str = "", device_sparse: str = "", compression=None,
+                                     sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op=None,
+                                     gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
+                                     num_groups: int = 0, groups=None, process_set=None,
+                                     scale_local_gradients: bool = True):
+    """Horovod's ``horovod.tensorflow.DistributedOptimizer``: for a Keras optimizer, the same as
+    ``sparktrain.keras.DistributedOptimizer`` (as Horovod hands Keras optimizers to its Keras
+    wrapper). TensorFlow 1 optimizers (``tf.compat.v1.train.*``) are not supported: use a Keras
+    optimizer, or :func:`DistributedGradientTape` in a custom loop.
     """
-    from .front import keras
-
-    if _jax.on_jax():
-        return keras.models.load_model(filepath, custom_objects=custom_objects, **kwargs)
-    compression = Compression.none if compression is None else compression
-
-    from ..tensorflow.keras_optimizer import GradientReduction, _check_arguments
-
-    _check_arguments(None, compression, False, 1.0, Average, 1, False, 0, None, None, True)
-    distributed = _distributed_class
-    if kerasline.served() == kerasline.TF_KERAS:
-        from ..tensorflow.tf_keras_optimizer import distributed_class as distributed
-    custom = {}
-    for name in dir(keras.optimizers):
-        obj = getattr(keras.optimizers, name)
-        if isinstance(obj, type) and issubclass(obj, keras.optimizers.Optimizer) and obj is not keras.optimizers.Optimizer:
-            custom[name] = distributed(obj)
-    for cls in custom_optimizers or []:
-        custom[cls.__name__] = distributed(cls)
-    custom.update(custom_objects or {})
-    model = keras.models.load_model(filepath, custom_objects=custom, **kwargs)
-    optimizer = getattr(model, "optimizer", None)
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # tf_keras' loss scale keeps it inside
-    if optimizer is not None and getattr(type(optimizer), "_sparktrain_distributed", False):
-        # Keras 3 saved backward_passes_per_step as gradient_accumulation_steps (tf_keras has none);
-        # the rest is Horovod's defaults.
-        optimizer._sparktrain_reduction = GradientReduction(
-            compression=compression, backward_passes_per_step=getattr(optimizer, "gradient_accumulation_steps", 0) or 1)
-    return model
+    if kerasline.line_of(optimizer) is None or not hasattr(optimizer, "apply_gradients"):
+        raise InvalidArgumentError(
+            f"DistributedOptimizer wraps Keras optimizers (keras.optimizers.*, or tf.keras.optimizers.* for tf_keras), "
+            f"got {type(optimizer).__name__}; "
+            "TensorFlow 1 optimizers are not supported: use a Keras optimizer, or DistributedGradientTape")
+    given = dict(name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+                 sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step, op=op,
+                 gradient_predivide_factor=gradient_predivide_factor,
+                 average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
+                 process_set=process_set, scale_local_gradients=scale_local_gradients)
+    defaults = dict(name=None, device_dense="", device_sparse="", compression=None, sparse_as_dense=False,
+                    backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
+                    average_aggregated_gradients=False, num_groups=0, groups=None, process_set=None,
+                    scale_local_gradients=True)
+    return DistributedOptimizer(optimizer, **{k: v for k, v in given.items() if v is not defaults[k]
+                                              and v != defaults[k]})
 
 
 def restore(prefix: str, storage_options: Mapping[str, Any] | None = None, custom_objects=None):
@@ -152,5 +133,9 @@ def restore(prefix: str, storage_options: Mapping[str, Any] | None = None, custo
         return load_model(local, custom_objects=custom_objects), epoch
 
 
-if _jax.on_jax():  # what only the TensorFlow backend has raises, and names keras.distribution
-    globals().update({name: _jax.refuse(name) for name in _jax.TENSORFLOW_ONLY})
+# The front's names: its optimizers (for the objects of its line; others go to their line's front),
+# SyncBatchNormalization, load_model, the collectives; on JAX, what only TensorFlow has raises.
+globals().update({name: getattr(_front, name) for name in _front.__all__
+                  if name not in ("DistributedOptimizer", "PartialDistributedOptimizer")})
+for _routed in (DistributedOptimizer, PartialDistributedOptimizer):
+    _routed.__doc__ = getattr(_front, _routed.__name__).__doc__

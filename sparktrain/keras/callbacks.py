@@ -82,7 +82,7 @@ class BroadcastGlobalVariablesCallback(Callback):
         self._local_vars[id(var)] = var
 
     def _global(self, variables) -> list:
-        from ..tensorflow.keras_optimizer import local_variables
+        from .._keras.reduction import local_variables
 
         local = set(self._local_vars)
         local.update(id(v) for v in local_variables(getattr(self.model, "optimizer", None)))
@@ -96,7 +96,7 @@ class BroadcastGlobalVariablesCallback(Callback):
             broadcast_model(self.model, self.root_rank, with_optimizer=False)
             self._done_first_batch = False
             return
-        from ..tensorflow.keras_optimizer import agree_on_overflow
+        from .._keras.update_step import agree_on_overflow
 
         _tfc().init()
         check_equal_steps(self.params.get("steps") if self.params else None)

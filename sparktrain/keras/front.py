@@ -4,7 +4,7 @@
 ``TF_USE_LEGACY_KERAS=1`` (``sparktrain.kerasline``), else Keras 3. The callbacks subclass that
 line's ``Callback``, so its ``model.fit`` calls them as its own; one given a model of the other
 line refuses it at ``set_model``, naming both. The optimizer wrapper decides by the object it is
-given instead (``sparktrain.tensorflow.keras_optimizer``).
+given instead (``sparktrain.kerasline.front``).
 """
 from __future__ import annotations
 

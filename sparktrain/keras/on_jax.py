@@ -22,14 +22,8 @@ TENSORFLOW_ONLY = (
 )
 
 
-def on_jax() -> bool:
-    """Whether this process's Keras runs on JAX (Keras 3 is imported to ask; tf_keras runs on
-    TensorFlow only, and is not asked)."""
-    if kerasline.legacy_requested():
-        return False
-    import keras
-
-    return keras.backend.backend() == "jax"
+#: Whether this process's Keras runs on JAX (``kerasline.on_jax``).
+on_jax = kerasline.on_jax
 
 
 def refuse_on_jax(what: str) -> None:

@@ -2,7 +2,7 @@
 on the Keras this process serves (``front``)."""
 from __future__ import annotations
 
-from .. import context as _ctx
+from .. import context as _ctx, kerasline
 from ..errors import InvalidArgumentError
 from .front import Callback, value
 
@@ -74,7 +74,7 @@ class LearningRateScheduleCallback(Callback):
     def _adjust(self, epoch: float) -> None:
         optimizer = self.model.optimizer
         rate = optimizer._learning_rate if hasattr(optimizer, "_learning_rate") else optimizer.learning_rate
-        legacy_hyper = hasattr(optimizer, "_set_hyper")  # tf_keras' legacy optimizers: a number until first used
+        legacy_hyper = kerasline.is_legacy_optimizer(optimizer)  # tf_keras' legacy ones: a number until first used
         if not hasattr(rate, "assign") and not (legacy_hyper and isinstance(rate, (int, float))):
             raise InvalidArgumentError(f"{type(self).__name__} sets the learning rate, but the optimizer's is a "
                                        f"{type(rate).__name__}; give the optimizer a number instead")

@@ -159,13 +159,8 @@ def _check_served(line: str) -> None:
     """Refuse to train where this process's ``tf.keras`` is not the model's Keras (an environment
     that overrode the estimator's ``TF_USE_LEGACY_KERAS``)."""
     from .. import kerasline
-    from ..errors import SparkTrainError
 
-    if kerasline.served() != line:
-        raise SparkTrainError(
-            f"this rank serves {kerasline.describe(kerasline.served())} ({kerasline.LEGACY_ENV}="
-            f"{os.environ.get(kerasline.LEGACY_ENV)}), and the model is {kerasline.describe(line)}: leave "
-            f"{kerasline.LEGACY_ENV} to the estimator, which sets it from the model")
+    kerasline.check_served(line, f"leave {kerasline.LEGACY_ENV} to the estimator, which sets it from the model")
 
 
 def _datasets(spec: TrainSpec):

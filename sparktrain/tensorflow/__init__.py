@@ -22,8 +22,9 @@ backend the collectives run on, chosen once), ``ops`` (the reductions), ``compre
 (reducescatter, alltoall) and ``variables`` (variables from the root rank), over ``backends``
 (one rank; the native engine through TensorFlow kernels or ``hostops``; TensorFlow's
 ``ringops``), ``objects`` (Python objects),
-``gradients`` (gradient reduction and the gradient tapes), ``keras_optimizer`` (the Keras 3
-optimizer wrapper), ``sync_batch_norm`` and ``timeline``.
+``gradients`` (gradient reduction and the gradient tapes) and ``timeline``. Horovod's
+``DistributedOptimizer`` (for Keras optimizers) and ``SyncBatchNormalization`` are the Keras layer's
+(``sparktrain.keras``), looked up from here only when asked for.
 """
 from __future__ import annotations
 
@@ -51,7 +52,6 @@ from .collectives import allgather, allreduce, barrier, broadcast, grouped_allga
 from .compression import Compression
 from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
                         average_gradients, reduce_except_local)
-from .keras_optimizer import tensorflow_distributed_optimizer as DistributedOptimizer
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
 from .ops import (Adasum, Average, Max, Min, Product, Sum, check_num_rank_power_of_2, check_op,
                   handle_average_backwards_compatibility)
@@ -89,14 +89,12 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f"{__name__}.elastic")
-    # Horovod exports SyncBatchNormalization here too; it imports Keras, so only when asked for.
-    if name == "SyncBatchNormalization":
-        from .. import kerasline
+    # Horovod exports these here too. They are the Keras layer's, which builds on this one: looked up
+    # by name when asked for (as Horovod's own lookup does), so that no import runs back up the layers.
+    if name in ("SyncBatchNormalization", "DistributedOptimizer"):
+        import importlib
 
-        if kerasline.legacy_requested():
-            from .tf_keras_sync_batch_norm import SyncBatchNormalization
-        else:
-            from .sync_batch_norm import SyncBatchNormalization
-
-        return SyncBatchNormalization
+        keras = importlib.import_module("sparktrain.keras")
+        return keras.SyncBatchNormalization if name == "SyncBatchNormalization" else \
+            keras.tensorflow_distributed_optimizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
