@@ -43,6 +43,9 @@ def module(line: str | None = None):
     """The Keras module of ``line``: ``keras`` (Keras 3) or ``tf_keras``; by default the one this
     process serves (tf_keras where :func:`legacy_requested`). The one mapping from a line to its module."""
     if (served() if line is None else line) == KERAS_3:
+        from .seam.versions import require_keras_3
+
+        require_keras_3()  # before Keras is imported: Keras 2 (and its older TensorFlow) is refused at once
         import keras
 
         return keras

@@ -55,9 +55,11 @@ def configured(config: dict, backward_passes_per_step: int) -> dict:
 def rewrap_loss_scale(optimizer, distribute, name: str | None):
     """``optimizer`` (a LossScaleOptimizer) rebuilt around its inner optimizer as ``distribute(inner,
     name)`` makes it, with its scale: its overflow check reads the reduced gradients, the same on every
-    rank."""
+    rank; one whose inner optimizer is distributed already comes back as it is."""
     import tf_keras
 
+    if getattr(type(optimizer.inner_optimizer), "_sparktrain_distributed", False):
+        return optimizer  # its inner optimizer reduces already: the scale reads the reduced gradients
     kwargs = dict(dynamic=optimizer.dynamic, initial_scale=optimizer.initial_scale)
     if optimizer.dynamic:
         kwargs["dynamic_growth_steps"] = optimizer.dynamic_growth_steps

@@ -48,7 +48,7 @@ def create_distributed_optimizer(line: Line, optimizer, reduction: GradientReduc
     back around a distributed inner optimizer; one already distributed (say, from ``load_model``)
     comes back as it is, reduced once per update."""
     if isinstance(optimizer, line.loss_scale):
-        if _distributed(optimizer) or _distributed(optimizer.inner_optimizer):
+        if _distributed(optimizer):
             return optimizer
         return line.rewrap_loss_scale(
             optimizer, lambda inner, inner_name: create_distributed_optimizer(line, inner, reduction, inner_name), name)

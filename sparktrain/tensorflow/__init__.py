@@ -24,7 +24,7 @@ backend the collectives run on, chosen once), ``ops`` (the reductions), ``compre
 ``ringops``), ``objects`` (Python objects),
 ``gradients`` (gradient reduction and the gradient tapes) and ``timeline``. Horovod's
 ``DistributedOptimizer`` (for Keras optimizers) and ``SyncBatchNormalization`` are the Keras layer's
-(``sparktrain.keras``), looked up from here only when asked for.
+(``sparktrain.keras``): ``keras_names`` looks them up there only when called or asked for.
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ _left_alone_by_autograph()
 
 from .collectives import allgather, allreduce, barrier, broadcast, grouped_allgather, grouped_allreduce, join
 from .compression import Compression
+from . import keras_names
+from .keras_names import DistributedOptimizer
 from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
                         average_gradients, reduce_except_local)
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
@@ -89,12 +91,7 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f"{__name__}.elastic")
-    # Horovod exports these here too. They are the Keras layer's, which builds on this one: looked up
-    # by name when asked for (as Horovod's own lookup does), so that no import runs back up the layers.
-    if name in ("SyncBatchNormalization", "DistributedOptimizer"):
-        import importlib
-
-        keras = importlib.import_module("sparktrain.keras")
-        return keras.SyncBatchNormalization if name == "SyncBatchNormalization" else \
-            keras.tensorflow_distributed_optimizer
+    # Horovod exports it here too; it is the Keras layer's, and imports Keras: only when asked for.
+    if name == "SyncBatchNormalization":
+        return keras_names.sync_batch_normalization()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
