@@ -97,7 +97,7 @@ class BackupAndRestore(Callback):
         if not self.delete_checkpoint:
             return
         from .. import storage
-        from ..tensorflow import barrier
+        from ..tensorflow.collectives import barrier
 
         barrier()  # every rank has read the backup before rank 0 deletes it
         if _ctx.rank() == 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import InvalidArgumentError, SparkTrainError
 from .front import Callback, is_variable as _is_variable
-from .on_jax import on_jax as _on_jax, tensorflow_collectives as _tfc
+from .on_jax import on_jax as _on_jax
 
 
 def check_equal_steps(steps) -> None:
@@ -24,7 +24,9 @@ def check_equal_steps(steps) -> None:
     else:
         import tensorflow as tf
 
-        everyone = [int(s) for s in _tfc().allgather(tf.constant([known], tf.int64)).numpy()]
+        from ..tensorflow.collectives import allgather
+
+        everyone = [int(s) for s in allgather(tf.constant([known], tf.int64)).numpy()]
     if len(set(everyone)) > 1:
         listing = ", ".join(f"rank {r}: {'unknown' if s < 0 else s}" for r, s in enumerate(everyone))
         good = [s for s in everyone if s >= 0]
@@ -97,15 +99,16 @@ class BroadcastGlobalVariablesCallback(Callback):
             self._done_first_batch = False
             return
         from .._keras.update_step import agree_on_overflow
+        from ..tensorflow.runtime import init
 
-        _tfc().init()
+        init()
         check_equal_steps(self.params.get("steps") if self.params else None)
         agree_on_overflow(self.model)
         # A model given no input shape (Horovod's MNIST example builds one so) is built by its first
         # batch; tf_keras refuses to list its weights before. Its broadcast waits for that batch's end,
         # as Horovod's always did.
         if getattr(self.model, "built", True):
-            _tfc().broadcast_variables(self._global(self.model.variables), self.root_rank)
+            _broadcast_variables(self._global(self.model.variables), self.root_rank)
         self._done_first_batch = False
 
     def on_train_batch_end(self, batch, logs=None):
@@ -117,8 +120,14 @@ class BroadcastGlobalVariablesCallback(Callback):
 
             broadcast_model(self.model, self.root_rank, with_optimizer=True)
             return
-        _tfc().broadcast_variables(self._global(list(self.model.variables) + _optimizer_variables(self.model)),
-                                   self.root_rank)
+        _broadcast_variables(self._global(list(self.model.variables) + _optimizer_variables(self.model)),
+                             self.root_rank)
+
+
+def _broadcast_variables(variables: list, root_rank: int) -> None:
+    from ..tensorflow.variables import broadcast_variables
+
+    broadcast_variables(variables, root_rank)
 
 
 def _optimizer_variables(model) -> list:
@@ -150,10 +159,13 @@ class MetricAverageCallback(Callback):
             return
         import tensorflow as tf
 
+        from ..tensorflow.collectives import allreduce
+        from ..tensorflow.ops import Average
+
         names = sorted(k for k, v in logs.items() if isinstance(v, (int, float)) or hasattr(v, "dtype"))
         if not names:
             return
-        values = _tfc().allreduce(tf.constant([float(logs[k]) for k in names], tf.float64), op=_tfc().Average)
+        values = allreduce(tf.constant([float(logs[k]) for k in names], tf.float64), op=Average)
         for k, v in zip(names, values.numpy().tolist()):
             logs[k] = v
 

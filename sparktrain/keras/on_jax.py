@@ -50,13 +50,6 @@ def saving() -> Iterator[None]:
         keras.distribution.set_distribution(distribution)
 
 
-def tensorflow_collectives():
-    """sparktrain.tensorflow, imported where a TensorFlow collective runs (never on JAX)."""
-    from .. import tensorflow
-
-    return tensorflow
-
-
 def refuse(name: str):
     """A stand-in for ``name`` that raises :func:`sparktrain.jax.not_on_jax`'s error when called."""
 

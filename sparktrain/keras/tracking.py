@@ -17,7 +17,6 @@ from ..seam import tracking, worker_env
 from ..errors import SparkTrainError
 from .front import LINE, Callback, keras, value
 from .on_jax import on_jax, saving
-from .on_jax import tensorflow_collectives as _tfc
 
 
 def _learning_rate(optimizer) -> float | None:
@@ -138,7 +137,9 @@ class MLflowLogger(Callback):
 
     def on_train_begin(self, logs=None):
         if not on_jax():  # on JAX, the metrics are already the global batch's: nothing to average
-            _tfc().init()
+            from ..tensorflow.runtime import init
+
+            init()
         if _ctx.rank() != 0:
             return
         self._start()
@@ -149,8 +150,11 @@ class MLflowLogger(Callback):
         if self.average and metrics and _ctx.size() > 1 and not on_jax():
             import tensorflow as tf
 
+            from ..tensorflow.collectives import allreduce
+            from ..tensorflow.ops import Average
+
             names = sorted(metrics)
-            values = _tfc().allreduce(tf.constant([metrics[k] for k in names], tf.float64), op=_tfc().Average)
+            values = allreduce(tf.constant([metrics[k] for k in names], tf.float64), op=Average)
             metrics = dict(zip(names, values.numpy().tolist()))
         if _ctx.rank() != 0 or not metrics:
             return
