@@ -34,12 +34,13 @@ from typing import Any, Mapping
 from .. import kerasline
 from ..errors import InvalidArgumentError
 from ..host.localfiles import replaced_atomically
-from . import on_jax as _jax
+# The front that serves this process's Keras (``fronts``: Keras 3 on TensorFlow, tf_keras, or Keras 3
+# on JAX), chosen once, in ``kerasline``, and its backend, which the callbacks are built for.
+from .front import backend as _backend, served as _front
+from . import callbacks  # noqa: F401
 
-#: The front that serves this process's Keras (``fronts``: Keras 3 on TensorFlow, tf_keras, or Keras 3
-#: on JAX), chosen once, in ``kerasline``.
-_front = importlib.import_module(kerasline.front())
-from . import callbacks  # noqa: E402,F401
+if _backend.elastic:  # hvd.elastic, as in Horovod (on TensorFlow)
+    from . import elastic  # noqa: F401
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -61,7 +62,7 @@ def save_model(model, filepath: str, **kwargs) -> str | None:
     if rank() != 0:
         return None
     os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
-    with replaced_atomically(filepath) as tmp, _jax.saving():  # a reader never finds half a file
+    with replaced_atomically(filepath) as tmp, _backend.saving():  # a reader never finds half a file
         model.save(tmp, **kwargs)
     return filepath
 

@@ -13,8 +13,9 @@ require_keras_3()  # before Keras is imported: Keras 2 fails here at once
 import keras  # noqa: E402
 
 from ..jax_optimizer import Average, Compression, DistributedOptimizer, Sum  # noqa: E402,F401
-from ..on_jax import (TENSORFLOW_ONLY, cross_rank, cross_size, init, is_initialized, local_rank,  # noqa: E402,F401
-                      local_size, rank, refuse, shutdown, size)
+from ..on_jax import (TENSORFLOW_ONLY, JaxBackend, cross_rank, cross_size, init, is_initialized,  # noqa: E402,F401
+                      local_rank, local_size, rank, refuse, shutdown, size)
+from ... import kerasline  # noqa: E402
 
 
 def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compression=None, **kwargs):
@@ -23,6 +24,7 @@ def load_model(filepath: str, custom_optimizers=None, custom_objects=None, compr
     return keras.models.load_model(filepath, custom_objects=custom_objects, **kwargs)
 
 
+BACKEND = JaxBackend(keras, kerasline.KERAS_3)
 globals().update({name: refuse(name) for name in TENSORFLOW_ONLY})
 __all__ = ["Average", "Compression", "DistributedOptimizer", "Sum", "cross_rank", "cross_size", "init",
            "is_initialized", "load_model", "local_rank", "local_size", "rank", "shutdown", "size", *TENSORFLOW_ONLY]
