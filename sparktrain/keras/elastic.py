@@ -1,5 +1,7 @@
 """Horovod's ``horovod.tensorflow.keras.elastic`` for Keras 3 and tf_keras: ``KerasState``, ``run`` and the
-callbacks that keep the state current during ``model.fit``.
+callbacks that keep the state current during ``model.fit`` (``sparktrain._keras.elastic``, built for the
+Keras this process serves). On TensorFlow only: ``hvd.elastic`` is offered where the front's backend
+serves it.
 
 How state survives a failure on sparktrain (a later attempt of ``run(..., max_attempts=N)``
 restores the last commit from the ``elastic_url`` setting) is described in
@@ -19,11 +21,11 @@ restores the last commit from the ``elastic_url`` setting) is described in
 """
 from __future__ import annotations
 
-from ..errors import InvalidArgumentError
-from ..tensorflow import resize
-from .front import Callback
+from .._keras import elastic as _elastic
+from .._keras.backend import classes as _build
 from ..tensorflow.elastic import (HostsUpdatedInterrupt, ObjectState, State, TensorFlowKerasState,  # noqa: F401
                                   broadcast_object, run)
+from .front import backend as _backend
 
 
 class KerasState(TensorFlowKerasState):
@@ -31,83 +33,7 @@ class KerasState(TensorFlowKerasState):
     attributes (``epoch=0, batch=0``...), as Horovod's ``KerasState``."""
 
 
-class CommitStateCallback(Callback):
-    """Commit ``state`` every ``batches_per_commit`` batches and at the end of every epoch.
-
-    Each commit with the ``elastic_url`` setting writes the model and optimizer (rank 0), so pick
-    ``batches_per_commit`` to make that a small part of the time. Under ``run_elastic`` it also
-    commits at the end of the step in which the driver asked for a new size (an executor being
-    decommissioned, or free slots for more ranks), so that the attempt ends losing no step: one
-    small broadcast a step, from rank 0, says whether it did (``sparktrain.tensorflow.resize``).
-    """
-
-    def __init__(self, state: State, batches_per_commit: int = 1):
-        super().__init__()
-        if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) or batches_per_commit < 1:
-            raise InvalidArgumentError(f"batches_per_commit must be a whole number of at least 1, got {batches_per_commit!r}")
-        self.state = state
-        self.batches_per_commit = batches_per_commit
-        self.batches_remaining = batches_per_commit
-
-    def on_train_begin(self, logs=None):
-        self.batches_remaining = self.batches_per_commit
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches_remaining -= 1
-        if self.batches_remaining == 0 or resize.requested(self.state._storage_options):
-            self.state.commit()  # raises HostsUpdatedInterrupt when a new size was asked for
-            self.batches_remaining = self.batches_per_commit
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.commit()
-
-
-class UpdateBatchStateCallback(Callback):
-    """Keep ``state.batch`` at the last finished batch of the epoch (0 after the epoch).
-
-    Horovod also lowers ``params["steps"]`` so a resumed epoch runs only its remaining batches;
-    this does the same, but Keras 3 takes the number of steps from its data iterator, not from
-    ``params``, so a resumed epoch runs in full (from the committed weights).
-    """
-
-    def __init__(self, state: State):
-        super().__init__()
-        self.state = state
-        self.steps_per_epoch = None
-
-    def on_train_begin(self, logs=None):
-        self.steps_per_epoch = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self.params.get("steps"):
-            if self.steps_per_epoch is None:
-                self.steps_per_epoch = self.params.get("steps")
-            self.params["steps"] = self.steps_per_epoch - self.state.batch
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.state.batch = batch
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.batch = 0
-
-
-class UpdateEpochStateCallback(Callback):
-    """Keep ``state.epoch`` at the number of finished epochs, counted across resumes: Keras counts
-    from ``initial_epoch``, or from 0 when it is not given, so the count starts from the state's
-    epoch at the start of training."""
-
-    def __init__(self, state: State):
-        super().__init__()
-        self.state = state
-        self.initial_epoch = state.epoch
-
-    def on_train_begin(self, logs=None):
-        self.initial_epoch = self.state.epoch
-        self._keras_initial = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self._keras_initial is None:
-            self._keras_initial = epoch  # fit(initial_epoch=state.epoch) starts Keras's count there
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.epoch = self.initial_epoch + (epoch - (self._keras_initial or 0)) + 1
+_classes = _build(_backend, _elastic.IMPLS, __name__)
+CommitStateCallback = _classes["CommitStateCallback"]
+UpdateBatchStateCallback = _classes["UpdateBatchStateCallback"]
+UpdateEpochStateCallback = _classes["UpdateEpochStateCallback"]

@@ -1,4 +1,4 @@
-"""What the broadcast and metric-average callbacks do on Keras 3's JAX backend, through the native
+"""What the broadcast callback does on Keras 3's JAX backend (``on_jax.JaxBackend``), through the native
 engine on host numpy arrays (``jax_engine``). No TensorFlow is imported here."""
 from __future__ import annotations
 
@@ -35,11 +35,3 @@ def broadcast_model(model, root_rank: int, with_optimizer: bool) -> None:
         variables += [v for v in optimizer.variables if id(v) not in own]
     broadcast_variables(variables, root_rank)
 
-
-def average_logs(logs: dict) -> None:
-    """Replace each number in ``logs`` with its average over every rank (one engine call)."""
-    names = sorted(k for k, v in logs.items() if isinstance(v, (int, float)) or hasattr(v, "dtype"))
-    if not names:
-        return
-    for k, v in zip(names, jax_engine.average_floats([float(logs[k]) for k in names])):
-        logs[k] = v

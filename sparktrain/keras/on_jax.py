@@ -2,7 +2,8 @@
 
 Who the rank is, ``init`` (``keras.distribution.initialize()`` and the native engine's
 communicator, once), ``DistributedOptimizer`` (``jax_optimizer``), the broadcast and metric-average
-callbacks, saving from rank 0 and the checkpoint and tracking callbacks work as on TensorFlow. What
+callbacks (their collectives: :class:`JaxBackend`), saving from rank 0 and the checkpoint and
+tracking callbacks work as on TensorFlow. What
 only exists on the TensorFlow backend (Horovod's tensor collectives, ``PartialDistributedOptimizer``,
 ``SyncBatchNormalization``) raises and names ``keras.distribution``. No TensorFlow is imported here.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from .. import context, kerasline
+from .. import context
+from .._keras.backend import Backend
 from ..jax import coordinator, not_on_jax
 
 #: What ``sparktrain.keras`` offers on TensorFlow only; on JAX each name raises when called.
@@ -20,47 +22,6 @@ TENSORFLOW_ONLY = (
     "broadcast", "broadcast_variables", "broadcast_global_variables", "reducescatter", "add_process_set",
     "remove_process_set", "start_timeline", "stop_timeline",
 )
-
-
-def on_jax() -> bool:
-    """Whether this process's Keras runs on JAX (Keras 3 is imported to ask; tf_keras runs on
-    TensorFlow only, and is not asked)."""
-    if kerasline.legacy_requested():
-        return False
-    import keras
-
-    return keras.backend.backend() == "jax"
-
-
-def refuse_on_jax(what: str) -> None:
-    """Raise :func:`sparktrain.jax.not_on_jax`'s error for ``what`` when Keras runs on JAX."""
-    if on_jax():  # keras.distribution starts every process from the same seed and averages on its own
-        raise not_on_jax(f"sparktrain.keras.{what}")
-
-
-@contextlib.contextmanager
-def saving() -> Iterator[None]:
-    """Around a save that one rank makes alone: on JAX, with no distribution set, so that nothing it
-    does places values across the processes (a collective the other ranks would never join, which
-    fails them all); elsewhere nothing."""
-    if not on_jax():
-        yield
-        return
-    import keras
-
-    distribution = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
-        yield
-    finally:
-        keras.distribution.set_distribution(distribution)
-
-
-def tensorflow_collectives():
-    """sparktrain.tensorflow, imported where a TensorFlow collective runs (never on JAX)."""
-    from .. import tensorflow
-
-    return tensorflow
 
 
 def refuse(name: str):
@@ -107,3 +68,50 @@ def shutdown() -> None:
 
 rank, size, local_rank, local_size = context.rank, context.size, context.local_rank, context.local_size
 cross_rank, cross_size = context.cross_rank, context.cross_size
+
+
+class JaxBackend(Backend):
+    """The callbacks' backend on Keras 3's JAX backend: the native engine on host arrays
+    (``jax_callbacks``); keras.distribution averages the gradients and the metrics itself."""
+
+    metrics_are_global = True
+    keras_distribution = True
+    local_variables = False
+    elastic = False
+
+    def gather_ints(self, value: int) -> list[int]:
+        from . import jax_engine
+
+        return jax_engine.gather_ints(value)
+
+    def average_floats(self, values: list[float]) -> list[float]:
+        from . import jax_engine
+
+        return list(jax_engine.average_floats(values))
+
+    def broadcast_model(self, model, root_rank: int, with_optimizer: bool, local: dict) -> None:
+        from .jax_callbacks import broadcast_model
+
+        broadcast_model(model, root_rank, with_optimizer=with_optimizer)
+
+    def refuse(self, what: str) -> None:
+        # keras.distribution starts every process from the same seed and averages on its own
+        raise not_on_jax(f"sparktrain.keras.{what}")
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """With no distribution set, so that nothing a save that one rank makes alone does places
+        values across the processes (a collective the other ranks would never join, which fails
+        them all)."""
+        keras = self.keras
+        distribution = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)
+        try:
+            yield
+        finally:
+            keras.distribution.set_distribution(distribution)
+
+    def backend_requirements(self) -> list[str]:
+        from importlib.metadata import version
+
+        return [f"jax=={version('jax')}", f"jaxlib=={version('jaxlib')}"]

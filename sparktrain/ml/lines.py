@@ -16,14 +16,8 @@ from ..errors import InvalidArgumentError
 
 
 def keras_of(line: str):
-    """The Keras module of ``line``: ``keras`` (Keras 3) or ``tf_keras``."""
-    if line == kerasline.TF_KERAS:
-        import tf_keras
-
-        return tf_keras
-    import keras
-
-    return keras
+    """The Keras module of ``line``: ``keras`` (Keras 3) or ``tf_keras`` (``kerasline.module``)."""
+    return kerasline.module(line)
 
 
 def _kind(value: Any) -> str:
@@ -78,13 +72,5 @@ def check_checkpoint_callback(callback, line: str):
 
 def rank_env(line: str, env: dict[str, str]) -> dict[str, str]:
     """``env`` with the ranks' ``TF_USE_LEGACY_KERAS`` set for ``line``; a value in ``env`` that asks
-    for the other line is refused."""
-    legacy = line == kerasline.TF_KERAS
-    given = env.get(kerasline.LEGACY_ENV)
-    if given is not None and kerasline.legacy_requested(env) != legacy:
-        raise InvalidArgumentError(
-            f"the model is {kerasline.describe(line)}, and the ranks' env sets {kerasline.LEGACY_ENV}={given}, which "
-            f"asks for {kerasline.describe(kerasline.KERAS_3 if legacy else kerasline.TF_KERAS)}: leave "
-            f"{kerasline.LEGACY_ENV} out of env and backend_env (the estimator sets it from the model), or build "
-            "the model with the other Keras")
-    return {**env, kerasline.LEGACY_ENV: "1" if legacy else "0"}
+    for the other line is refused (``kerasline.env_for``)."""
+    return kerasline.env_for(line, env)

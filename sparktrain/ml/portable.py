@@ -11,7 +11,7 @@ them that way, each rebuilt by the Keras line it came from (``kerasline.line_of`
   in a notebook needs no ``custom_objects``. An object whose ``from_config(get_config())`` fails
   (a custom metric without ``get_config``) travels as itself, as before;
 - a model travels as the bytes of its ``.keras`` file and its line, and is loaded back with
-  ``keras.saving.load_model`` or ``tf_keras.models.load_model``.
+  its line's ``models.load_model``.
 
 Lists, tuples and dicts of them (``metrics=[...]``, a loss per output) are walked. Keras is
 imported only where a value needs it.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple
 
-from ..kerasline import KERAS_3, TF_KERAS, line_of
+from ..kerasline import KERAS_3, line_of, module, optimizer_classes
 
 
 class KerasObject(NamedTuple):
@@ -50,10 +50,8 @@ def pack(value: Any) -> Any:
         return value
     if isinstance(value, keras.Model):
         return KerasModelFile(keras_bytes(value), line)
-    kinds = (keras.optimizers.Optimizer, keras.losses.Loss, keras.metrics.Metric,
+    kinds = (*optimizer_classes(line), keras.losses.Loss, keras.metrics.Metric,
              keras.optimizers.schedules.LearningRateSchedule)
-    if line == TF_KERAS:
-        kinds += (keras.optimizers.legacy.Optimizer,)
     if not isinstance(value, kinds):
         return value
     config = value.get_config()
@@ -67,15 +65,7 @@ def pack(value: Any) -> Any:
 def unpack(value: Any, custom_objects: dict | None = None) -> Any:
     """The inverse of :func:`pack`: each :class:`KerasObject` and :class:`KerasModelFile` rebuilt."""
     if isinstance(value, KerasObject):
-        if line_of(value.cls) == TF_KERAS:
-            import tf_keras
-
-            scope = tf_keras.utils.custom_object_scope(custom_objects or {})
-        else:
-            import keras
-
-            scope = keras.saving.custom_object_scope(custom_objects or {})
-        with scope:
+        with module(line_of(value.cls)).utils.custom_object_scope(custom_objects or {}):
             return value.cls.from_config(dict(value.config))
     if isinstance(value, KerasModelFile):
         return load_bytes(value.data, custom_objects, value.line)
@@ -112,10 +102,4 @@ def load_bytes(data: bytes, custom_objects, line: str = KERAS_3):
 
 def load_file(path: str, custom_objects, line: str = KERAS_3):
     """The model saved at local ``path`` (not compiled), loaded by the Keras of ``line``."""
-    if line == TF_KERAS:
-        import tf_keras
-
-        return tf_keras.models.load_model(path, custom_objects=custom_objects, compile=False)
-    import keras
-
-    return keras.saving.load_model(path, custom_objects=custom_objects, compile=False)
+    return module(line).models.load_model(path, custom_objects=custom_objects, compile=False)

@@ -100,17 +100,12 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
     _check_served(spec.keras_line)
     import sparktrain.keras as hvd
 
-    from ..kerasline import KERAS_3
-    from .lines import keras_of
+    from ..keras.front import backend
     from .portable import load_bytes, unpack
 
-    keras = keras_of(spec.keras_line)
+    keras = backend.keras  # the model's: _check_served refused any other
     hvd.init()
-    if spec.keras_line == KERAS_3:
-        from ..keras.on_jax import on_jax, saving
-    else:  # tf_keras runs on TensorFlow only
-        on_jax, saving = (lambda: False), contextlib.nullcontext
-    jax = on_jax()  # Keras 3 on JAX: keras.distribution reduces the gradients, not DistributedOptimizer
+    jax = backend.keras_distribution  # Keras 3 on JAX: keras.distribution reduces the gradients
     if jax:
         keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
     if spec.random_seed is not None:
@@ -149,7 +144,7 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
         if hvd.rank() != 0:
             return {}
         if kept_file is not None and os.path.exists(kept_file):
-            with saving():  # rank 0 alone: on JAX, outside the run's distribution
+            with backend.saving():  # rank 0 alone: on JAX, outside the run's distribution
                 model.load_weights(kept_file)  # what the checkpoint callback kept (its best epoch, say)
         hvd.callbacks.save_checkpoint(model, spec.model_url, epoch=spec.epochs, storage_options=spec.storage_options)
     return history_of(spec.run_url, spec.storage_options, spec.epochs)
@@ -159,13 +154,8 @@ def _check_served(line: str) -> None:
     """Refuse to train where this process's ``tf.keras`` is not the model's Keras (an environment
     that overrode the estimator's ``TF_USE_LEGACY_KERAS``)."""
     from .. import kerasline
-    from ..errors import SparkTrainError
 
-    if kerasline.served() != line:
-        raise SparkTrainError(
-            f"this rank serves {kerasline.describe(kerasline.served())} ({kerasline.LEGACY_ENV}="
-            f"{os.environ.get(kerasline.LEGACY_ENV)}), and the model is {kerasline.describe(line)}: leave "
-            f"{kerasline.LEGACY_ENV} to the estimator, which sets it from the model")
+    kerasline.check_served(line, f"leave {kerasline.LEGACY_ENV} to the estimator, which sets it from the model")
 
 
 def _datasets(spec: TrainSpec):

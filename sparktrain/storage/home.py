@@ -4,7 +4,7 @@
 - ``result.pkl``: rank 0's value, recorded when the run finished (written whole or not at all);
 - ``failed.json``: the last failure's first line, while the run has not finished;
 - ``lease.json``: which driver trains the run now (``sparktrain.storage.lease``);
-- ``backup/``: the Keras-only path's backups (``sparktrain.keras.backup``).
+- ``backup/``: the Keras-only path's backups (``sparktrain.keras.callbacks.BackupAndRestore``).
 
 ``run``, ``run_elastic`` and ``sparktrain runs`` share this one layout.
 """

@@ -22,8 +22,9 @@ backend the collectives run on, chosen once), ``ops`` (the reductions), ``compre
 (reducescatter, alltoall) and ``variables`` (variables from the root rank), over ``backends``
 (one rank; the native engine through TensorFlow kernels or ``hostops``; TensorFlow's
 ``ringops``), ``objects`` (Python objects),
-``gradients`` (gradient reduction and the gradient tapes), ``keras_optimizer`` (the Keras 3
-optimizer wrapper), ``sync_batch_norm`` and ``timeline``.
+``gradients`` (gradient reduction and the gradient tapes) and ``timeline``. Horovod's
+``DistributedOptimizer`` (for Keras optimizers) and ``SyncBatchNormalization`` are the Keras layer's
+(``sparktrain.keras``): ``keras_names`` looks them up there only when called or asked for.
 """
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ _left_alone_by_autograph()
 
 from .collectives import allgather, allreduce, barrier, broadcast, grouped_allgather, grouped_allreduce, join
 from .compression import Compression
+from . import keras_names
+from .keras_names import DistributedOptimizer
 from .gradients import (DistributedGradientTape, PartialDistributedGradientTape, allreduce_gradients,
                         average_gradients, reduce_except_local)
-from .keras_optimizer import tensorflow_distributed_optimizer as DistributedOptimizer
 from .objects import allgather_object, broadcast_object, broadcast_object_fn
 from .ops import (Adasum, Average, Max, Min, Product, Sum, check_num_rank_power_of_2, check_op,
                   handle_average_backwards_compatibility)
@@ -89,14 +91,7 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f"{__name__}.elastic")
-    # Horovod exports SyncBatchNormalization here too; it imports Keras, so only when asked for.
+    # Horovod exports it here too; it is the Keras layer's, and imports Keras: only when asked for.
     if name == "SyncBatchNormalization":
-        from .. import kerasline
-
-        if kerasline.legacy_requested():
-            from .tf_keras_sync_batch_norm import SyncBatchNormalization
-        else:
-            from .sync_batch_norm import SyncBatchNormalization
-
-        return SyncBatchNormalization
+        return keras_names.sync_batch_normalization()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""Horovod's ``DistributedOptimizer`` for tf_keras (Keras 2): ``tf.keras.optimizers.*`` and
-``tf.keras.optimizers.legacy.*`` under ``TF_USE_LEGACY_KERAS=1``.
+"""tf_keras' (Keras 2) distributed optimizer: the gradients reduced where tf_keras computes them, for
+``tf.keras.optimizers.*`` and ``tf.keras.optimizers.legacy.*`` under ``TF_USE_LEGACY_KERAS=1``.
 
 The distributed optimizer is a subclass of the user's tf_keras class, built from its config (so it
 keeps its name and loads without sparktrain), whose gradients are reduced over the ranks where
@@ -21,10 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import InvalidArgumentError
-from .gradient_reduction import (GradientReduction, _reduction_of, distributed_namespace, local_variables,
-                                 reduce_gradients)
-
-__all__ = ["distributed", "distributed_class", "local_variables"]
+from .reduction import GradientReduction, distributed_namespace, reduce_gradients, reduction_of
 
 _classes: dict[type, type] = {}
 
@@ -33,32 +30,6 @@ def _tf():
     import tensorflow as tf
 
     return tf
-
-
-def distributed(optimizer, reduction: GradientReduction, name: str | None = None):
-    """``optimizer`` (a tf_keras optimizer) as its distributed subclass, reducing as ``reduction``
-    says; a ``LossScaleOptimizer`` comes back around a distributed inner optimizer, with its scale."""
-    import tf_keras
-
-    if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):
-        inner = optimizer.inner_optimizer
-        if getattr(type(inner), "_sparktrain_distributed", False):
-            return optimizer
-        kwargs = dict(dynamic=optimizer.dynamic, initial_scale=optimizer.initial_scale)
-        if optimizer.dynamic:
-            kwargs["dynamic_growth_steps"] = optimizer.dynamic_growth_steps
-        return tf_keras.mixed_precision.LossScaleOptimizer(distributed(inner, reduction, name), **kwargs)
-    if not isinstance(optimizer, (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)):
-        raise InvalidArgumentError(f"DistributedOptimizer needs a tf_keras optimizer here (tf.keras.optimizers.*), "
-                                   f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
-    if getattr(type(optimizer), "_sparktrain_distributed", False):
-        return optimizer  # already distributed (say, from load_model): reduced once per update, as it is
-    config = optimizer.get_config()
-    if name is not None:
-        config["name"] = name
-    wrapped = distributed_class(type(optimizer)).from_config(config)
-    wrapped._sparktrain_reduction = reduction
-    return wrapped
 
 
 def distributed_class(base: type) -> type:
@@ -74,6 +45,25 @@ def distributed_class(base: type) -> type:
             base, **hooks, apply_gradients=_apply_gradients, _agg_helper=property(_aggregation), _sparktrain_base=base))
         _classes[base] = cls
     return cls
+
+
+def configured(config: dict, backward_passes_per_step: int) -> dict:
+    """The distributed optimizer's config: tf_keras has no accumulation of its own (see ``_accumulated``)."""
+    return config
+
+
+def rewrap_loss_scale(optimizer, distribute, name: str | None):
+    """``optimizer`` (a LossScaleOptimizer) rebuilt around its inner optimizer as ``distribute(inner,
+    name)`` makes it, with its scale: its overflow check reads the reduced gradients, the same on every
+    rank; one whose inner optimizer is distributed already comes back as it is."""
+    import tf_keras
+
+    if getattr(type(optimizer.inner_optimizer), "_sparktrain_distributed", False):
+        return optimizer  # its inner optimizer reduces already: the scale reads the reduced gradients
+    kwargs = dict(dynamic=optimizer.dynamic, initial_scale=optimizer.initial_scale)
+    if optimizer.dynamic:
+        kwargs["dynamic_growth_steps"] = optimizer.dynamic_growth_steps
+    return tf_keras.mixed_precision.LossScaleOptimizer(distribute(optimizer.inner_optimizer, name), **kwargs)
 
 
 def _compute_gradients(self, loss, var_list, tape=None):
@@ -108,7 +98,7 @@ def _reduced_pairs(self, pairs) -> list:
 
 
 def _reduced(self, grads: list, variables: list) -> list:
-    reduction = _reduction_of(self)
+    reduction = reduction_of(self)
     if reduction.backward_passes_per_step == 1:
         return reduce_gradients(grads, variables, reduction)
     return _accumulated(self, grads, variables, reduction)
@@ -182,19 +172,19 @@ class _Aggregation:
     def counter(self):
         tf = _tf()
         passes = _passes(self._optimizer)
-        n = _reduction_of(self._optimizer).backward_passes_per_step
+        n = reduction_of(self._optimizer).backward_passes_per_step
         return tf.constant(0, tf.int64) if passes is None else passes.count % n
 
 
 def _aggregation(self) -> _Aggregation | None:
     """``_agg_helper``: None without local aggregation (``backward_passes_per_step=1``), as in Horovod."""
-    return None if _reduction_of(self).backward_passes_per_step == 1 else _Aggregation(self)
+    return None if reduction_of(self).backward_passes_per_step == 1 else _Aggregation(self)
 
 
 def _apply_gradients(self, grads_and_vars, *args, **kwargs):
     base = type(self)._sparktrain_base
     passes = _passes(self)
-    if passes is None or _reduction_of(self).backward_passes_per_step == 1:
+    if passes is None or reduction_of(self).backward_passes_per_step == 1:
         return base.apply_gradients(self, grads_and_vars, *args, **kwargs)
     tf = _tf()
     pairs = list(grads_and_vars)
@@ -207,4 +197,4 @@ def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         self.iterations.assign_add(1)
         return tf.constant(False)
 
-    return tf.cond(tf.equal(passes.count % _reduction_of(self).backward_passes_per_step, 0), apply, count_the_pass)
+    return tf.cond(tf.equal(passes.count % reduction_of(self).backward_passes_per_step, 0), apply, count_the_pass)

@@ -1,6 +1,6 @@
 """How a distributed optimizer reduces its gradients, on either Keras line: Horovod's arguments,
-checked once into one :class:`GradientReduction`, and the reduction itself. The Keras 3 wrapper
-(``keras_optimizer``) and the tf_keras one (``tf_keras_optimizer``) both hand their gradients here."""
+checked once into one :class:`GradientReduction`, and the reduction itself. Keras 3's hook
+(``update_step``) and tf_keras' (``compute_gradients``) both hand their gradients here."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +8,10 @@ import warnings
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .collectives import global_process_set
-from .compression import Compression
-from .gradients import check_process_set, reduce_except_local
-from .ops import Average, Sum
+from ..tensorflow.collectives import global_process_set
+from ..tensorflow.compression import Compression
+from ..tensorflow.gradients import check_process_set, reduce_except_local
+from ..tensorflow.ops import Average, Sum
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ class GradientReduction:
         return ids
 
 
-def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, passes, average_aggregated, num_groups,
+def check_arguments(optimizer, compression, sparse_as_dense, predivide, op, passes, average_aggregated, num_groups,
                      groups, process_set, scale_local) -> GradientReduction:
     if op not in (Average, Sum):
         raise InvalidArgumentError(f"op must be sparktrain.keras.Average or Sum for gradients, got {op!r}")
@@ -77,11 +77,11 @@ def _check_arguments(optimizer, compression, sparse_as_dense, predivide, op, pas
 def register_local_var(self, var) -> None:
     """Treat ``var`` as local to this rank: its gradient is not reduced, and
     ``BroadcastGlobalVariablesCallback`` does not broadcast it. Call it before training."""
-    reduction = _reduction_of(self)
+    reduction = reduction_of(self)
     reduction.local_vars[id(var)] = var
 
 
-def _reduction_of(optimizer) -> GradientReduction:
+def reduction_of(optimizer) -> GradientReduction:
     reduction = getattr(optimizer, "_sparktrain_reduction", None)
     if reduction is None:  # loaded by load_model: Horovod's defaults
         reduction = GradientReduction()

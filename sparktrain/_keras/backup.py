@@ -17,9 +17,7 @@ from .. import context as _ctx
 from ..errors import InvalidArgumentError, NotFoundError, SparkTrainError
 from ..settings import rank as rank_settings
 from ..seam import worker_env
-from .. import kerasline
-from .front import LINE, Callback
-from .on_jax import refuse_on_jax
+from .backend import optimizer_variables as _optimizer_variables
 
 _FORMAT = "sparktrain-backup/1"
 
@@ -32,7 +30,7 @@ def home_backup_url() -> str | None:
     return worker_env.elastic_file(prefix, worker_env.elastic_id(os.environ), "backup/backup.pkl")
 
 
-class BackupAndRestore(Callback):
+class BackupAndRestoreImpl:
     """Back up at the end of every epoch (rank 0), restore at ``fit``'s start (every rank).
 
     Parameters
@@ -46,7 +44,7 @@ class BackupAndRestore(Callback):
     def __init__(self, backup_url: str | None = None, delete_checkpoint: bool = True,
                  storage_options: Mapping[str, Any] | None = None):
         super().__init__()
-        refuse_on_jax("callbacks.BackupAndRestore")
+        self.backend.refuse("callbacks.BackupAndRestore")
         url = backup_url or home_backup_url()
         if not url:
             raise InvalidArgumentError(
@@ -67,16 +65,13 @@ class BackupAndRestore(Callback):
             return
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise SparkTrainError(f"{self.url} is not a sparktrain backup; point backup_url elsewhere")
-        _assign(self.model.variables, payload["model"], "model")
+        self.backend.assign_variables(self.model.variables, payload["model"], "model")
         optimizer = self.model.optimizer
         if len(_optimizer_variables(optimizer)) != len(payload["optimizer"]) and hasattr(optimizer, "build"):
             optimizer.build(self.model.trainable_variables)  # Keras builds optimizers lazily
-        _assign(_optimizer_variables(optimizer), payload["optimizer"], "optimizer")
+        self.backend.assign_variables(_optimizer_variables(optimizer), payload["optimizer"], "optimizer")
         self.restored_epoch = epoch = int(payload["epoch"])
-        if LINE == kerasline.KERAS_3:
-            self.model._initial_epoch = epoch  # what Keras 3's own BackupAndRestore sets; fit reads it next
-        else:
-            self.model._training_state = _StartAt(epoch)  # where tf_keras' fit asks for its first epoch
+        self.backend.start_at(self.model, epoch)  # fit reads it next
 
     # -- back up ----------------------------------------------------------------------------------
 
@@ -85,51 +80,24 @@ class BackupAndRestore(Callback):
             return
         from .. import storage
 
-        payload = {"format": _FORMAT, "epoch": epoch + 1, "model": _values(self.model.variables),
-                   "optimizer": _values(_optimizer_variables(self.model.optimizer))}
+        values = self.backend.variable_values
+        payload = {"format": _FORMAT, "epoch": epoch + 1, "model": values(self.model.variables),
+                   "optimizer": values(_optimizer_variables(self.model.optimizer))}
         storage.put_bytes(self.url, pickle.dumps(payload), self.storage_options, metadata={"epoch": epoch + 1})
 
     def on_train_end(self, logs=None):
-        if LINE == kerasline.KERAS_3:
-            self.model._initial_epoch = None
-        elif isinstance(getattr(self.model, "_training_state", None), _StartAt):
-            self.model._training_state = None
+        self.backend.clear_start(self.model)
         if not self.delete_checkpoint:
             return
         from .. import storage
-        from ..tensorflow import barrier
 
-        barrier()  # every rank has read the backup before rank 0 deletes it
+        self.backend.barrier()  # every rank has read the backup before rank 0 deletes it
         if _ctx.rank() == 0:
             fs, path = storage.filesystem(self.url, self.storage_options)
             for name in (path, path + storage.MANIFEST_SUFFIX):
                 if fs.exists(name):
                     fs.rm(name)
-        barrier()  # and none reads it in a next fit before it is gone
+        self.backend.barrier()  # and none reads it in a next fit before it is gone
 
 
-class _StartAt:
-    """tf_keras' ``model._training_state`` as its fit uses it: the epoch to start at, step 0."""
-
-    def __init__(self, epoch: int):
-        self.epoch = epoch
-
-    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
-        return max(self.epoch, initial_epoch), 0
-
-
-def _optimizer_variables(optimizer) -> list:
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
-
-
-def _values(variables) -> list:
-    from ..tensorflow.elastic import variable_values  # lazily: Keras 3 on JAX imports no TensorFlow
-
-    return variable_values(variables)
-
-
-def _assign(variables, values, what: str) -> None:
-    from ..tensorflow.elastic import assign_variables
-
-    assign_variables(variables, values, what)
+IMPLS = [BackupAndRestoreImpl]

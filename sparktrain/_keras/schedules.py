@@ -1,13 +1,12 @@
 """Horovod's learning-rate callbacks: ``LearningRateScheduleCallback`` and ``LearningRateWarmupCallback``,
-on the Keras this process serves (``front``)."""
+for the Keras of the backend they are built for (``backend.classes``)."""
 from __future__ import annotations
 
-from .. import context as _ctx
+from .. import context as _ctx, kerasline
 from ..errors import InvalidArgumentError
-from .front import Callback, value
 
 
-class LearningRateScheduleCallback(Callback):
+class LearningRateScheduleCallbackImpl:
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` until ``end_epoch``.
 
     Horovod's schedule (Goyal et al., "Accurate, Large Minibatch SGD"):
@@ -74,25 +73,25 @@ class LearningRateScheduleCallback(Callback):
     def _adjust(self, epoch: float) -> None:
         optimizer = self.model.optimizer
         rate = optimizer._learning_rate if hasattr(optimizer, "_learning_rate") else optimizer.learning_rate
-        legacy_hyper = hasattr(optimizer, "_set_hyper")  # tf_keras' legacy optimizers: a number until first used
+        legacy_hyper = kerasline.is_legacy_optimizer(optimizer)  # tf_keras' legacy ones: a number until first used
         if not hasattr(rate, "assign") and not (legacy_hyper and isinstance(rate, (int, float))):
             raise InvalidArgumentError(f"{type(self).__name__} sets the learning rate, but the optimizer's is a "
                                        f"{type(rate).__name__}; give the optimizer a number instead")
-        old = value(rate)
+        old = self.backend.value(rate)
         new = self.initial_lr * self.multiplier(epoch)
         if hasattr(rate, "assign"):
             rate.assign(new)
         else:
             optimizer._set_hyper("learning_rate", new)
         if self.momentum_correction and old > 0 and new != old:
-            _scale_momentum(optimizer, self.model, new / old)
+            _scale_momentum(optimizer, self.model, new / old, self.backend.value)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["lr"] = value(self.model.optimizer.learning_rate)
+            logs["lr"] = self.backend.value(self.model.optimizer.learning_rate)
 
 
-def _scale_momentum(optimizer, model, ratio: float) -> None:
+def _scale_momentum(optimizer, model, ratio: float, value) -> None:
     """Goyal et al.'s momentum correction: scale the momentum buffers (which carry the rate) by ``ratio``."""
     momentum = getattr(optimizer, "momentum", 0)
     if momentum is None or not isinstance(momentum, (int, float)) and not hasattr(momentum, "dtype"):
@@ -111,7 +110,7 @@ def _scale_momentum(optimizer, model, ratio: float) -> None:
         buf.assign(buf * ratio)
 
 
-class LearningRateWarmupCallback(LearningRateScheduleCallback):
+class LearningRateWarmupCallbackImpl(LearningRateScheduleCallbackImpl):
     """Ramp the learning rate from ``initial_lr / size`` up to ``initial_lr`` over the first epochs.
 
     Large learning rates scaled by the number of ranks can diverge at the start; Horovod's
@@ -150,3 +149,6 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             if self.verbose and _ctx.rank() == 0:
                 print(f"Epoch {epoch + 1}: finished learning-rate warm-up to {self.initial_lr:g}.")
         super().on_epoch_end(epoch, logs)
+
+
+IMPLS = [LearningRateScheduleCallbackImpl, LearningRateWarmupCallbackImpl]

@@ -1,16 +1,14 @@
 """Checkpoints from rank 0: Horovod's ``BestModelCheckpoint``, and ``RemoteCheckpoint`` /
-``save_checkpoint`` to any storage URL, on the Keras this process serves (``front``)."""
+``save_checkpoint`` to any storage URL, for the Keras of the backend they are built for (``backend.classes``)."""
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from .. import context as _ctx
 from ..errors import InvalidArgumentError, SparkTrainError
-from .front import Callback, keras
-from .on_jax import saving as _saving
 
 
-class BestModelCheckpoint(Callback):
+class BestModelCheckpointImpl:
     """Keep the best model seen so far at ``filepath``: rank 0 saves it whenever ``monitor`` improves.
 
     Horovod's callback (``monitor``, ``verbose``, ``save_weights_only``, ``mode``, ``save_freq``)
@@ -33,7 +31,7 @@ class BestModelCheckpoint(Callback):
         self.mode = mode
         self.save_freq = save_freq
         self.filepath = filepath
-        self._inner: keras.callbacks.ModelCheckpoint | None = None
+        self._inner = None  # the Keras ModelCheckpoint that rank 0 runs
 
     @property
     def best(self):
@@ -50,7 +48,7 @@ class BestModelCheckpoint(Callback):
             import os
 
             os.makedirs(os.path.dirname(os.path.abspath(self.filepath)), exist_ok=True)
-            self._inner = keras.callbacks.ModelCheckpoint(
+            self._inner = self.backend.keras.callbacks.ModelCheckpoint(
                 self.filepath, monitor=self.monitor, verbose=self.verbose, save_best_only=True,
                 save_weights_only=self.save_weights_only, mode=self.mode, save_freq=self.save_freq)
         self._inner.set_model(self.model)
@@ -59,7 +57,7 @@ class BestModelCheckpoint(Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self._inner is not None:
-            with _saving():
+            with self.backend.saving():
                 self._inner.on_train_batch_end(batch, logs)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -68,11 +66,11 @@ class BestModelCheckpoint(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if self._inner is not None:
-            with _saving():
+            with self.backend.saving():
                 self._inner.on_epoch_end(epoch, logs)
 
 
-class RemoteCheckpoint(Callback):
+class RemoteCheckpointImpl:
     """Save the model to a storage URL at the end of each epoch; rank 0 writes, the others skip.
 
     Parameters
@@ -114,11 +112,11 @@ class RemoteCheckpoint(Callback):
             if not better:
                 return
             self.best = value
-        save_checkpoint(self.model, self.url.format(epoch=epoch + 1, **logs), epoch=epoch + 1,
+        save_checkpoint(self.backend, self.model, self.url.format(epoch=epoch + 1, **logs), epoch=epoch + 1,
                         storage_options=self.storage_options, metrics=logs)
 
 
-def save_checkpoint(model, url: str, epoch: int, storage_options: Mapping[str, Any] | None = None,
+def save_checkpoint(backend, model, url: str, epoch: int, storage_options: Mapping[str, Any] | None = None,
                     metrics: Mapping[str, Any] | None = None) -> str | None:
     """Save ``model`` to ``url`` from rank 0 (the callable form of :class:`RemoteCheckpoint`).
 
@@ -136,8 +134,11 @@ def save_checkpoint(model, url: str, epoch: int, storage_options: Mapping[str, A
     suffix = next((s for s in (".weights.h5", ".keras", ".h5") if name.endswith(s)), ".keras")
     with tempfile.TemporaryDirectory(prefix="sparktrain-ckpt-") as tmp:
         local = os.path.join(tmp, "model" + suffix)
-        with _saving():
+        with backend.saving():
             model.save_weights(local) if suffix == ".weights.h5" else model.save(local)
         metadata = {"epoch": int(epoch), "metrics": {k: float(v) for k, v in (metrics or {}).items()
                                                      if isinstance(v, (int, float))}}
         return storage.put_file(local, url, storage_options, metadata=metadata)
+
+
+IMPLS = [BestModelCheckpointImpl, RemoteCheckpointImpl]
