@@ -41,10 +41,20 @@ def test_a_rank_of_a_jax_run_gets_the_coordinator_and_the_cpu_platform(tmp_path,
         assert env["MASTER_PORT"] == "5002"  # the coordinator is rank 0's reserved second port
         # XLA's threads capped where the rank has one core's share, as TensorFlow's are
         assert env.get("XLA_FLAGS") == ("--xla_cpu_multi_thread_eigen=false" if env["OMP_NUM_THREADS"] == "1" else None)
+        assert "PJRT_NPROC" not in env  # 4 CPU devices: XLA's pools as they are
     else:
         assert not set(worker_env.JAX_VARS) & set(env)
         assert "XLA_FLAGS" not in env
         assert env.get("KERAS_BACKEND") == backend or backend is None
+
+
+def test_xla_pools_of_a_cpu_rank_follow_its_threads_unless_set(tmp_path):
+    topo = worker_env.topology(["h0", "h1"], 1)
+    env = rankenv.rank_env(_spec("jax"), 1, ["h0", "h1"], [5000, 5001], 5002, topo, None, str(tmp_path), b"k", None)
+    assert env["PJRT_NPROC"] == env["OMP_NUM_THREADS"]  # one CPU device: XLA's pools get the rank's threads
+    assert worker_env.xla_thread_defaults(3, "-1", {"NPROC": "8"}) == {}
+    assert worker_env.xla_thread_defaults(1, "-1", {"PJRT_NPROC": "2", "XLA_FLAGS": ""}) == {}
+    assert worker_env.xla_thread_defaults(1, "0", {}) == {}  # a GPU rank: XLA's own
 
 
 def test_a_gpu_rank_of_a_jax_run_keeps_its_gpu_and_jax_chooses_the_platform():

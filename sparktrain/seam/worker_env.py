@@ -335,24 +335,35 @@ def build_worker_env(
 
 
 def xla_thread_defaults(threads: int, gpu_ids: str, env: Mapping[str, str]) -> dict[str, str]:
-    """XLA's CPU threads for a JAX rank without a GPU, where ``env`` sets no ``XLA_FLAGS``: Eigen's
-    thread pool off (each op on the calling thread) for a rank that has one core's share; a rank
-    with more keeps XLA's default.
+    """XLA's CPU threads for a JAX rank without a GPU: its CPU client's thread pools sized to the
+    rank's ``threads`` (``PJRT_NPROC``), where the rank shows one CPU device and ``env`` sets
+    neither ``PJRT_NPROC`` nor ``NPROC``; and, unless ``env`` sets ``XLA_FLAGS``, Eigen's thread
+    pool off (each op on the calling thread) for a rank that has one core's share.
 
-    As with TensorFlow's pools (:func:`thread_defaults`), JAX ranks that each start a thread per
-    core fight over the cores: 3 ranks of ``sparktrain.keras.DistributedOptimizer`` on 2 cores took
-    15.8 s an epoch with XLA's own threads, 4.9 s with Eigen's pool off (benchmarks/jax_throughput.py).
+    XLA starts its pools with a thread per core of the machine, in every rank, and they burn CPU
+    looking for work: 3 ranks of ``sparktrain.keras.DistributedOptimizer`` on 2 cores (load 12)
+    spent about 13 ms of CPU a step in each of a rank's two ``XLAEigen`` threads (the step's own
+    work is under 1 ms) and took 157 ms a step; with one thread a rank, 6 ms (TensorFlow's, in the
+    same run, 12 ms). As with TensorFlow's pools (:func:`thread_defaults`), and Eigen's: 15.8 s an
+    epoch with XLA's own threads, 4.9 s with Eigen's pool off (benchmarks/jax_throughput.py). A
+    rank with more CPU devices keeps XLA's pools (each device's computation may need a thread
+    while another waits in a collective).
 
-    >>> xla_thread_defaults(1, "-1", {})
-    {'XLA_FLAGS': '--xla_cpu_multi_thread_eigen=false'}
-    >>> xla_thread_defaults(2, "-1", {})
-    {}
-    >>> xla_thread_defaults(1, "-1", {"XLA_FLAGS": "--xla_dump_to=/tmp/x"})
+    >>> xla_thread_defaults(1, "-1", {"JAX_NUM_CPU_DEVICES": "1"})
+    {'PJRT_NPROC': '1', 'XLA_FLAGS': '--xla_cpu_multi_thread_eigen=false'}
+    >>> xla_thread_defaults(2, "-1", {"JAX_NUM_CPU_DEVICES": "1"})
+    {'PJRT_NPROC': '2'}
+    >>> xla_thread_defaults(1, "-1", {"JAX_NUM_CPU_DEVICES": "4", "XLA_FLAGS": "--xla_dump_to=/tmp/x"})
     {}
     """
-    if gpu_ids != NO_GPU or "XLA_FLAGS" in env or threads > 1:
+    if gpu_ids != NO_GPU:
         return {}
-    return {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+    out = {}
+    if env.get("JAX_NUM_CPU_DEVICES", "1") == "1" and not {"PJRT_NPROC", "NPROC"} & set(env):
+        out["PJRT_NPROC"] = str(max(1, threads))
+    if "XLA_FLAGS" not in env and threads <= 1:
+        out["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    return out
 
 
 def jax_env(hosts: Sequence[str], rank: int, coordinator_port: int, gpu_ids: str,
