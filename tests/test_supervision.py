@@ -6,7 +6,6 @@ test_retries.py, test_run_spark.py) keep proving the real thing.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 
@@ -313,7 +312,7 @@ class ScriptedSizes:
         return self.sizes[number - 1]
 
     def watch(self, number, size):
-        return contextlib.nullcontext(NotWatched(self.resizes.get(number)))
+        return NotWatched(self.resizes.get(number))
 
     def env(self, number):
         return {"SPARKTRAIN_ELASTIC_ATTEMPT": str(number)}
@@ -370,3 +369,94 @@ RESIZES = {
 @pytest.mark.parametrize("looked, expected", RESIZES.values(), ids=RESIZES.keys())
 def test_the_resize_decision(looked, expected):
     assert core.resize(*looked, grow_after=10.0) == expected
+
+
+# -- an elastic attempt's look at the slots, on the turns of the attempt's own loop ------------------
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_lookout_looks_once_a_poll_and_leaves_the_marker_before_it_says_resize():
+    from sparktrain.driver.supervise import elastic as el
+
+    clock, looked, marked = Clock(), [], []
+    slots = iter([2, RuntimeError("py4j reset"), 4, 4, 4])
+
+    def count():
+        looked.append(clock.now)
+        value = next(slots)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    policy = core.Elastic(low=1, first=2, high=4, reset_limit=None, timeout=600.0, grow_after=10.0)
+    lookout = el.Lookout(count, lambda: [], 2, policy, lambda r: marked.append((r, lookout.resize)), clock)
+    for now in (100.5, 101.0, 101.5, 102.0, 103.0, 103.5, 112.9, 113.0, 114.0, 120.0):
+        clock.now = now
+        lookout.look()
+    # A poll's time after the start, then after each look; a failed look stops the clock of the more
+    # slots (none at 101; from 103, 9.9 s at 112.9, 11 s at 114: grow); none after it decided.
+    assert looked == [101.0, 102.0, 103.0, 112.9, 114.0]
+    grown = core.Resize(4, "the cluster has slots for 4 rank(s)")
+    assert marked == [(grown, None)] and lookout.resize == grown  # the marker first, then the decision
+
+
+def test_a_marker_that_cannot_be_written_asks_no_resize():
+    from sparktrain.driver.supervise import elastic as el
+
+    clock = Clock()
+    policy = core.Elastic(low=1, first=2, high=4, reset_limit=None, timeout=600.0, grow_after=0.0)
+
+    def mark(resize):
+        raise OSError("the store is gone")
+
+    lookout = el.Lookout(lambda: 4, lambda: [], 2, policy, mark, clock)
+    clock.now += el.POLL_SECONDS
+    lookout.look()
+    clock.now += el.POLL_SECONDS
+    lookout.look()
+    assert lookout.resize is None
+
+
+class LookingSizes(ScriptedSizes):
+    """Sizes as scripted; attempt 1 watched by a Lookout that grows at once, and whose marker ends
+    the attempt as its ranks would (``HostsUpdatedInterrupt`` at their next commit)."""
+
+    def __init__(self, sizes, jobs):
+        super().__init__(sizes, {})
+        self.jobs, self.marked = jobs, []
+
+    def watch(self, number, size):
+        from sparktrain.driver.supervise import elastic as el
+
+        if number > 1:
+            return NotWatched()
+        interrupted = RankError(RankFailure(rank=0, host="h", local_rank=0, message="grow", traceback="Traceback ...",
+                                            exc_type="sparktrain.errors.HostsUpdatedInterrupt"))
+
+        def mark(resize):
+            self.marked.append((resize, threading.current_thread().name))
+            self.jobs[0]._finish(Exception(f"Task 0 failed: {interrupted}"))
+
+        policy = core.Elastic(low=1, first=2, high=4, reset_limit=None, timeout=600.0, grow_after=0.0)
+        return el.Lookout(lambda: 4, lambda: [], size, policy, mark)
+
+
+def test_the_attempts_own_loop_looks_and_the_next_attempt_has_the_size_it_asked_for():
+    """No thread of its own: the attempt's loop looks at the slots, leaves the marker, and the
+    resize it decided is what the core reads when the ranks end the attempt for it."""
+    import cloudpickle
+
+    make, made = jobs_of([{"hang": True}, {"result": cloudpickle.dumps("done")}])
+    sizes = LookingSizes([2, 4], made)
+    before = {t.name for t in threading.enumerate()}
+    assert run_attempts(info(), spec(channel=False), make, "127.0.0.1", elastic(), sizes) == "done"
+    grown = core.Resize(4, "the cluster has slots for 4 rank(s)")
+    assert sizes.marked == [(grown, threading.current_thread().name)]
+    assert sizes.retries == [None, core.Retry(4, grown.why, True)] and [j.spec.size for j in made] == [2, 4]
+    assert "sparktrain-elastic-resize" not in before | {t.name for t in threading.enumerate()}

@@ -1,8 +1,8 @@
-"""The public ``sparktrain.run`` and ``sparktrain.run_elastic``, as pipelines of the same steps: check
-the arguments, choose the cluster view, resolve the settings against its conf
-(``driver.launch.config``), fit the ranks to its slots, build the ranks' spec, and hand over to the
-attempts (``driver.supervise.attempts``), with a fixed size policy, or the elastic one
-(``driver.supervise.elastic``).
+"""The public ``sparktrain.run`` and ``sparktrain.run_elastic``, as one pipeline (:func:`pipeline`):
+check the arguments, choose the cluster view, resolve the settings against its conf
+(``driver.launch.config``), size the ranks to its slots, build the ranks' spec, and hand over to the
+attempts (``driver.supervise.attempts``). What differs is a value, the run's plan: ``run``'s
+(``attempts.FixedPlan``, a fixed size policy) or ``run_elastic``'s (``elastic.ElasticPlan``).
 
 pyspark is imported inside the functions that need it, so ``import sparktrain`` stays fast
 and works where only the worker API is used. The flow of a run, and which module does what,
@@ -16,21 +16,14 @@ import logging
 import sys
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from .. import settings
-from ..errors import InsufficientResourcesError, InvalidArgumentError, UnsupportedError
-from ..seam import worker_env
-from .launch import cluster, config, views
+from .launch import config, views
 from .launch.taskspec import task_spec
 from .supervise import resume
 from .supervise import supervision as core
 from .supervise.attempt import RunInfo
-from .supervise.attempts import FixedSize, Sizer, run_attempts
+from .supervise.attempts import FixedPlan, Plan, Sizer, run_attempts
 
 log = logging.getLogger("sparktrain")
-
-#: Seconds a retry waits at most for the cluster to offer every slot again (a lost executor's
-#: replacement registers within seconds on standalone, YARN and Kubernetes).
-RETRY_CAPACITY_WAIT = 60.0
 
 
 def configure_logging(verbose: int) -> None:
@@ -109,23 +102,8 @@ def run(
     >>> sparktrain.run(lambda lr: f"rank {sparktrain.rank()} at {lr}", args=(0.1,), num_proc=3)  # doctest: +SKIP
     'rank 0 at 0.1'
     """
-    a = config.check_arguments(**locals())  # every parameter, by its name, as ``arguments`` binds them
-    configure_logging(verbose)
-    view = views.choose(a.local, a.size, a.use_gpu)
-    cfg = config.resolve(a, view)
-    return resume.run_named(cfg, lambda: _launch(a, view, cfg))
-
-
-def _launch(a: config.Arguments, view: views.ClusterView, cfg: config.RunConfig) -> Any:
-    """``run``'s steps from the cluster's slots on."""
-    profile = view.profile(cfg.stage) if cfg.stage is not None else None
-    size = view.fit(a.size, cfg.use_gpu, cfg.stage, profile, cfg.capacity_wait)
-    spec = task_spec(cfg, size, view.max_result_bytes(), view.tails_without_channel)
-    policy = core.Fixed(size, cfg.settings.max_attempts)
-    # A lost executor is usually replaced within seconds; a retried gang needs all its slots back.
-    retry_wait = max(RETRY_CAPACITY_WAIT, cfg.capacity_wait)
-    return attempts(cfg, view, profile, spec, policy, FixedSize(
-        a.run_id, policy, lambda: view.fit(size, cfg.use_gpu, cfg.stage, profile, retry_wait)))
+    given = dict(locals())  # every parameter, by its name
+    return pipeline(FixedPlan(), lambda: config.check_arguments(**given))
 
 
 def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: Mapping[str, Any] | None = None,
@@ -152,51 +130,33 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
     """
     from .supervise import elastic
 
-    if "max_attempts" in run_kwargs:
-        raise InvalidArgumentError("run_elastic does not take max_attempts: it restarts as long as at least min_num_proc "
-                                   "ranks can run; bound the restarts with reset_limit=")
-    if run_kwargs.get("local_mode") or (isinstance(num_proc, int) and num_proc < 0):
-        raise InvalidArgumentError("run_elastic runs on a Spark cluster; local mode has no executors to lose")
-    elastic.check_sizes(num_proc, min_num_proc, max_num_proc)
-    timeout = settings.parse_seconds("elastic_timeout", elastic_timeout if elastic_timeout is not None
-                                     else elastic.ELASTIC_TIMEOUT)
-    if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int) or reset_limit < 0):
-        raise InvalidArgumentError(f"reset_limit must be a non-negative int or None, got {reset_limit!r}")
-    view = _classic_view()
-    a = arguments(train_fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
-                  prefix_output_with_timestamp, **run_kwargs)
-    configure_logging(verbose)
+    plan = elastic.plan(num_proc, min_num_proc, max_num_proc, elastic_timeout, reset_limit, run_kwargs)
+    return pipeline(plan, lambda: arguments(train_fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr,
+                                            verbose, prefix_output_with_timestamp, **run_kwargs))
+
+
+def pipeline(plan: Plan, check: Callable[[], config.Arguments]) -> Any:
+    """``run``'s and ``run_elastic``'s steps, in this order, what differs between them asked of
+    ``plan`` (``attempts.Plan``): its view, where it is found before the arguments (``run_elastic``
+    needs a classic session); the arguments, checked by ``check``; the view chosen from them
+    otherwise; the settings resolved against its conf; what the plan checks before the run's lease
+    (``run_elastic``: the ``elastic_url`` setting, and its sizes from the slots); then, under the
+    lease of a named run (``resume.run_named``), the plan's sizes, the ranks' spec, and the attempts."""
+    view = plan.session()
+    a = check()
+    configure_logging(a.verbose)
+    if view is None:
+        view = views.choose(a.local, a.size, a.use_gpu)
     cfg = config.resolve(a, view)
-    elastic_url, grow_after = config.elastic_settings(cfg)
-    if not elastic_url:
-        raise InvalidArgumentError(
-            "run_elastic resumes each attempt from the last state.commit(), which needs a place every attempt can read: "
-            "set the elastic_url setting to an fsspec URL, e.g. env={'SPARKTRAIN_ELASTIC_URL': "
-            "'abfss://container@account.dfs.core.windows.net/elastic'} (or the driver's SPARKTRAIN_ELASTIC_URL, or "
-            "spark.sparktrain.elasticUrl)")
-    profile = view.profile(cfg.stage) if cfg.stage is not None else None
-    slots = view.slots(cfg.use_gpu, cfg.stage, profile)
-    low, first, high = elastic.sizes(num_proc, min_num_proc, max_num_proc, slots)
-    if cluster.is_local(view.master) and low > slots:
-        raise InsufficientResourcesError(
-            f"min_num_proc={low} ranks cannot run at once: the local master {view.master} has {slots} task slot(s). "
-            "Lower min_num_proc, or use a master with more slots")
-    policy = core.Elastic(low, first, high, reset_limit, timeout, grow_after)
-    # The elastic id, under which the commits and the resize markers go, is the run's name, else its id.
-    spec = task_spec(cfg, high, view.max_result_bytes(), view.tails_without_channel)
-    spec = dataclasses.replace(spec, user_env={**spec.user_env, worker_env.ELASTIC_ID: resume.home_id(cfg)})
-    return resume.run_named(cfg, lambda: attempts(cfg, view, profile, spec, policy,
-                                                  elastic.ElasticSize(view, cfg, profile, policy, elastic_url)))
+    sized = plan.checked(cfg, view)
 
+    def launch() -> Any:
+        s = sized()
+        spec = task_spec(cfg, s.most, view.max_result_bytes(), view.tails_without_channel)
+        spec = dataclasses.replace(spec, user_env={**spec.user_env, **s.env})
+        return attempts(cfg, view, s.profile, spec, s.policy, s.sizer)
 
-def _classic_view() -> views.ClusterView:
-    """The active classic session's view; Spark Connect and no session are refused."""
-    spark = cluster.active_session()
-    view = views.of(spark) if spark is not None else None
-    if view is None or not view.lists_executors:
-        raise UnsupportedError("run_elastic needs an active classic SparkSession (SparkSession.builder...getOrCreate()); "
-                               "it counts the cluster's slots through the SparkContext, which Spark Connect does not have")
-    return view
+    return resume.run_named(cfg, launch)
 
 
 def arguments(*args: Any, **kwargs: Any) -> config.Arguments:

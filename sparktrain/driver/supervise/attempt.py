@@ -3,8 +3,10 @@
 One :class:`Attempt` carries out what ``sparktrain.driver.supervise.supervision`` decides: it feeds that
 pure core the events of the run's channel (``sparktrain.driver.supervise.server``) and of its job
 (``sparktrain.driver.launch.jobs``) with the time, and does the actions it returns (stop the ranks,
-cancel the job, log). ``sparktrain.driver.supervise.attempts`` starts attempts until one succeeds, or the
-core gives up.
+cancel the job, log). Its one loop also gives the run's size policy a look on each turn (an elastic
+run's slots, and the resize the core decides from them: ``sparktrain.driver.supervise.elastic``), on
+the loop's own thread. ``sparktrain.driver.supervise.attempts`` starts attempts until
+one succeeds, or the core gives up.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import dataclasses
 import logging
 import queue
 import time
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from ...seam import channel
 from ...errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError
@@ -94,11 +96,15 @@ class NoChannel:
 
 class Attempt:
     """One attempt: its own secret, channel and job, supervised until the job ends. ``max_attempts``:
-    how many the run may have (0: no bound), for the log."""
+    how many the run may have (0: no bound), for the log; ``look``: what the run's size policy looks
+    at, called on each turn of the loop (it keeps its own interval: an elastic run's slots, once a
+    second)."""
 
-    def __init__(self, info: RunInfo, spec: TaskSpec, max_attempts: int, make_job: JobFactory, host: str):
+    def __init__(self, info: RunInfo, spec: TaskSpec, max_attempts: int, make_job: JobFactory, host: str,
+                 look: Callable[[], None] = lambda: None):
         self.info = info
         self.max_attempts = max_attempts
+        self.look = look
         started = time.monotonic()
         remaining = None if info.timeout is None else info.timeout - info.elapsed()
         self.limits = core.Limits(spec.size, started, spec.start_timeout,
@@ -158,6 +164,7 @@ class Attempt:
                 self.interrupts.check()
                 self._handle(self._next_event(TICK))
                 self._step()
+                self.look()
                 self.info.display.tick()
                 hush = getattr(self.job, "hush", None)  # Spark's own console progress bar, where it draws one
                 if hush is not None:

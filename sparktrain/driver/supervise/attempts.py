@@ -2,32 +2,45 @@
 (``sparktrain.driver.supervise.attempt``), and when it fails, do what the supervision core decides
 (``supervision.after_failure``): retry at a size, or give up with an error, which this loop raises.
 
-What differs between the two is a :class:`Sizer`: the size of each attempt and the wait for its
-slots, what the driver watches while it runs, and what its ranks find in their environment.
-:class:`FixedSize` serves ``run``; ``sparktrain.driver.supervise.elastic.ElasticSize`` serves ``run_elastic``.
+What differs between the two is a value. Before launch, a :class:`Plan` (``run``'s
+:class:`FixedPlan`, ``run_elastic``'s ``sparktrain.driver.supervise.elastic.ElasticPlan``) gives the
+run's pipeline (``sparktrain.driver.run.pipeline``) the view it needs, checks its sizes, and gives its
+:class:`Sized`: the size policy (``supervision.Fixed`` or ``supervision.Elastic``) and a
+:class:`Sizer`, the size of each attempt and the wait for its slots, what the attempt's loop looks at
+on its turns while it runs (:class:`Watching`), and what its ranks find in their environment.
 Every attempt shares the run's id and its pickled payload; each gets its number and, from the
 attempt, its own secret and channel.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, ContextManager, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from ...errors import SparkTrainError
 from ...seam.spec import TaskSpec
 from . import supervision as core
 from .attempt import Attempt, RunInfo
+from ..launch import views
+from ..launch.config import RunConfig
 from ..launch.jobs import JobFactory
 
 log = logging.getLogger("sparktrain")
 
+#: Seconds a retry waits at most for the cluster to offer every slot again (a lost executor's
+#: replacement registers within seconds on standalone, YARN and Kubernetes).
+RETRY_CAPACITY_WAIT = 60.0
+
 
 class Watching(Protocol):
-    """What the driver asked of the ranks of the running attempt (an elastic resize), if anything."""
+    """What the driver watches while an attempt runs: :meth:`look`, on each turn of the attempt's
+    loop, looks when its own interval says so; :attr:`resize`, what the driver asked of the ranks
+    (an elastic resize, set once its marker is written), if anything."""
 
     resize: core.Resize | None
+
+    def look(self) -> None:
+        """Look, if it is time to."""
 
 
 class Sizer(Protocol):
@@ -36,7 +49,7 @@ class Sizer(Protocol):
     def size(self, number: int, retry: core.Retry | None) -> int:
         """The size of attempt ``number``, once its slots are there; ``retry``: why the last one failed."""
 
-    def watch(self, number: int, size: int) -> ContextManager[Watching]:
+    def watch(self, number: int, size: int) -> Watching:
         """What the driver watches while attempt ``number`` of ``size`` ranks runs."""
 
     def env(self, number: int) -> Mapping[str, str]:
@@ -46,6 +59,54 @@ class Sizer(Protocol):
 @dataclasses.dataclass(frozen=True)
 class NotWatched:
     resize: core.Resize | None = None
+
+    def look(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Sized:
+    """A run's sizes, on its lease: its size policy, its attempts' sizer, the stage's resource
+    profile, the most ranks an attempt has (the spec's size), and what every rank finds in its
+    environment besides the run's settings."""
+
+    policy: core.Policy
+    sizer: Sizer
+    profile: Any
+    most: int
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+class Plan(Protocol):
+    """What differs between ``run`` and ``run_elastic`` before launch, asked by the one pipeline."""
+
+    def session(self) -> views.ClusterView | None:
+        """The view, where it is found before the arguments are checked; None: chosen from them."""
+
+    def checked(self, cfg: RunConfig, view: views.ClusterView) -> Callable[[], Sized]:
+        """What must be checked before the run's lease, checked; returns the step that sizes the
+        run under its lease."""
+
+
+class FixedPlan:
+    """``run``'s: the view chosen from the arguments; on the lease, ``num_proc`` ranks (None: every
+    slot) fitted to the slots, waiting up to ``capacity_wait``; up to ``max_attempts`` attempts."""
+
+    def session(self) -> None:
+        return None
+
+    def checked(self, cfg: RunConfig, view: views.ClusterView) -> Callable[[], Sized]:
+        return lambda: self.sized(cfg, view)
+
+    @staticmethod
+    def sized(cfg: RunConfig, view: views.ClusterView) -> Sized:
+        profile = view.profile(cfg.stage) if cfg.stage is not None else None
+        size = view.fit(cfg.args.size, cfg.use_gpu, cfg.stage, profile, cfg.capacity_wait)
+        policy = core.Fixed(size, cfg.settings.max_attempts)
+        # A lost executor is usually replaced within seconds; a retried gang needs all its slots back.
+        retry_wait = max(RETRY_CAPACITY_WAIT, cfg.capacity_wait)
+        refit = lambda: view.fit(size, cfg.use_gpu, cfg.stage, profile, retry_wait)  # noqa: E731
+        return Sized(policy, FixedSize(cfg.args.run_id, policy, refit), profile, size)
 
 
 class FixedSize:
@@ -62,8 +123,8 @@ class FixedSize:
             self.refit()
         return self.policy.size
 
-    def watch(self, number: int, size: int) -> ContextManager[Watching]:
-        return contextlib.nullcontext(NotWatched())
+    def watch(self, number: int, size: int) -> Watching:
+        return NotWatched()
 
     def env(self, number: int) -> Mapping[str, str]:
         return {}
@@ -89,20 +150,21 @@ def run_attempts(info: RunInfo, spec: TaskSpec, make_job: JobFactory, host: str,
         info.display.size = size
         if attempt.output_ranks is not None:
             info.display.live_ranks = attempt.output_ranks
-        with sizer.watch(number, size) as watching:
-            try:
-                value = Attempt(info, attempt, policy.attempts, make_job, host).supervise()
-            except SparkTrainError as e:
-                out_of_time = info.timeout is not None and info.elapsed() >= info.timeout
-                decision = core.after_failure(policy, e, number, out_of_time, earlier, watching.resize)
-                if isinstance(decision, core.GiveUp):
-                    info.display.finish(f"failed: {core.first_line(str(decision.error))[:200]}")
-                    if decision.error is e:
-                        raise
-                    raise decision.error from e
-                earlier.append(core.first_line(str(e)))
-                retry = decision
-                continue
+        # Looked at on the attempt loop's turns: its resize is set there, after its marker is written.
+        watching = sizer.watch(number, size)
+        try:
+            value = Attempt(info, attempt, policy.attempts, make_job, host, watching.look).supervise()
+        except SparkTrainError as e:
+            out_of_time = info.timeout is not None and info.elapsed() >= info.timeout
+            decision = core.after_failure(policy, e, number, out_of_time, earlier, watching.resize)
+            if isinstance(decision, core.GiveUp):
+                info.display.finish(f"failed: {core.first_line(str(decision.error))[:200]}")
+                if decision.error is e:
+                    raise
+                raise decision.error from e
+            earlier.append(core.first_line(str(e)))
+            retry = decision
+            continue
         if number > 1:
             log.warning("sparktrain: run %s succeeded on attempt %d%s, after %d failed attempt(s)", info.run_id,
                         number, of(policy.attempts), number - 1)
