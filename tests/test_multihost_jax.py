@@ -86,3 +86,25 @@ def test_a_data_parallel_jax_fit_across_hosts_ends_with_one_set_of_weights_as_ac
     got = ranks[0]["got"]
     print(f"accuracy: {n} ranks on {HOSTS} hosts {got['accuracy']:.4f}, one process {got['alone']:.4f}")
     assert got["accuracy"] > 0.9 and abs(got["accuracy"] - got["alone"]) <= 0.02
+
+
+@pytest.mark.timeout(300)
+def test_the_fused_engine_path_across_hosts_ends_with_the_weights_of_data_parallel(cluster, tmp_path):
+    """``sparktrain.keras.DistributedOptimizer`` on JAX across 2 hosts x 2 ranks: each step's fused gradients
+    cross the hosts through the native engine (its XLA FFI handler), and the fit ends with the weights of
+    the same fit under ``DataParallel`` (XLA's collectives), every rank the same (tests/test_jax_engine.py
+    runs it on one host)."""
+    from sklearn.datasets import load_digits
+    from test_jax_engine import BATCH as ROWS, STEPS, fit_both_ways
+
+    n = HOSTS * PER_HOST
+    x, y = load_digits(return_X_y=True)
+    rows = ROWS * n * STEPS
+    x, y = (x[:rows] / 16).astype(np.float32), y[:rows].astype(np.int32)
+    sparktrain.run(fit_both_ways, args=(str(tmp_path), x, y, 1), num_proc=n, backend="jax", timeout=240, verbose=0)
+    results = [info["got"] for _, info in sorted(read_ranks(str(tmp_path)).items())]
+    assert len(results) == n
+    assert len({r["digest"] for r in results}) == 1 and len({r["loss"] for r in results}) == 1
+    for r in results:
+        assert r["ffi"] is True and r["moved"] > 1e-2
+        assert r["max_difference"] < 1e-5, r
