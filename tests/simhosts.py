@@ -15,6 +15,11 @@ Every process of a host runs in its cpuset cgroup, so stopping a host ends exact
 in that cgroup: nothing is signalled that was not started inside it. ``down()`` leaves no
 process, namespace, veth, bridge, cgroup or directory behind.
 
+A test process killed before its teardown (SIGKILL, a timeout's kill) leaves its hosts up: each
+set records its owner (pid and start time) under ``RECORDS`` while it is up, and the next ``up()``
+takes down every set whose owner is gone, by its recorded names; a set whose owner still runs is
+never touched.
+
 Links can be shaped (``shape``: a tbf qdisc on both ends of the veth) and cut silently
 (``cut``: the bridge side down, so no reset reaches anyone).
 
@@ -22,6 +27,8 @@ To bring hosts and a cluster up by hand: ``tests/standalone.py``.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -31,6 +38,8 @@ import tempfile
 import time
 
 CPUSET = "/sys/fs/cgroup/cpuset"
+#: One file per set of hosts that is up: its tag, owner and root (see the module's docstring).
+RECORDS = os.path.join(tempfile.gettempdir(), "sparktrain-sim-records")
 
 
 def why_not() -> str | None:
@@ -63,15 +72,43 @@ def _in_cgroup(pid: int, cgroup: str) -> bool:
         return False
 
 
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None if there is no such process:
+    with the pid, it names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def sweep_leftovers() -> list[str]:
+    """Takes down every set of hosts whose recorded owner is gone; returns their tags."""
+    swept = []
+    for name in sorted(os.listdir(RECORDS)) if os.path.isdir(RECORDS) else []:
+        path = os.path.join(RECORDS, name)
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if _started(record["owner"]) == record["started"]:
+            continue  # its owner runs: the hosts are in use
+        SimHosts(record["n"], workdir=record["root"], tag=record["tag"]).down()
+        swept.append(record["tag"])
+    return swept
+
+
 class SimHosts:
     """``n`` simulated hosts on a bridge; the driver's namespace holds the bridge's address."""
 
-    def __init__(self, n: int, workdir: str | None = None, share_cores: bool = False):
+    def __init__(self, n: int, workdir: str | None = None, share_cores: bool = False, tag: str | None = None):
         """``share_cores``: every host may use every core of the machine (for measurements that
-        ask what more cores per host would give), instead of one core each."""
+        ask what more cores per host would give), instead of one core each. ``tag``: the names of
+        a set that is up already (``sweep_leftovers``); a new set draws its own."""
         self.n = n
         self.share_cores = share_cores
-        self.tag = secrets.token_hex(2)
+        self.tag = tag or secrets.token_hex(2)
         self.subnet = f"10.{200 + int(self.tag[:2], 16) % 50}.{int(self.tag[2:], 16)}"
         self.bridge = f"stb{self.tag}"
         self.driver_ip = f"{self.subnet}.1"
@@ -93,6 +130,12 @@ class SimHosts:
     # -- bring up and down ------------------------------------------------------------------------
 
     def up(self) -> "SimHosts":
+        sweep_leftovers()
+        os.makedirs(RECORDS, exist_ok=True)
+        record = {"tag": self.tag, "n": self.n, "root": self.root, "owner": os.getpid(),
+                  "started": _started(os.getpid())}
+        with open(self._record, "w") as f:  # before anything is made: a kill half-way is swept too
+            json.dump(record, f)
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.driver_ip}/24", "dev", self.bridge)
@@ -163,7 +206,14 @@ class SimHosts:
             _ip("link", "del", link, check=False)                                      # up() stopped half-way
         shutil.rmtree(self.root, ignore_errors=True)
         self._up = False
+        if not left:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._record)
         return left
+
+    @property
+    def _record(self) -> str:
+        return os.path.join(RECORDS, f"{self.tag}.json")
 
     def processes(self, i: int) -> list[int]:
         """The pids in host ``i``'s cgroup."""

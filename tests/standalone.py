@@ -20,6 +20,14 @@ from simhosts import SimHosts, why_not
 from storage_servers import free_port
 
 
+def _die_with_this_process() -> None:
+    """In the master's child before it execs: SIGKILL when the process that started it dies, so a
+    test process killed before its teardown leaves no master behind (workers go with their hosts)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 class Standalone:
     """A Spark standalone master in the driver's namespace and one worker per simulated host, from
     the pip pyspark's ``bin/spark-class``."""
@@ -52,7 +60,7 @@ class Standalone:
                     [spark_class, "org.apache.spark.deploy.master.Master", "--host", self.hosts.driver_ip,
                      "--port", str(self.port), "--webui-port", str(self.ui_port)],
                     env=self._env({}), stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True)
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_this_process)
             for i in range(self.hosts.n):
                 self.start_worker(i)
             self.wait_for_workers(self.hosts.n, timeout)

@@ -367,3 +367,49 @@ def test_sparks_encryption_encrypts_a_fit_across_hosts_with_the_clear_runs_weigh
     assert clear_wire.count(PATTERN) >= 64 and sealed_wire.count(PATTERN) == 0, (
         clear_wire.count(PATTERN), sealed_wire.count(PATTERN))
     assert len(sealed_wire) > 1 << 16  # it did capture the run's traffic
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_hosts_left_up_by_a_killed_test_process_are_taken_down_by_the_next_set(tmp_path):
+    """A test process SIGKILLed before its teardown leaves its hosts up, a process in one of them
+    included; the next set's up() takes them down by their recorded names (namespaces, links,
+    cgroups, that process, the record) and leaves a set whose owner still runs alone."""
+    import subprocess
+    import sys
+
+    import simhosts
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys, time; sys.path.insert(0, {here!r}); import simhosts; h = simhosts.SimHosts(2).up(); "
+            "p = h.popen(0, ['sleep', '600']); print(h.tag, p.pid, flush=True); time.sleep(600)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        tag, sleeper = owner.stdout.readline().split()
+        assert os.path.exists(os.path.join(simhosts.RECORDS, f"{tag}.json"))
+        sleeper_started = simhosts._started(int(sleeper))
+        assert sleeper in open(f"{simhosts.CPUSET}/sparktrain-sim-{tag}-h0/cgroup.procs").read().split()
+    finally:
+        owner.kill()  # our own child, not yet reaped
+        owner.wait(10)
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"st{tag}h0" in netns and f"st{tag}h1" in netns, netns  # left up
+    live = simhosts.SimHosts(1).up()  # this process owns it: the next sweep leaves it
+    try:
+        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert f"st{tag}" not in netns and f"st{tag}" not in links and f"stb{tag}" not in links, (netns, links)
+        assert not os.path.exists(f"{simhosts.CPUSET}/sparktrain-sim-{tag}-h0")
+        # Gone: its pid unused, another process's, or a zombie that init has not yet reaped.
+        assert simhosts._started(int(sleeper)) != sleeper_started or _state(int(sleeper)) == "Z"
+        assert not os.path.exists(os.path.join(simhosts.RECORDS, f"{tag}.json"))
+        assert simhosts.sweep_leftovers() == [] and os.path.exists(os.path.join(simhosts.RECORDS, f"{live.tag}.json"))
+        assert f"st{live.tag}h0" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        assert live.down() == []
