@@ -66,6 +66,21 @@ def test_the_collective_key_is_derived_per_attempt_and_never_the_secret():
     assert k1 not in (b"s" * 32, task.collective_key(b"s" * 32, "run", 2), task.collective_key(b"t" * 32, "run", 1))
 
 
+def test_a_ranks_ports_are_held_outside_the_kernels_ephemeral_range():
+    # Between the handover and the child's bind, nothing the kernel hands out (an outgoing
+    # connection's local port, another bind to port 0) can take a port from this range.
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    held = [task.reserve_port() for _ in range(16)]
+    try:
+        ports = [s.getsockname()[1] for s in held]
+        assert len(set(ports)) == 16
+        assert all(10000 <= p < ephemeral_low for p in ports), (ports, ephemeral_low)
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_the_key_file_is_for_the_rank_only(tmp_path):
     path = rankenv._write_key(str(tmp_path), b"k" * 32)
     assert open(path, "rb").read() == b"k" * 32

@@ -20,24 +20,41 @@ from ..errors import SparkTrainError, VersionMismatchError
 from .output import RankIO
 
 
-def reserve_port(attempts: int = 8) -> socket.socket:
+def reserve_port(attempts: int = 64) -> socket.socket:
     """Bind a free TCP port and hold it, so nobody else takes it before the child needs it.
 
     The caller closes the socket right before starting the child ("late handover"); the
-    child's collective runtime then binds the same port.
+    child's collective runtime then binds the same port. The port is drawn at random from
+    below the kernel's ephemeral range: between the handover and the child's bind, an
+    outgoing connection of any process on the host (a JVM opens many) or another
+    ``bind(("", 0))`` would be given an ephemeral port, and TensorFlow's gRPC server then
+    failed with "Could not start gRPC server" (seen in CI). Where no range lies below the
+    ephemeral one, the kernel picks.
     """
+    low, high = _unclaimed_range()
     last: OSError | None = None
-    for _ in range(attempts):
+    for _ in range(attempts if high > low else 1):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            s.bind(("", 0))
+            s.bind(("", low + secrets.randbelow(high - low) if high > low else 0))
             return s
         except OSError as e:
             s.close()
-            if e.errno != errno.EADDRINUSE:
+            if e.errno not in (errno.EADDRINUSE, errno.EACCES):
                 raise
             last = e
     raise OSError(errno.EADDRINUSE, f"no free port after {attempts} attempts: {last}")
+
+
+def _unclaimed_range(floor: int = 10000, width: int = 16384) -> tuple[int, int]:
+    """Ports no process is handed by the kernel: up to ``width`` of them below the ephemeral
+    range (``net.ipv4.ip_local_port_range``), never below ``floor`` where services listen."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return max(floor, ephemeral_low - width), ephemeral_low
 
 
 def check_versions(state: RankIO) -> None:
