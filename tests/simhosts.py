@@ -72,14 +72,25 @@ def _in_cgroup(pid: int, cgroup: str) -> bool:
         return False
 
 
+def _stat_field(pid: int, index: int) -> str | None:
+    """Field ``index`` of /proc/PID/stat after the command's name (0: the state), or None if there
+    is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[index]
+    except (OSError, IndexError):
+        return None
+
+
 def _started(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks since boot), or None if there is no such process:
     with the pid, it names one process for good."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    return _stat_field(pid, 19)
+
+
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter (``Z`` for a zombie), or None if there is no such process."""
+    return _stat_field(pid, 0)
 
 
 def sweep_leftovers() -> list[str]:

@@ -369,14 +369,6 @@ def test_sparks_encryption_encrypts_a_fit_across_hosts_with_the_clear_runs_weigh
     assert len(sealed_wire) > 1 << 16  # it did capture the run's traffic
 
 
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
 def test_hosts_left_up_by_a_killed_test_process_are_taken_down_by_the_next_set(tmp_path):
     """A test process SIGKILLed before its teardown leaves its hosts up, a process in one of them
     included; the next set's up() takes them down by their recorded names (namespaces, links,
@@ -407,7 +399,7 @@ def test_hosts_left_up_by_a_killed_test_process_are_taken_down_by_the_next_set(t
         assert f"st{tag}" not in netns and f"st{tag}" not in links and f"stb{tag}" not in links, (netns, links)
         assert not os.path.exists(f"{simhosts.CPUSET}/sparktrain-sim-{tag}-h0")
         # Gone: its pid unused, another process's, or a zombie that init has not yet reaped.
-        assert simhosts._started(int(sleeper)) != sleeper_started or _state(int(sleeper)) == "Z"
+        assert simhosts._started(int(sleeper)) != sleeper_started or simhosts.process_state(int(sleeper)) == "Z"
         assert not os.path.exists(os.path.join(simhosts.RECORDS, f"{tag}.json"))
         assert simhosts.sweep_leftovers() == [] and os.path.exists(os.path.join(simhosts.RECORDS, f"{live.tag}.json"))
         assert f"st{live.tag}h0" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
