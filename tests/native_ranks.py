@@ -10,7 +10,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import time
 import traceback
 import uuid
@@ -25,9 +24,9 @@ LOOPBACK = "127.0.0.1"
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind((LOOPBACK, 0))
+    from sparktrain.executor.rendezvous import reserve_port
+
+    socks = [reserve_port(LOOPBACK) for _ in range(n)]  # where the ranks' ports come from, and why
     ports = [s.getsockname()[1] for s in socks]
     for s in socks:
         s.close()

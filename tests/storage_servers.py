@@ -24,8 +24,11 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
+    """A free port for a server this suite starts, from where the ranks' ports come: below the
+    kernel's ephemeral range, which an outgoing connection could take before the server binds."""
+    from sparktrain.executor.rendezvous import reserve_port
+
+    with reserve_port(host) as s:
         return s.getsockname()[1]
 
 

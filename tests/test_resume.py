@@ -92,6 +92,47 @@ def test_run_id_needs_an_elastic_url_and_a_good_name(monkeypatch):
         sparktrain.run(len, args=("x",), num_proc=-1, run_id="a/b", env={"SPARKTRAIN_ELASTIC_URL": "/tmp/x"})
 
 
+def commits_with_the_runs_options(expected):
+    from sparktrain import context
+
+    # No credentials in the rank's environment: its commits and reads use run()'s storage_options.
+    assert not any(k.startswith(("AWS_", "AZURE_STORAGE")) for k in os.environ), sorted(os.environ)
+    if context.rank() != 0:  # every rank holds them (and imports no TensorFlow here)
+        from sparktrain.seam import home
+
+        assert home.options() == expected, home.options()
+        return None
+    from sparktrain.tensorflow.elastic import ObjectState
+
+    state = ObjectState(bcast_object=lambda o: o, epoch=0)
+    if context.size() == 1:  # the job after: resumes from the last commit
+        return state._restore_committed(), state.epoch
+    for epoch in (1, 2):
+        state.epoch = epoch
+        state.commit()
+    raise RuntimeError("the job's cluster went away")
+
+
+@pytest.mark.parametrize("scheme", ["s3", "abfs"])
+def test_the_ranks_commit_to_the_runs_home_with_runs_storage_options(request, tmp_path, monkeypatch, scheme):
+    """run(..., storage_options=) reaches every rank's commits and reads: the ranks' environment
+    has no credentials (nor the emulator's address), so the environment's would fail. A job of 2
+    ranks commits and fails; the next job of the run resumes from its commit."""
+    from storage_servers import fresh_place
+
+    for name in [k for k in os.environ if k.startswith(("AWS_", "AZURE_STORAGE"))]:
+        monkeypatch.delenv(name)
+    url, options = fresh_place(request, scheme, tmp_path, "runs")
+    kwargs = dict(args=(options,), run_id="creds", env={"SPARKTRAIN_ELASTIC_URL": url}, storage_options=options,
+                  verbose=0)
+    with pytest.raises(sparktrain.RankFailedError, match="cluster went away"):
+        sparktrain.run(commits_with_the_runs_options, num_proc=-2, **kwargs)
+    home = homes.Home(url, "creds", options)
+    assert home.last_commit()["epoch"] == 2 and home.state() == "failed"
+    assert sparktrain.run(commits_with_the_runs_options, num_proc=-1, **kwargs) == (True, 2)
+    assert home.state() == "finished"
+
+
 def backed_up(out, job):
     import os
 

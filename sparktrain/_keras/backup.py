@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from .. import context as _ctx
 from ..errors import InvalidArgumentError, NotFoundError, SparkTrainError
 from ..settings import rank as rank_settings
-from ..seam import worker_env
+from ..seam import home, worker_env
 from .backend import optimizer_variables as _optimizer_variables
 
 _FORMAT = "sparktrain-backup/1"
@@ -38,7 +38,8 @@ class BackupAndRestoreImpl:
     backup_url : an fsspec URL of the backup object; None (the default): ``backup/backup.pkl`` in
         the run's home, ``<elastic_url>/<run_id>/``, which needs the ``elastic_url`` setting.
     delete_checkpoint : delete the backup when ``fit`` ends without an error, as Keras does.
-    storage_options : credentials for the URL's store.
+    storage_options : credentials for the URL's store; None: for the run's home, those
+        ``run(..., storage_options=)`` was given, else the store's credentials from the environment.
     """
 
     def __init__(self, backup_url: str | None = None, delete_checkpoint: bool = True,
@@ -51,6 +52,8 @@ class BackupAndRestoreImpl:
                 "BackupAndRestore keeps its backups in the run's home, <elastic_url>/<run_id>/backup/, and no "
                 "elastic_url setting reached this rank: give run(..., env={'SPARKTRAIN_ELASTIC_URL': 'abfss://...'}, "
                 "run_id='name'), or pass backup_url=")
+        if storage_options is None and not backup_url:  # the run's home: run(..., storage_options=)'s
+            storage_options = home.options()
         self.url, self.delete_checkpoint, self.storage_options = url, delete_checkpoint, storage_options
         self.restored_epoch: int | None = None
 

@@ -81,7 +81,8 @@ def run(
         how much the run says (0, 1, 2), a time before each line, which ranks' output to show.
     use_gpu : one GPU per rank; None: as ``spark.task.resource.gpu.amount`` (or ``resources``) says.
     checkpoint_url, storage_options : send rank 0's bytes or files straight to this fsspec URL and
-        return the URL; the backend's credentials (never logged).
+        return the URL; the backend's credentials (never logged), which also serve ``log_url`` and
+        the run's home under ``elastic_url`` (the driver's and every rank's reads and writes there).
     max_attempts : how many times to start the whole gang when an attempt fails (default 1).
     data : a DataFrame, or a dict of them by name, fed to the ranks (docs/dataframes.md).
     log_url : an fsspec URL where every rank also writes its output (docs/connect.md).

@@ -31,7 +31,7 @@ import traceback
 from typing import Any, Mapping
 
 from ..settings import rank as rank_settings
-from ..seam import tracking, worker_env
+from ..seam import home, tracking, worker_env
 from ..errors import InvalidArgumentError, type_name
 from ..host.localfiles import replaced_atomically, write_atomically
 
@@ -150,6 +150,7 @@ def main(argv: list[str]) -> int:
     try:
         # The rank's settings, parsed once (the driver refused bad values before launch).
         _set_gc_threshold(rank_settings.load().gc_threshold)
+        home.load(workdir)  # the storage options of the run's home, where run() was given them
     except InvalidArgumentError as e:
         _report_error(workdir, e)
         return 1

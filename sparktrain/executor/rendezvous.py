@@ -20,7 +20,7 @@ from ..errors import SparkTrainError, VersionMismatchError
 from .output import RankIO
 
 
-def reserve_port(attempts: int = 64) -> socket.socket:
+def reserve_port(host: str = "", attempts: int = 64) -> socket.socket:
     """Bind a free TCP port and hold it, so nobody else takes it before the child needs it.
 
     The caller closes the socket right before starting the child ("late handover"); the
@@ -36,7 +36,7 @@ def reserve_port(attempts: int = 64) -> socket.socket:
     for _ in range(attempts if high > low else 1):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            s.bind(("", low + secrets.randbelow(high - low) if high > low else 0))
+            s.bind((host, low + secrets.randbelow(high - low) if high > low else 0))
             return s
         except OSError as e:
             s.close()

@@ -23,7 +23,7 @@ import os
 from typing import Iterator, Sequence
 
 from ..host import nics, tflog
-from ..seam import worker_env
+from ..seam import home, worker_env
 from ..data import layout
 from ..errors import InvalidArgumentError, SparkTrainError
 from ..seam.spec import OUTPUT_SEQ, RESULT_FIELDS, TaskSpec
@@ -136,6 +136,9 @@ def _prepare(state: RankIO, met, gpu_addresses: Sequence[str] | None, workdir: s
     if spec.checkpoint is not None and rank == 0:
         with open(os.path.join(workdir, "checkpoint.pkl"), "wb") as f:
             f.write(spec.checkpoint)
+    if spec.home_options is not None:
+        with open(os.path.join(workdir, home.FILE), "wb") as f:
+            f.write(spec.home_options)
     return env
 
 

@@ -48,6 +48,9 @@ class TaskSpec:
     #: cloudpickled ``(log_url, storage_options)`` when ranks write their output to storage too
     #: (``sparktrain.storage.outputlog``).
     log_target: bytes | None = dataclasses.field(default=None, repr=False)
+    #: cloudpickled ``storage_options`` for the run's home (``<elastic_url>/<run id>/``): every rank's
+    #: commits, backups and resize markers use them (``sparktrain.seam.home``). Not in the repr.
+    home_options: bytes | None = dataclasses.field(default=None, repr=False)
     #: The CPU cores each rank's task holds (its resource profile's, or ``spark.task.cpus``); the rank's
     #: compute threads follow it (``worker_env.rank_threads``). None: this host's cores shared among its ranks.
     task_cpus: int | None = None

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from .. import context as _ctx
 from ..settings import rank as rank_settings
-from ..seam import worker_env
+from ..seam import home, worker_env
 from . import resize
 from ..errors import HostsUpdatedInterrupt, InvalidArgumentError, SparkTrainError
 
@@ -86,7 +86,7 @@ class State:
 
     def __init__(self):
         self._reset_callbacks: list[Callable[[], None]] = []
-        self._storage_options = None
+        self._storage_options = home.options()  # run(..., storage_options=) for the run's home
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Functions called after the state is restored on a later attempt (Horovod: after a reset)."""

@@ -81,6 +81,8 @@ class RunConfig:
     #: The driver's versions (``sparktrain.seam.versions``) and its MLflow hand-off for rank 0.
     versions: dict | None = None
     mlflow: dict | None = None
+    #: ``run``'s ``storage_options``, pickled for the ranks' writes to the run's home (``elastic_url``).
+    home_options: bytes | None = dataclasses.field(default=None, repr=False)
 
     @property
     def master(self) -> str:
@@ -152,7 +154,8 @@ def resolve(a: Arguments, view) -> RunConfig:
     settings.warn_retired(conf, environ)
     encrypted = settings.encrypts(values.encryption, conf)
     common = dict(settings=values, encrypted=encrypted, versions=versions.collect(),
-                  mlflow=_mlflow_handoff(a.run_id, a.env))
+                  mlflow=_mlflow_handoff(a.run_id, a.env),
+                  home_options=_home_options(values.elastic_url, a.storage_options))
     if a.local:
         return RunConfig(args=a, conf=conf, driver_host="127.0.0.1", rendezvous="driver", use_gpu=bool(a.use_gpu),
                          stage=None, task_cpus=a.asked.cpus if a.asked is not None else None, log_target=None,
@@ -199,29 +202,32 @@ def elastic_settings(cfg: RunConfig) -> tuple[str, float]:
 
 def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
     """``(checkpoint_url, storage_options)`` pickled for rank 0, or None without a checkpoint_url."""
-    if url is None:
-        return None
+    return None if url is None else _for_ranks(url, storage_options, (url, dict(storage_options or {})))
+
+
+def _log_target(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
+    """``(log_url, storage_options)`` pickled for the ranks, or None when no log_url is set."""
+    return _for_ranks(url, storage_options, (url, dict(storage_options or {}))) if url else None
+
+
+def _home_options(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
+    """``storage_options`` pickled for the ranks' writes to the run's home under ``elastic_url``
+    (commits, backups, resize markers), or None where either is not given: the ranks then use the
+    credentials of their own environment."""
+    return _for_ranks(url, storage_options, dict(storage_options)) if url and storage_options else None
+
+
+def _for_ranks(url: str, storage_options: Mapping[str, Any] | None, value: Any) -> bytes:
+    """``value`` pickled for the ranks, once ``url``'s scheme and backend are known to work here."""
     import cloudpickle
 
     from ... import storage
 
     storage.check_url(url, storage_options)  # an unknown scheme or missing backend fails here
     try:
-        return cloudpickle.dumps((url, dict(storage_options or {})))
+        return cloudpickle.dumps(value)
     except Exception as e:  # noqa: BLE001
         raise PicklingFailedError(f"cannot pickle storage_options for {url!r}: {type(e).__name__}") from None
-
-
-def _log_target(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
-    """``(log_url, storage_options)`` pickled for the ranks, or None when no log_url is set."""
-    if not url:
-        return None
-    from ... import storage
-
-    storage.check_url(url, storage_options)
-    import cloudpickle
-
-    return cloudpickle.dumps((url, dict(storage_options or {})))
 
 
 def _spill_url(master: str, url: str | None) -> str | None:
