@@ -224,9 +224,9 @@ FLOODED_LOOP = textwrap.dedent("""
             server.events.put(Output(0, "stdout", "x", 0.0))
     threading.Thread(target=pour, daemon=True).start()
     interrupts = Interrupts(lambda: server.events.put(Interrupted()))
-    print("ready", flush=True)
     try:
         with interrupts:
+            print("ready", flush=True)  # once the handler is in: a SIGINT from now on is the loop's
             while True:  # the loop's turns, as Attempt._supervise makes them
                 interrupts.check()
                 server.events.get(timeout=0.1)
