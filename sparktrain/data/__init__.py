@@ -31,7 +31,9 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from . import shaping
-from .shard import UNEVEN, Shard, check_uneven, open_shard
+from .shard import UNEVEN, Shard, check_uneven
+from .source import open_shard
+from .stream import concat
 
 __all__ = ["dataset", "pydataset", "numpy", "shard", "Shard", "UNEVEN"]
 
@@ -84,23 +86,28 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     """
     import tensorflow as tf
 
-    batch_size, seed, s, steps, build = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven,
-                                              model)
+    batch_size, seed, s, steps, make = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven,
+                                             model)
     epochs = itertools.count()
-    sample = build(s.epoch_rows(0, 1, False, 0))
+    window = s.sample()
+    built = make(window)
+    sample = built(np.arange(1))
     # Python hands tf.data several batches at a time (about GATHER_BYTES), which rebatch splits:
     # one generator step per batch would cost more than the gather itself for small rows.
     row_bytes = sum(a.nbytes if a.dtype != object else 1024 for a in tf.nest.flatten(sample))
-    per_yield = max(1, min(steps, GATHER_BYTES // max(1, row_bytes * batch_size)))
+    per_yield = max(1, min(steps, GATHER_BYTES // max(1, row_bytes * batch_size))) * batch_size
 
     def batches():
-        rows = s.epoch_rows(next(epochs), steps * batch_size, shuffle, seed)
-        for step in range(0, steps, per_yield):
-            yield build(rows[step * batch_size:(step + per_yield) * batch_size])
+        for held, rows in s.epoch_windows(next(epochs), steps * batch_size, shuffle, seed):
+            build = built if held is window else make(held)
+            for start in range(0, len(rows), per_yield):
+                yield build(rows[start:start + per_yield])
 
     signature = tf.nest.map_structure(lambda a: _spec(tf, a, None), sample)
     ds = tf.data.Dataset.from_generator(batches, output_signature=signature)
-    ds = ds.rebatch(batch_size, drop_remainder=True)  # every yield holds whole batches: nothing is dropped
+    # Yields hold any number of rows (a streamed window ends where its rows do); rebatch joins
+    # and splits them into whole batches, and every epoch holds steps * batch_size rows.
+    ds = ds.rebatch(batch_size, drop_remainder=True)
     ds = ds.apply(tf.data.experimental.assert_cardinality(steps))
     return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
 
@@ -108,8 +115,9 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
 def _open(name: str, features: Columns, label: Columns | None, sample_weight: str | None, batch_size: int,
           shuffle: bool, seed: int | None, uneven: str, model: Any = None):
     """What :func:`dataset` and :func:`pydataset` share: their arguments checked, this rank's shard
-    of ``name`` opened, its steps per epoch, the builder of its batches (rank 0 says what it feeds).
-    Returns ``(batch_size, seed, shard, steps, build)``."""
+    of ``name`` opened, its steps per epoch, and ``make``, which gives the builder of batches from
+    rows the shard holds (every column is checked on its first rows now; rank 0 says what it feeds).
+    Returns ``(batch_size, seed, shard, steps, make)``."""
     batch_size = _check_batch_size(batch_size)
     check_uneven(uneven)
     if not isinstance(shuffle, bool):
@@ -117,10 +125,14 @@ def _open(name: str, features: Columns, label: Columns | None, sample_weight: st
     seed = _check_seed(seed)
     s = open_shard(name)
     steps = s.steps_per_epoch(batch_size, uneven)
-    build = _builder(s, features, label, sample_weight, model)
+
+    def make(held):
+        return _builder(held, features, label, sample_weight, model)
+
+    make(s.sample())
     if s.rank == 0:
         print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
-    return batch_size, seed, s, steps, build
+    return batch_size, seed, s, steps, make
 
 
 def pydataset(features: Columns, label: Columns | None = None, *, batch_size: int, shuffle: bool = True,
@@ -139,26 +151,58 @@ def pydataset(features: Columns, label: Columns | None = None, *, batch_size: in
     """
     import keras
 
-    batch_size, seed, s, steps, build = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven,
-                                              model)
+    batch_size, seed, s, steps, make = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven,
+                                             model)
 
     class ShardBatches(keras.utils.PyDataset):
+        """Batches in order: Keras asks for them one after another (and for the first once more,
+        to see its shapes), and a streamed shard reads its rows in that order."""
+
         def __init__(self):
             super().__init__()
             self.epoch = 0
-            self.rows = s.epoch_rows(0, steps * batch_size, shuffle, seed)
+            self._start()
+
+        def _start(self) -> None:
+            self._windows = s.epoch_windows(self.epoch, steps * batch_size, shuffle, seed)
+            self._rows: list = []  # [builder, positions] of the window not yet batched
+            self._next, self._last = 0, None
 
         def __len__(self) -> int:
             return steps
 
         def __getitem__(self, step: int):
-            return build(self.rows[step * batch_size:(step + 1) * batch_size])
+            if self._last is not None and step == self._next - 1:
+                return self._last
+            if step == 0 and self._next:
+                self._start()
+            if step != self._next:
+                raise InvalidArgumentError(
+                    f"sparktrain.data.pydataset gives its batches in order; batch {step} was asked for after "
+                    f"batch {self._next - 1}. Run it with Keras' default workers=1, use_multiprocessing=False")
+            self._last = self._take(batch_size)
+            self._next += 1
+            return self._last
+
+        def _take(self, n: int):
+            parts = []
+            while n:
+                if not self._rows or not len(self._rows[1]):
+                    held, rows = next(self._windows)
+                    self._rows = [make(held), rows]
+                build, rows = self._rows
+                part = rows[:n]
+                parts.append(build(part))
+                n -= len(part)
+                self._rows = [build, rows[len(part):]]
+            return parts[0] if len(parts) == 1 else concat(parts)
 
         def on_epoch_end(self) -> None:
             self.epoch += 1
-            self.rows = s.epoch_rows(self.epoch, steps * batch_size, shuffle, seed)
+            self._start()
 
     return ShardBatches()
+
 
 def numpy(features: Columns, label: Columns | None = None, name: str = "train", *, uneven: str = "wrap",
           model: Any = None):
@@ -172,7 +216,10 @@ def numpy(features: Columns, label: Columns | None = None, name: str = "train", 
     check_uneven(uneven)
     s = open_shard(name)
     length = max(s.rows_per_rank) if uneven == "wrap" else min(s.rows_per_rank)
-    return _builder(s, features, label, None, model)(s.epoch_rows(0, length, False, 0))
+    make = lambda held: _builder(held, features, label, None, model)  # noqa: E731
+    make(s.sample())
+    parts = [make(held)(rows) for held, rows in s.epoch_windows(0, length, False, 0)]
+    return parts[0] if len(parts) == 1 else concat(parts)
 
 
 def _builder(s: Shard, features: Columns, label: Columns | None, sample_weight: str | None = None, model: Any = None):

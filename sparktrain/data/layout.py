@@ -34,10 +34,27 @@ def spool_file(name: str) -> str:
     return f"{name}.arrow"
 
 
-def write_manifest(directory: str, rank: int, rows: dict[str, list[int]]) -> None:
-    """Record every rank's row count per name (``rows[name][rank]``) beside the spool files."""
+def write_manifest(directory: str, rank: int, rows: dict[str, list[int]], scans: dict | None = None) -> None:
+    """Record every rank's row count per name (``rows[name][rank]``) beside the spool files, and,
+    for each DataFrame the rank reads from its files, its columns and this rank's row groups."""
     with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump({"rank": rank, "rows": rows}, f)
+        json.dump({"rank": rank, "rows": rows, "scans": scans or {}}, f)
+
+
+def scan_shares(scans, size: int, rank: int, rows: dict[str, list[int]]) -> dict:
+    """The manifest's ``scans`` for ``rank`` of ``size``: each scanned DataFrame's columns and this
+    rank's row groups (``sparktrain.data.scan.split``); every rank's count goes into ``rows``."""
+    import dataclasses
+
+    from .scan import split
+
+    out = {}
+    for name, scan in scans:
+        shares = split(scan.pieces, size)
+        rows[name] = [sum(scan.pieces[i].rows for i in share) for share in shares]
+        out[name] = {"columns": list(scan.columns),
+                     "pieces": [dataclasses.asdict(scan.pieces[i]) for i in shares[rank]]}
+    return out
 
 
 def read_manifest(directory: str) -> dict:

@@ -7,15 +7,13 @@ see :mod:`sparktrain.data.layout`), so every rank computes the same number of st
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import Sequence
 
 import numpy as np
 
-from ..seam import worker_env
-from ..errors import InvalidArgumentError, SparkTrainError
+from ..errors import InvalidArgumentError
 from . import layout
 
 #: How a rank whose shard is shorter than another's keeps step with it.
@@ -92,24 +90,20 @@ def _numpy(array) -> np.ndarray:
         return array.to_numpy(zero_copy_only=False)
 
 
-class Shard:
-    """This rank's rows of one named DataFrame.
+class Counts:
+    """What every kind of shard knows before it reads a row: every rank's row count of one named
+    DataFrame, and from it the steps every rank runs per epoch.
 
     Attributes: ``name``; ``rank``; ``rows`` (this rank's); ``rows_per_rank`` (every rank's, in
     rank order); ``total_rows``; ``columns`` (names, as in the DataFrame).
     """
 
-    def __init__(self, directory: str, name: str):
-        import pyarrow as pa
+    columns: list[str]
 
-        manifest = layout.read_manifest(directory)
-        if name not in manifest["rows"]:
-            raise InvalidArgumentError(
-                f"no DataFrame named {name!r} was fed to this run; it has {sorted(manifest['rows'])}. Pass "
-                f"data={{{name!r}: df, ...}} to sparktrain.run")
+    def __init__(self, name: str, rank: int, rows_per_rank: Sequence[int]):
         self.name = name
-        self.rank = int(manifest["rank"])
-        self.rows_per_rank: tuple[int, ...] = tuple(manifest["rows"][name])
+        self.rank = int(rank)
+        self.rows_per_rank: tuple[int, ...] = tuple(int(r) for r in rows_per_rank)
         self.rows = self.rows_per_rank[self.rank]
         self.total_rows = sum(self.rows_per_rank)
         if self.total_rows == 0:
@@ -118,24 +112,6 @@ class Shard:
             raise InvalidArgumentError(
                 f"the DataFrame fed as {name!r} has {self.total_rows} row(s), fewer than the "
                 f"{len(self.rows_per_rank)} ranks, so rank {self.rank} got none; every rank needs at least one row")
-        path = os.path.join(directory, layout.spool_file(name))
-        reader = pa.ipc.open_file(pa.memory_map(path, "r"))
-        self._pieces = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-        self.columns = [c for c in self._pieces[0].schema.names if c != layout.ROW_COLUMN]
-        lengths = np.array([b.num_rows for b in self._pieces], np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        ids = np.concatenate([_numpy(b.column(layout.ROW_COLUMN)) for b in self._pieces])
-        # The shuffle delivers rows in any order; the row ids (taken before it) fix one.
-        self._canonical = np.argsort(ids, kind="stable")
-        self._columns: dict[str, Column] = {}
-
-    def column(self, name: str) -> Column:
-        if name not in self._columns:
-            if name not in self.columns:
-                raise InvalidArgumentError(
-                    f"the DataFrame fed as {self.name!r} has no column {name!r}; it has {self.columns}")
-            self._columns[name] = Column(name, [b.column(name) for b in self._pieces], self._starts)
-        return self._columns[name]
 
     def steps_per_epoch(self, batch_size: int, uneven: str = "wrap") -> int:
         """Batches every rank yields per epoch: the longest shard's count with ``"wrap"`` (shorter
@@ -151,6 +127,73 @@ class Shard:
                 "batch_size or uneven='wrap'")
         return steps
 
+    def describe(self, batch_size: int, uneven: str) -> str:
+        steps = self.steps_per_epoch(batch_size, uneven)
+        counts = "/".join(str(r) for r in self.rows_per_rank)
+        head = f"sparktrain.data: {self.name!r} rank shards {counts} rows"
+        if uneven == "drop":
+            left = sum(r - steps * batch_size for r in self.rows_per_rank)
+            return (f"{head}; every rank stops at the shortest shard: {steps} steps per epoch of {batch_size}, "
+                    f"{left} rows left out each epoch")
+        if len(set(self.rows_per_rank)) > 1 or self.rows_per_rank[0] % batch_size:
+            return f"{head}; wrapping to {steps} steps per epoch of {batch_size} on every rank"
+        return f"{head}; {steps} steps per epoch of {batch_size} on every rank"
+
+
+class Pieces:
+    """Rows held as Arrow record batches (memory-mapped or in memory), gathered by position."""
+
+    name: str
+
+    def _hold(self, pieces: Sequence, columns: Sequence[str]) -> None:
+        self._pieces = list(pieces)
+        self.columns = [c for c in columns if c != layout.ROW_COLUMN]
+        lengths = np.array([b.num_rows for b in self._pieces], np.int64)
+        self.held_rows = int(lengths.sum())
+        self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self._columns: dict[str, Column] = {}
+
+    def column(self, name: str) -> Column:
+        if name not in self._columns:
+            if name not in self.columns:
+                raise InvalidArgumentError(
+                    f"the DataFrame fed as {self.name!r} has no column {name!r}; it has {self.columns}")
+            self._columns[name] = Column(name, [b.column(name) for b in self._pieces], self._starts)
+        return self._columns[name]
+
+
+class Window(Pieces):
+    """Some rows of a streamed shard (``sparktrain.data.stream``), held while they are batched."""
+
+    def __init__(self, name: str, pieces: Sequence, columns: Sequence[str]):
+        self.name = name
+        self._hold(pieces, columns)
+
+
+class Shard(Counts, Pieces):
+    """This rank's rows of one named DataFrame, spooled by its task and read memory-mapped."""
+
+    def __init__(self, directory: str, name: str, manifest: dict | None = None):
+        import pyarrow as pa
+
+        manifest = manifest if manifest is not None else read_manifest(directory, name)
+        super().__init__(name, manifest["rank"], manifest["rows"][name])
+        path = os.path.join(directory, layout.spool_file(name))
+        reader = pa.ipc.open_file(pa.memory_map(path, "r"))
+        pieces = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        self._hold(pieces, pieces[0].schema.names)
+        ids = np.concatenate([_numpy(b.column(layout.ROW_COLUMN)) for b in self._pieces])
+        # The shuffle delivers rows in any order; the row ids (taken before it) fix one.
+        self._canonical = np.argsort(ids, kind="stable")
+
+    def sample(self) -> "Shard":
+        """Rows to check the columns against and to take the batches' shapes from: all of them."""
+        return self
+
+    def epoch_windows(self, epoch: int, length: int, shuffle: bool, seed: int):
+        """The epoch as ``(rows held, positions in them)``: here one, the whole shard."""
+        yield self, self.epoch_rows(epoch, length, shuffle, seed)
+
     def epoch_rows(self, epoch: int, length: int, shuffle: bool, seed: int) -> np.ndarray:
         """``length`` file positions for one epoch: this shard's rows, each once before any twice.
 
@@ -165,18 +208,6 @@ class Shard:
             order = np.concatenate([rng.permutation(self.rows) for _ in range(laps)])[:length]
         return self._canonical[order]
 
-    def describe(self, batch_size: int, uneven: str) -> str:
-        steps = self.steps_per_epoch(batch_size, uneven)
-        counts = "/".join(str(r) for r in self.rows_per_rank)
-        head = f"sparktrain.data: {self.name!r} rank shards {counts} rows"
-        if uneven == "drop":
-            left = sum(r - steps * batch_size for r in self.rows_per_rank)
-            return (f"{head}; every rank stops at the shortest shard: {steps} steps per epoch of {batch_size}, "
-                    f"{left} rows left out each epoch")
-        if len(set(self.rows_per_rank)) > 1 or self.rows_per_rank[0] % batch_size:
-            return f"{head}; wrapping to {steps} steps per epoch of {batch_size} on every rank"
-        return f"{head}; {steps} steps per epoch of {batch_size} on every rank"
-
 
 def check_uneven(uneven: str) -> None:
     if uneven not in UNEVEN:
@@ -184,12 +215,11 @@ def check_uneven(uneven: str) -> None:
                                    f"shortest shard), got {uneven!r}")
 
 
-@functools.lru_cache(maxsize=None)
-def open_shard(name: str) -> Shard:
-    """This rank's shard of the DataFrame fed as ``name`` (opened once per process)."""
-    directory = os.environ.get(worker_env.DATA_DIR)
-    if not directory:
-        raise SparkTrainError(
-            "no DataFrame was fed to this process: sparktrain.data reads what sparktrain.run(..., data=df) "
-            "spools for each rank, inside train_fn")
-    return Shard(directory, name)
+def read_manifest(directory: str, name: str) -> dict:
+    """The spool directory's manifest, refusing a name the run was not fed."""
+    manifest = layout.read_manifest(directory)
+    if name not in manifest["rows"]:
+        raise InvalidArgumentError(
+            f"no DataFrame named {name!r} was fed to this run; it has {sorted(manifest['rows'])}. Pass "
+            f"data={{{name!r}: df, ...}} to sparktrain.run")
+    return manifest

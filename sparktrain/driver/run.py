@@ -173,15 +173,22 @@ def attempts(cfg: config.RunConfig, view: views.ClusterView, profile, spec, poli
     a = cfg.args
     # A fixed run's stage input is built before anything launches; an elastic one's for each size it takes.
     spec = dataclasses.replace(spec, user_env={**spec.user_env, **resume.env(cfg)})
+    frames = a.frames
+    if frames:  # the DataFrames the ranks read from their files leave the stage
+        from .launch.scans import file_scans
+
+        scans = file_scans(frames, spec.size)
+        frames = {n: df for n, df in frames.items() if n not in scans}
+        spec = dataclasses.replace(spec, feed=tuple(frames), scans=tuple(scans.items()))
     known = policy.known_size
-    sources: dict[int, Any] = {} if known is None else {known: _stage_input(a.frames, known)}
+    sources: dict[int, Any] = {} if known is None else {known: _stage_input(frames, known)}
     info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=a.stdout, stderr=a.stderr, timestamps=a.timestamps,
                    timeout=a.timeout, verbose=a.verbose)
     info.display.attach(log)
 
     def make_job(s, on_done):
         if s.size not in sources:
-            sources[s.size] = _stage_input(a.frames, s.size)
+            sources[s.size] = _stage_input(frames, s.size)
         return view.job(s, a.fn_name, on_done, sources[s.size], profile)
 
     return run_attempts(info, spec, make_job, cfg.driver_host, policy, sizer)

@@ -60,10 +60,11 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
             if spec.nics:  # the address this host offers the other ranks, on the network nics names
                 state.host = nics.own_address(spec.nics, f"rank {rank}'s host {host}")
             data_dir = spool = None
-            if spec.feed:
+            if spec.feed or spec.scans:  # the spool, and the cache of what the rank reads from files
                 owned.append(OwnedDir(f"sparktrain-{spec.run_id}-r{rank}-data-", local_dir()))
                 data_dir = owned[-1].path
                 watcher.own(data_dir)
+            if spec.feed:
                 spool = Spool(data_dir, spec.feed)
                 spool.consume(batches if batches is not None else ())
 
@@ -124,12 +125,14 @@ def _prepare(state: RankIO, met, gpu_addresses: Sequence[str] | None, workdir: s
     env = rankenv.rank_env(spec, rank, hosts, ports, master_port, topo, gpu_addresses, workdir,
                            state.collective_key, data_dir)
     state.progress_path = env[worker_env.PROGRESS_FILE]
-    if spool is not None:
+    if data_dir is not None:
         empty = [n for n in spec.feed if not sum(int(s.get(n, 0)) for s in shards)]
         if empty:  # every rank sees the same counts, so every rank stops here alike
             raise InvalidArgumentError(layout.no_rows(empty[0]))
-        state.emit("stderr", spool.describe(rank))
-        layout.write_manifest(data_dir, rank, {n: [int(s.get(n, 0)) for s in shards] for n in spec.feed})
+        if spool is not None:
+            state.emit("stderr", spool.describe(rank))
+        rows = {n: [int(s.get(n, 0)) for s in shards] for n in spec.feed}
+        layout.write_manifest(data_dir, rank, rows, layout.scan_shares(spec.scans, spec.size, rank, rows))
     state.startup = tflog.StartupFilter(tflog.level_from_env(env), no_gpu=not spec.use_gpu)
     with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
         f.write(spec.payload)

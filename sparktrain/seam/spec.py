@@ -42,6 +42,9 @@ class TaskSpec:
     #: The names of the DataFrames fed to the run (``run(..., data=...)``), in the order the stage's
     #: input numbers them; empty when no data is fed.
     feed: tuple[str, ...] = ()
+    #: The fed DataFrames the ranks read from their Parquet files instead, as ``(name, data.scan.Scan)``:
+    #: every row group of each; each rank reads its share (``data.scan.split``) and no stage carries them.
+    scans: tuple = dataclasses.field(default=(), repr=False)
     #: Send each rank's output tail back with the result: the client cannot be reached for live
     #: output (Spark Connect, ranks meeting through the barrier allGather).
     return_output: bool = False

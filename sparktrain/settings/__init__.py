@@ -13,7 +13,7 @@ from typing import Any, Callable
 from ..host import nics
 from ..seam import worker_env
 from .record import RankSettings, Settings, names as record_names
-from .parsers import (choice as _choice, parse_bool, parse_gc_threshold, parse_legacy_keras, parse_positive_int,
+from .parsers import (choice as _choice, parse_bool, parse_bytes_or_auto, parse_gc_threshold, parse_legacy_keras, parse_positive_int,
                       parse_seconds, parse_seconds_or_off, parse_spin, url as _url)
 
 
@@ -133,6 +133,13 @@ SETTINGS = {
                 "keep each rank on cores of its own, the host's cores split among its ranks: 'auto' (where the "
                 "ranks own the machine: local mode and local masters, and only when ranks do not outnumber "
                 "cores), 'on' (on clusters too) or 'off'",
+                read_in="rank"),
+        Setting("data_cache_limit", "SPARKTRAIN_DATA_CACHE_LIMIT", "spark.sparktrain.dataCacheLimit", "auto",
+                parse_bytes_or_auto,
+                "bytes of local disk each rank may keep of a DataFrame it reads from its files (run's data= of a "
+                "Parquet scan), so that later epochs read it from there; what does not fit is read from the "
+                "files again each epoch. 'auto': half the free space of the executor's local directory, shared "
+                "among the host's ranks; 0 keeps nothing",
                 read_in="rank"),
         Setting("gc_threshold", worker_env.GC_THRESHOLD, "spark.sparktrain.gcThreshold",
                 worker_env.GC_THRESHOLD_DEFAULT, parse_gc_threshold,

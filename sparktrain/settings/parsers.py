@@ -65,6 +65,32 @@ def parse_positive_int(name: str, value: Any) -> int:
     return value
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes_or_auto(name: str, value: Any) -> int | str:
+    """``"auto"``, or a size in bytes: a whole number, or one with a unit (``512m``, ``20g``, ``1.5t``;
+    ``kb``/``mb``/``gb``/``tb`` and ``KiB``-style spellings too), at least 0.
+
+    >>> parse_bytes_or_auto("n", "20g"), parse_bytes_or_auto("n", 1024), parse_bytes_or_auto("n", "auto")
+    (21474836480, 1024, 'auto')
+    """
+    given = value
+    if isinstance(value, str):
+        text = value.strip().lower().replace("ib", "").rstrip("b")
+        if text == "auto":
+            return "auto"
+        number, unit = text.rstrip("kmgt"), text[len(text.rstrip("kmgt")):]
+        try:
+            value = int(float(number) * _UNITS[unit]) if number and len(unit) <= 1 else None
+        except (ValueError, KeyError):
+            value = None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"{name} must be 'auto' or a size in bytes such as 20g, 512m or 1073741824; "
+                                   f"got {given!r}")
+    return value
+
+
 def parse_gc_threshold(name: str, value: Any) -> str:
     """``"python"``, or three whole numbers for ``gc.set_threshold``, as ``"700,10,100"``.
 

@@ -30,6 +30,7 @@ class RankSettings:
     legacy_keras: bool | None
     pin_cores: str
     gc_threshold: str
+    data_cache_limit: int | str
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False, kw_only=True)
 
     def origin(self, name: str) -> str:

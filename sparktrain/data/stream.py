@@ -1,0 +1,234 @@
+"""This rank's share of a scanned DataFrame, read from its Parquet files while the rank trains.
+
+The rank's row groups (``sparktrain.data.scan.split``) are read a few thousand rows at a time,
+each epoch in a new order of row groups drawn from the seed, the rows mixed in a shuffle buffer of
+:data:`SHUFFLE_ROWS` rows before they are batched; so the first batch needs only the first read.
+What is read is kept in a local cache, uncompressed Arrow files beside the rank's work directory,
+up to the ``data_cache_limit`` setting: an epoch reads what the cache holds from there and the rest
+from the files again, and once the cache holds the whole shard, each epoch is a full permutation
+of it, gathered memory-mapped. The cache goes with the rank's task, as the spool does.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, SparkTrainError
+from .scan import Piece, open_parquet
+from .shard import Counts, Window
+
+#: Rows per read from a row group: the first batch waits for one read.
+READ_ROWS = 1 << 16
+#: Rows the shuffle buffer mixes at a time while rows stream in.
+SHUFFLE_ROWS = 1 << 18
+
+
+def cache_limit(directory: str, local_size: int, setting) -> int:
+    """Bytes this rank may keep in its cache: the setting, or, for 'auto', half of the free space
+    of ``directory``'s disk shared among the host's ranks."""
+    if setting != "auto":
+        return int(setting)
+    free = shutil.disk_usage(directory).free
+    return free // 2 // max(1, local_size)
+
+
+class Cache:
+    """Row groups this rank has read, as Arrow IPC files under ``directory``, up to ``limit`` bytes
+    on disk: a row group is kept only if it fits whole; one that would pass the limit is dropped
+    as it is written, so the disk holds at most the limit and one read."""
+
+    def __init__(self, directory: str, limit: int):
+        self.directory = directory
+        self.limit = limit
+        self.used = 0
+        self.held: dict[int, str] = {}
+        self._busy: set[int] = set()
+        self._lock = threading.Lock()
+        os.makedirs(directory, exist_ok=True)
+
+    def claim(self, index: int, piece: Piece) -> bool:
+        """Whether to write row group ``index`` now (it may fit, and nobody else is writing it)."""
+        with self._lock:
+            if index in self.held or index in self._busy or self.used + piece.nbytes > self.limit:
+                return False
+            self._busy.add(index)
+            return True
+
+    def writer(self, index: int):
+        return _CacheWriter(self, index)
+
+    def batches(self, index: int) -> list:
+        import pyarrow as pa
+
+        reader = pa.ipc.open_file(pa.memory_map(self.held[index], "r"))
+        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+
+
+class _CacheWriter:
+    """One row group on its way into the cache; :meth:`done` keeps it, :meth:`drop` removes it."""
+
+    def __init__(self, cache: Cache, index: int):
+        self.cache, self.index = cache, index
+        self.path = os.path.join(cache.directory, f"{index}.arrow")
+        self.part = self.path + ".part"
+        self._writer = None
+        self.ok = True
+
+    def write(self, batch) -> None:
+        import pyarrow as pa
+
+        if not self.ok:
+            return
+        if self._writer is None:
+            self._writer = pa.ipc.new_file(self.part, batch.schema)
+        self._writer.write_batch(batch)
+        if self.cache.used + os.path.getsize(self.part) > self.cache.limit:
+            self.drop()
+
+    def done(self) -> None:
+        if not self.ok or self._writer is None:
+            return self.drop()
+        self._writer.close()
+        os.replace(self.part, self.path)
+        with self.cache._lock:
+            self.cache.used += os.path.getsize(self.path)
+            self.cache.held[self.index] = self.path
+            self.cache._busy.discard(self.index)
+
+    def drop(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if os.path.exists(self.part):
+            os.remove(self.part)
+        self.ok = False
+        with self.cache._lock:
+            self.cache._busy.discard(self.index)
+
+
+class StreamShard(Counts):
+    """This rank's row groups of one scanned DataFrame (the manifest's ``scans[name]``)."""
+
+    def __init__(self, directory: str, name: str, manifest: dict):
+        from ..settings import rank as rank_settings
+        from ..seam import worker_env
+
+        super().__init__(name, manifest["rank"], manifest["rows"][name])
+        entry = manifest["scans"][name]
+        self.columns = list(entry["columns"])
+        self.pieces = [Piece(**p) for p in entry["pieces"]]
+        local_size = int(os.environ.get(worker_env.LOCAL_SIZE, "1"))
+        limit = cache_limit(directory, local_size, rank_settings.current().data_cache_limit)
+        self.cache = Cache(os.path.join(directory, f"{name}.cache"), limit)
+        self._sample: Window | None = None
+        self._whole: Window | None = None
+
+    def sample(self) -> Window:
+        """The first read of the first row group: the columns are checked, and the batches' shapes
+        taken, on it."""
+        if self._sample is None:
+            self._sample = Window(self.name, [next(iter(self._read(0, keep=False)))], self.columns)
+        return self._sample
+
+    def epoch_windows(self, epoch: int, length: int, shuffle: bool, seed: int) -> Iterator[tuple[Window, np.ndarray]]:
+        """``length`` rows for one epoch, as ``(rows held, positions in them)``: this shard's rows,
+        each once before any twice, in an order drawn from ``(seed, rank, epoch)``."""
+        rng = np.random.default_rng([seed, self.rank, epoch])
+        if shuffle and len(self.cache.held) == len(self.pieces):
+            whole = self._cached_whole()
+            laps = -(-length // whole.held_rows)
+            yield whole, np.concatenate([rng.permutation(whole.held_rows) for _ in range(laps)])[:length]
+            return
+        left = length
+        while left > 0:
+            order = rng.permutation(len(self.pieces)) if shuffle else range(len(self.pieces))
+            for held in self._buffers(order):
+                window = Window(self.name, held, self.columns)
+                n = min(window.held_rows, left)
+                yield window, rng.permutation(window.held_rows)[:n] if shuffle else np.arange(n)
+                left -= n
+                if left == 0:
+                    return
+
+    def _cached_whole(self) -> Window:
+        if self._whole is None:
+            pieces = [b for i in range(len(self.pieces)) for b in self.cache.batches(i)]
+            self._whole = Window(self.name, pieces, self.columns)
+        return self._whole
+
+    def _buffers(self, order) -> Iterator[list]:
+        held, rows = [], 0
+        for index in order:
+            for batch in self._read(index):
+                held.append(batch)
+                rows += batch.num_rows
+                if rows >= SHUFFLE_ROWS:
+                    yield held
+                    held, rows = [], 0
+        if held:
+            yield held
+
+    def _read(self, index: int, keep: bool = True) -> Iterator:
+        """Row group ``index``'s rows, from the cache where it holds them, else from its file (and
+        into the cache, where it fits)."""
+        if index in self.cache.held:
+            yield from self.cache.batches(index)
+            return
+        piece = self.pieces[index]
+        writer = self.cache.writer(index) if keep and self.cache.claim(index, piece) else None
+        seen = 0
+        complete = False
+        try:
+            for batch in self._from_file(piece):
+                seen += batch.num_rows
+                if writer is not None:
+                    writer.write(batch)
+                yield batch
+            if seen != piece.rows:
+                raise SparkTrainError(
+                    f"sparktrain.data: {piece.path} row group {piece.row_group} of the DataFrame fed as "
+                    f"{self.name!r} holds {seen} rows, where its footer said {piece.rows} when the run started: "
+                    "the table changed under the run")
+            complete = True
+        finally:
+            if writer is not None:
+                writer.done() if complete else writer.drop()
+
+    def _from_file(self, piece: Piece) -> Iterator:
+        try:
+            parquet, f = open_parquet(piece.path)
+        except (OSError, ValueError) as e:
+            raise SparkTrainError(f"sparktrain.data: could not open {piece.path} of the DataFrame fed as "
+                                  f"{self.name!r}: {e}") from e
+        try:
+            reads = parquet.iter_batches(batch_size=READ_ROWS, row_groups=[piece.row_group], columns=self.columns)
+            while True:
+                try:
+                    batch = next(reads)
+                except StopIteration:
+                    return
+                except (OSError, ValueError) as e:  # pyarrow's errors are OSError or ValueError kinds
+                    raise SparkTrainError(
+                        f"sparktrain.data: could not read {piece.path} row group {piece.row_group} of the "
+                        f"DataFrame fed as {self.name!r}: {e}") from e
+                if batch.num_rows:
+                    yield batch
+        finally:
+            parquet.close()
+            if f is not None:
+                f.close()
+
+
+def concat(parts: list):
+    """One structure of arrays from the structures each window built (``sparktrain.data.numpy``)."""
+    first = parts[0]
+    if isinstance(first, dict):
+        return {k: concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, tuple):
+        return tuple(concat([p[i] for p in parts]) for i in range(len(first)))
+    if not isinstance(first, np.ndarray):
+        raise InvalidArgumentError(f"cannot join batches of {type(first).__name__}")
+    return np.concatenate(parts)

@@ -1,0 +1,128 @@
+"""Which fed DataFrames the ranks read straight from their Parquet files, and those files' row groups.
+
+A DataFrame whose optimized plan is a Parquet scan, with at most a choice of its columns (no
+filter, no computed column, no limit), needs no Spark stage to reach the ranks: the driver reads
+the files' footers here (their row groups and row counts, a few KiB a file, in a pool of threads),
+and each rank reads its contiguous share of the row groups itself (``sparktrain.data.scan``,
+``sparktrain.data.stream``). Any other plan, or a scan whose files the driver cannot read with
+fsspec, travels through the run's barrier stage as before (``feed.stage_input``); the run's log
+says which and why.
+
+Only the DataFrame API is used (the plan's text, ``inputFiles``), so the same path serves classic and
+Spark Connect sessions.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping
+
+from ...data import layout
+from ...data.scan import Piece, Scan, open_parquet
+from ...errors import InvalidArgumentError
+from .feed import column_kind
+
+log = logging.getLogger("sparktrain")
+
+_ATTRIBUTE = r"[^\s,\[\]]+#\d+L?"
+_PLAN = re.compile(rf"^(?:Project \[(?:{_ATTRIBUTE})(?:, {_ATTRIBUTE})*\]\n\+- )?Relation (?:\S+ )?\[[^\n]*\] parquet$")
+#: Threads that read the footers.
+FOOTER_THREADS = 16
+
+
+def file_scans(frames: Mapping[str, Any], size: int) -> dict[str, Scan]:
+    """The fed DataFrames the ranks can read from their files, by name, each split into at least
+    ``size`` row groups' worth (a DataFrame of fewer row groups than ranks goes through Spark)."""
+    out = {}
+    for name, df in frames.items():
+        reason, scan = _scan(name, df)
+        if scan is not None and len(scan.pieces) < size:
+            reason, scan = f"its {len(scan.pieces)} row group(s) are fewer than the {size} ranks", None
+        if scan is None:
+            log.info("sparktrain: data[%r] goes through the run's Spark stage (one shuffle): %s", name, reason)
+            continue
+        log.info("sparktrain: data[%r] is read by the ranks from its files: %d rows in %d row groups of %d file(s)",
+                 name, scan.rows, len(scan.pieces), len({p.path for p in scan.pieces}))
+        out[name] = scan
+    return out
+
+
+def _scan(name: str, df) -> tuple[str, Scan | None]:
+    plan = optimized_plan(df)
+    if plan is None or not _PLAN.match(plan.strip()):
+        return "its plan is not a plain scan of Parquet files", None
+    if any(column_kind(f.dataType) == "vector" for f in df.schema.fields):
+        return "it holds ml Vectors, which Spark converts", None
+    files = sorted(df.inputFiles())
+    if not files:
+        return "it has no files", None
+    columns = tuple(df.schema.names)
+    try:
+        with ThreadPoolExecutor(min(FOOTER_THREADS, len(files))) as pool:
+            footers = list(pool.map(lambda f: _footer(f, columns), files))
+    except _NotDirect as e:
+        return str(e), None
+    except Exception as e:  # noqa: BLE001 - a file this process cannot read: Spark reads it instead
+        return f"the driver could not read its files' footers ({type(e).__name__}: {e})", None
+    types = {f[0] for f in footers}
+    if len(types) > 1:
+        return "its files hold the columns in different types", None
+    pieces = tuple(p for _, ps, _ in footers for p in ps)
+    nulls = {}
+    for _, _, counts in footers:
+        for column, n in counts.items():
+            nulls[column] = nulls.get(column, 0) + n
+    bad = {c: n for c, n in nulls.items() if n}
+    if bad:
+        column, n = next(iter(bad.items()))
+        raise InvalidArgumentError(
+            f"data[{name!r}]: column {column!r} has {n} null value(s) (the files' statistics say so); fill or drop "
+            f"them in Spark (df.fillna(...) or df.dropna(subset=[{column!r}]))")
+    scan = Scan(columns=columns, pieces=tuple(p for p in pieces if p.rows))
+    if scan.rows == 0:
+        raise InvalidArgumentError(layout.no_rows(name))
+    return "", scan
+
+
+class _NotDirect(Exception):
+    """A file of the scan that the ranks could not read as Spark does."""
+
+
+def _footer(url: str, columns: tuple[str, ...]):
+    """``(the columns' Arrow types, the file's row groups, null counts of its scalar columns)``."""
+    parquet, f = open_parquet(url)
+    try:
+        schema = parquet.schema_arrow
+        missing = [c for c in columns if c not in schema.names]
+        if missing:
+            raise _NotDirect(f"its column(s) {missing} are not in {url} as named (partition columns, or "
+                             "names Spark matched without case)")
+        meta = parquet.metadata
+        paths = {meta.schema.column(j).path: j for j in range(meta.num_columns)}
+        pieces, nulls = [], {c: 0 for c in columns if c in paths}
+        for i in range(meta.num_row_groups):
+            rg = meta.row_group(i)
+            pieces.append(Piece(url, i, rg.num_rows, rg.total_byte_size))
+            for c in nulls:
+                stats = rg.column(paths[c]).statistics
+                if stats is not None and stats.has_null_count:
+                    nulls[c] += stats.null_count
+        return tuple(str(schema.field(c).type) for c in columns), pieces, nulls
+    finally:
+        parquet.close()
+        if f is not None:
+            f.close()
+
+
+def optimized_plan(df) -> str | None:
+    """The DataFrame's optimized logical plan as Spark prints it; None where it cannot be had."""
+    jdf = getattr(df, "_jdf", None)
+    try:
+        if jdf is not None:
+            return str(jdf.queryExecution().optimizedPlan().toString())
+        text = df._explain_string(mode="extended")  # Spark Connect: the server's plan
+    except Exception:  # noqa: BLE001 - without the plan, the stage's shuffle serves
+        return None
+    found = re.search(r"== Optimized Logical Plan ==\n(.*?)\n\n== Physical Plan ==", text, re.S)
+    return found.group(1) if found else None
