@@ -1,21 +1,26 @@
 #!/usr/bin/env python
-"""Feeding throughput: rows per second into ``model.fit`` from a 2 M-row table, ``data=`` and its peers.
+"""The feed at scale: time to the first batch, steady rows/s and local disk for ``run(data=df)``,
+at several table sizes, against the in-memory ceiling and the peers, in one run.
 
-Every contender is one ``sparktrain.run`` on 3 ranks of a local Spark, so what differs is only how
-the rows reach ``model.fit``. The model is trivial (one Dense unit, a plain optimizer, no
+Every contender is one ``sparktrain.run`` on 2 ranks of ``local[2]``, so what differs is only how
+rows reach ``model.fit``. The model is trivial (one Dense unit, a plain optimizer, no
 collective), so feeding dominates. Each rank measures:
 - time to first batch: from the driver calling ``run`` to rank 0's first training batch;
-- steady state: the rows of epochs 2.. divided by their time, summed over the 3 ranks.
+- steady state: the rows of epochs 2.. divided by their time, summed over the ranks;
+- peak local disk: the rank's data directory (spool or cache), sampled every 0.2 s.
 
-Contenders:
-- ``data=df``: ``sparktrain.run(..., data=spark.read.parquet(table))`` and
-  ``sparktrain.data.dataset("x", label="y", batch_size=B)``;
-- in-memory numpy (the ceiling): each rank makes its share of rows with numpy, ``fit(x, y)``;
-- pyarrow per rank: each rank reads ``files[rank::3]`` of the table's Parquet files, ``fit(x, y)``;
-- petastorm: ``make_spark_converter(df).make_tf_dataset(cur_shard=rank, shard_count=3)``, if it
-  imports and runs with this pyspark and pyarrow.
+Contenders, at each size of ``--rows`` (Parquet tables of 16 float features written by Spark):
+- ``data=df`` of the table (a Parquet scan: the ranks read their row groups, cache under
+  ``--cache-limit``);
+- ``data=df`` of a plan that is not a plain scan (a filter that keeps every row: one shuffle and a
+  spool), at the sizes up to ``--peer-rows``;
+- pyarrow per rank: each rank reads ``files[rank::2]`` into memory, then ``fit(x, y)``, up to
+  ``--peer-rows``;
+- in-memory numpy (the ceiling): each rank makes its share with numpy, at the smallest size (its
+  rate does not depend on the table's).
 
-    python benchmarks/feed_throughput.py [--rows 2000000] [--epochs 4] [--write benchmarks/RESULTS.md]
+    python benchmarks/feed_throughput.py [--rows 1000000,10000000,50000000] [--cache-limit 512m]
+        [--write benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,13 +41,38 @@ from common import failed, machine_line, settle, text_table, write_section  # no
 SECTION_BEGIN = "<!-- feed_throughput:begin -->"
 SECTION_END = "<!-- feed_throughput:end -->"
 FEATURES = 16
-RANKS = 3
+RANKS = 2
 
 
-def fit_and_time(source, started: float, epochs: int, batch_size: int, steps=None):
+def _disk(directory: str) -> int:
+    total = 0
+    for d, _, files in os.walk(directory):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except OSError:
+                pass
+    return total
+
+
+def watch_disk() -> dict:
+    """In a rank: the peak bytes of its data directory, sampled every 0.2 s until ``stop`` is set."""
+    box = {"peak": 0, "stop": threading.Event()}
+    directory = os.environ.get("SPARKTRAIN_DATA_DIR")
+
+    def loop():
+        while directory and not box["stop"].wait(0.2):
+            box["peak"] = max(box["peak"], _disk(directory))
+
+    threading.Thread(target=loop, daemon=True).start()
+    return box
+
+
+def fit_and_time(source, started: float, epochs: int, batch_size: int):
     """In a rank: fit the trivial model on ``source`` (a dataset or ``(x, y)``); return timings."""
     import keras
 
+    disk = watch_disk()
     times: list[float] = []
     first: list[float] = []
 
@@ -61,19 +92,25 @@ def fit_and_time(source, started: float, epochs: int, batch_size: int, steps=Non
     if isinstance(source, tuple):
         x, y = source
         model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=True, callbacks=[Clock()])
-        rows_per_epoch = len(x)
+        rows_per_epoch = len(x) // batch_size * batch_size
     else:
-        model.fit(source, epochs=epochs, verbose=0, callbacks=[Clock()], steps_per_epoch=steps)
-        rows_per_epoch = (steps or int(source.cardinality())) * batch_size
+        model.fit(source, epochs=epochs, verbose=0, callbacks=[Clock()])
+        rows_per_epoch = int(source.cardinality()) * batch_size
+    disk["stop"].set()
     steady = times[-1] - times[1]
-    return {"first": first[0] - started, "rows_per_s": rows_per_epoch * (epochs - 1) / steady}
+    return {"first": first[0] - started, "rows_per_s": rows_per_epoch * (epochs - 1) / steady, "disk": disk["peak"]}
 
 
 def with_data(started, epochs, batch_size):
     import sparktrain.data
 
     ds = sparktrain.data.dataset("x", label="y", batch_size=batch_size, seed=0)
-    return fit_and_time(ds, started, epochs, batch_size)
+    got = fit_and_time(ds, started, epochs, batch_size)
+    s = sparktrain.data.shard()
+    cache = getattr(s, "cache", None)
+    got["limit"] = cache.limit if cache is not None else None
+    got["row_group"] = max(p.nbytes for p in s.pieces) if cache is not None else 0
+    return got
 
 
 def in_memory(started, epochs, batch_size, rows):
@@ -94,31 +131,22 @@ def pyarrow_files(started, epochs, batch_size, table):
     import sparktrain
 
     files = sorted(glob.glob(os.path.join(table, "*.parquet")))[sparktrain.rank()::sparktrain.size()]
-    t = pq.read_table(files, columns=["x", "y"]) if files else None
+    t = pq.read_table(files, columns=["x", "y"])
     x = t.column("x").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES)
     y = t.column("y").to_numpy()
-    # Shards of unequal size would run unequal steps; with no collective in the step that only
-    # shows as one rank finishing first, which the steady-state rate already accounts for.
     return fit_and_time((np.ascontiguousarray(x), y), started, epochs, batch_size)
-
-
-def petastorm_rank(started, epochs, batch_size, converter):
-    import sparktrain
-
-    steps = len(converter) // (batch_size * RANKS)
-    with converter.make_tf_dataset(batch_size=batch_size, cur_shard=sparktrain.rank(), shard_count=RANKS,
-                                   num_epochs=None, workers_count=1) as ds:
-        ds = ds.map(lambda row: (row.x, row.y))
-        return fit_and_time(ds, started, epochs, batch_size, steps=steps)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=2_000_000)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--rows", default="1000000,10000000,50000000")
+    parser.add_argument("--peer-rows", type=int, default=10_000_000, help="the peers run at sizes up to this")
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--cache-limit", default="512m", help="each rank's data_cache_limit")
     parser.add_argument("--write", metavar="RESULTS.md")
     args = parser.parse_args()
+    sizes = [int(r) for r in args.rows.split(",")]
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     import sparktrain
     from sparktrain.driver.launch.cluster import start_session
@@ -128,66 +156,72 @@ def main() -> int:
     from pyspark.sql import functions as F
 
     work = tempfile.mkdtemp(prefix="feed-bench-")
-    table = os.path.join(work, "table")
-    spark.range(0, args.rows, 1, 6).select(
-        F.array(*[F.rand(i).cast("float") for i in range(FEATURES)]).alias("x"),
-        F.rand(99).cast("float").alias("y")).write.parquet(table)
-    df = spark.read.parquet(table)
-    env = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "SPARKTRAIN_DATA_CACHE_LIMIT": args.cache_limit}
     b, e = args.batch_size, args.epochs
+    results: list[tuple[int, str, dict | str]] = []
 
-    def petastorm_run(started):
-        from petastorm.spark import SparkDatasetConverter, make_spark_converter
-
-        spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, "file://" + os.path.join(work, "petastorm"))
-        converter = make_spark_converter(df)
-        try:
-            return sparktrain.run(petastorm_rank, args=(started, e, b, converter), num_proc=RANKS, env=env, verbose=0)
-        finally:
-            converter.delete()
-
-    contenders = [
-        ("in-memory numpy (ceiling)", lambda t: sparktrain.run(in_memory, args=(t, e, b, args.rows), num_proc=RANKS,
-                                                              env=env, verbose=0)),
-        ("data=df (sparktrain)", lambda t: sparktrain.run(with_data, args=(t, e, b), num_proc=RANKS, env=env,
-                                                         verbose=0, data=df)),
-        ("pyarrow, files[rank::3] per rank", lambda t: sparktrain.run(pyarrow_files, args=(t, e, b, table),
-                                                                     num_proc=RANKS, env=env, verbose=0)),
-        ("petastorm make_spark_converter", petastorm_run),
-    ]
-    results: dict[str, dict | str] = {}
-    for name, go in contenders:
+    def measure(rows: int, name: str, go) -> None:
         settle()
         try:
-            # Rank 0's numbers; the steady rate is per rank, and every rank runs the same loop.
-            got = go(time.time())
-            results[name] = {"first": got["first"], "rows_per_s": got["rows_per_s"] * RANKS}
+            got = go(time.time())  # rank 0's numbers; every rank runs the same loop
+            got = {**got, "rows_per_s": got["rows_per_s"] * RANKS}
         except Exception as exc:  # noqa: BLE001 - one contender failing must not stop the others
-            results[name] = failed(name, exc)
+            got = failed(name, exc)
+        results.append((rows, name, got))
+        print(rows, name, got, flush=True)
+
+    for rows in sizes:
+        table = os.path.join(work, f"table-{rows}")
+        spark.range(0, rows, 1, 6).select(
+            F.array(*[F.rand(i).cast("float") for i in range(FEATURES)]).alias("x"),
+            F.rand(99).cast("float").alias("y")).write.parquet(table)
+        df = spark.read.parquet(table)
+        if rows == sizes[0]:
+            measure(rows, "in-memory numpy (ceiling)",
+                    lambda t: sparktrain.run(in_memory, args=(t, e, b, rows), num_proc=RANKS, env=env, verbose=0))
+        measure(rows, "data=df, Parquet scan (sparktrain)",
+                lambda t: sparktrain.run(with_data, args=(t, e, b), num_proc=RANKS, env=env, verbose=0, data=df))
+        if rows <= args.peer_rows:
+            shuffled = df.where(F.col("y") >= 0)  # every row; not a plain scan
+            measure(rows, "data=df, other plan (one shuffle, spool)",
+                    lambda t: sparktrain.run(with_data, args=(t, e, b), num_proc=RANKS, env=env, verbose=0,
+                                             data=shuffled))
+            measure(rows, "pyarrow, files[rank::2] in memory",
+                    lambda t: sparktrain.run(pyarrow_files, args=(t, e, b, table), num_proc=RANKS, env=env,
+                                             verbose=0))
+        shutil.rmtree(table, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
 
-    ceiling = results["in-memory numpy (ceiling)"]
-    header = ["contender", "steady rows/s (3 ranks)", "vs in-memory", "time to first batch (s)"]
-    rows = []
-    for name, got in results.items():
+    ceiling = next((g for _, n, g in results if n.startswith("in-memory") and isinstance(g, dict)), None)
+    first_small = next((g["first"] for r, n, g in results if n.startswith("data=df, Parquet") and r == sizes[0]
+                        and isinstance(g, dict)), None)
+    header = ["rows", "contender", "steady rows/s (2 ranks)", "vs in-memory", "first batch (s)",
+              "vs first at smallest", "peak disk per rank (MiB)", "cache limit + a row group (MiB)"]
+    table_rows = []
+    for rows, name, got in results:
         if isinstance(got, str):
-            rows.append([name, got])
+            table_rows.append([f"{rows:,}", name, got])
             continue
-        ratio = got["rows_per_s"] / ceiling["rows_per_s"] if isinstance(ceiling, dict) else float("nan")
-        rows.append([name, f"{got['rows_per_s']:,.0f}", f"{ratio:.2f}x", f"{got['first']:.1f}"])
-    machine = machine_line(["tensorflow", "pyarrow", "petastorm"], master)
+        ratio = got["rows_per_s"] / ceiling["rows_per_s"] if ceiling else float("nan")
+        vs_first = f"{got['first'] / first_small:.2f}x" if first_small and "Parquet" in name else ""
+        bound = (f"{(got['limit'] + got['row_group']) / 2**20:,.0f}" if got.get("limit") is not None else "")
+        table_rows.append([f"{rows:,}", name, f"{got['rows_per_s']:,.0f}", f"{ratio:.2f}x", f"{got['first']:.1f}",
+                           vs_first, f"{got['disk'] / 2**20:,.0f}", bound])
+    machine = machine_line(["tensorflow", "pyarrow"], master)
     print(machine)
-    print(text_table(header, rows))
+    print(text_table(header, table_rows))
     if args.write:
-        intro = (f"Rows per second into `model.fit` of a one-unit Dense model (no collective, so feeding "
-                 f"dominates), from a {args.rows:,}-row Parquet table of {FEATURES} float features, batch "
-                 f"{b} per rank, {e} epochs; steady state is epochs 2-{e}, summed over {RANKS} ranks. Time to "
-                 "first batch runs from the driver's `run` call to rank 0's first batch, so it includes the "
-                 "launch, and for `data=` the shuffle and the spool. Every contender runs inside "
-                 "`sparktrain.run` on the same session.")
+        intro = (f"`run(data=df)` at {', '.join(f'{r:,}' for r in sizes)} rows of {FEATURES} float features "
+                 f"(Parquet written by Spark in 6 files), {RANKS} ranks, batch {b} per rank, {e} epochs, each "
+                 f"rank's `data_cache_limit` {args.cache_limit}. A one-unit Dense model, no collective, so "
+                 "feeding dominates. Steady state is epochs 2.., summed over the ranks; the first batch is "
+                 "timed from the driver's `run` call to rank 0's first batch (launch included); peak disk is "
+                 "rank 0's data directory (cache or spool), sampled every 0.2 s. The in-memory ceiling runs "
+                 "at the smallest size: its rate does not depend on the table's. One run, one session.")
         write_section(
-            args.write, SECTION_BEGIN, SECTION_END, "DataFrame feeding throughput", intro, machine,
-            "python benchmarks/feed_throughput.py --write benchmarks/RESULTS.md", header, rows)
+            args.write, SECTION_BEGIN, SECTION_END, "The feed at scale", intro, machine,
+            f"python benchmarks/feed_throughput.py --rows {args.rows} --cache-limit {args.cache_limit} "
+            "--write benchmarks/RESULTS.md", header, table_rows)
     spark.stop()
     return 0
 

@@ -70,10 +70,13 @@ class Column:
         if len(self.views) == 1:
             return self._take_one(0, positions)
         piece = np.searchsorted(self.starts, positions, side="right") - 1
+        order = np.argsort(piece, kind="stable")  # the positions grouped by piece, one take per piece
+        bounds = np.searchsorted(piece[order], np.arange(len(self.views) + 1))
         out = np.empty((len(positions),) + self.row_shape, self.dtype)
-        for p in np.unique(piece):
-            where = piece == p
-            out[where] = self._take_one(p, positions[where] - self.starts[p])
+        for p in range(len(self.views)):
+            where = order[bounds[p]:bounds[p + 1]]
+            if len(where):
+                out[where] = self._take_one(p, positions[where] - self.starts[p])
         return out
 
     def _take_one(self, p: int, local: np.ndarray) -> np.ndarray:

@@ -1,8 +1,9 @@
 """This rank's share of a scanned DataFrame, read from its Parquet files while the rank trains.
 
-The rank's row groups (``sparktrain.data.scan.split``) are read a few thousand rows at a time,
-each epoch in a new order of row groups drawn from the seed, the rows mixed in a shuffle buffer of
-:data:`SHUFFLE_ROWS` rows before they are batched; so the first batch needs only the first read.
+The rank's row groups (``sparktrain.data.scan.split``) are read :data:`READ_ROWS` rows at a time,
+each epoch in a new order of row groups drawn from the seed, the rows mixed in a shuffle buffer
+before they are batched (the epoch's first buffer one read, each next twice as large, up to
+:data:`SHUFFLE_ROWS`); so an epoch's first batch waits for one read only.
 What is read is kept in a local cache, uncompressed Arrow files beside the rank's work directory,
 up to the ``data_cache_limit`` setting: an epoch reads what the cache holds from there and the rest
 from the files again, and once the cache holds the whole shard, each epoch is a full permutation
@@ -146,7 +147,7 @@ class StreamShard(Counts):
         while left > 0:
             order = rng.permutation(len(self.pieces)) if shuffle else range(len(self.pieces))
             for held in self._buffers(order):
-                window = Window(self.name, held, self.columns)
+                window = Window(self.name, _joined(held), self.columns)
                 n = min(window.held_rows, left)
                 yield window, rng.permutation(window.held_rows)[:n] if shuffle else np.arange(n)
                 left -= n
@@ -160,14 +161,16 @@ class StreamShard(Counts):
         return self._whole
 
     def _buffers(self, order) -> Iterator[list]:
-        held, rows = [], 0
+        """The epoch's reads in buffers to shuffle: the first of one read, so that the epoch's
+        first batch waits for one read only, each next one twice as large, up to SHUFFLE_ROWS."""
+        held, rows, fill = [], 0, READ_ROWS
         for index in order:
             for batch in self._read(index):
                 held.append(batch)
                 rows += batch.num_rows
-                if rows >= SHUFFLE_ROWS:
+                if rows >= fill:
                     yield held
-                    held, rows = [], 0
+                    held, rows, fill = [], 0, min(2 * fill, SHUFFLE_ROWS)
         if held:
             yield held
 
@@ -220,6 +223,15 @@ class StreamShard(Counts):
             parquet.close()
             if f is not None:
                 f.close()
+
+
+def _joined(batches: list) -> list:
+    """The buffer's reads as one record batch: a gather from one piece is a plain numpy take."""
+    import pyarrow as pa
+
+    if len(batches) == 1:
+        return batches
+    return pa.Table.from_batches(batches).combine_chunks().to_batches(max_chunksize=None)
 
 
 def concat(parts: list):
