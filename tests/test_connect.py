@@ -142,6 +142,21 @@ def test_data_feeds_a_dataframe_over_connect(spark):
     assert sorted(sparktrain.run(shard_rows, num_proc=3, data=spark.range(0, 100), verbose=0)) == [33, 33, 34]
 
 
+def shard_kind_and_rows():
+    import sparktrain.data
+
+    s = sparktrain.data.shard()
+    return type(s).__name__, list(s.rows_per_rank), sorted(int(i) for i in sparktrain.data.numpy("id")[:s.rows])
+
+
+def test_a_parquet_scan_over_connect_is_read_by_the_ranks_from_its_files(spark, tmp_path):
+    path = str(tmp_path / "table")
+    spark.range(0, 90, 1, 3).write.parquet(path)
+    kind, rows, ids = sparktrain.run(shard_kind_and_rows, num_proc=3, data=spark.read.parquet(path), verbose=0)
+    assert kind == "StreamShard" and sum(rows) == 90 and rows == [30, 30, 30]
+    assert ids == list(range(30))  # rank 0: the first file, in file order
+
+
 def fail_on_one(outdir):
     import time
 

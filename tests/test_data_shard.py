@@ -148,3 +148,26 @@ def test_the_stage_marker_row_is_dropped(tmp_path):
     layout.write_manifest(str(tmp_path / "b"), 0, {"train": [2]})
     s = Shard(str(tmp_path / "b"), "train")
     assert sorted(s.column("id").take(s.epoch_rows(0, s.rows, shuffle=False, seed=0)).tolist()) == [1, 2]
+
+
+def test_a_scans_row_groups_split_within_one_row_group_at_every_size():
+    """Every size a run (or an elastic resize) may take: each row group goes to one rank, and two
+    ranks' rows differ by at most the largest row group."""
+    from sparktrain.data.layout import scan_shares
+    from sparktrain.data.scan import Piece, Scan
+
+    rng = np.random.default_rng(3)
+    for trial in range(50):
+        pieces = tuple(Piece(f"f{i // 4}", i % 4, int(r), 0) for i, r in enumerate(rng.integers(1, 1000, 40)))
+        scan = Scan(columns=("x",), pieces=pieces)
+        for size in range(1, 9):
+            shares, rows = [], {}
+            for rank in range(size):
+                got = scan_shares([("train", scan)], size, rank, rows)["train"]["pieces"]
+                shares.append([(p["path"], p["row_group"]) for p in got])
+            flat = sorted(p for share in shares for p in share)
+            assert flat == sorted((p.path, p.row_group) for p in pieces)  # each once
+            assert all(share == sorted(share) for share in shares)  # a rank reads its own in file order
+            counts = rows["train"]
+            assert sum(counts) == scan.rows
+            assert max(counts) - min(counts) <= max(p.rows for p in pieces), (trial, size, counts)

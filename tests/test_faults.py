@@ -328,3 +328,25 @@ def test_twenty_runs_in_a_row_leak_nothing(spark):
     assert after.pop("fds") - before.pop("fds") <= 2
     assert sorted(name for name, _ in after.pop("threads") - before.pop("threads")) == []
     assert after == before
+
+
+def test_storage_options_the_executor_cannot_unpickle_are_reported_as_such(spark, tmp_path):
+    """The run's home options hold an object of a module only the driver can import: the rank
+    reports it as it reports a train_fn it cannot unpickle, naming the options and the fix."""
+    import sys
+
+    module = tmp_path / "driver_only_module.py"
+    module.write_text("class Token:\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import driver_only_module
+
+        with pytest.raises(sparktrain.RankFailedError) as e:
+            sparktrain.run(lambda: 0, num_proc=2, verbose=0, storage_options={"token": driver_only_module.Token()},
+                           env={"SPARKTRAIN_ELASTIC_URL": f"file://{tmp_path}/home"})
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("driver_only_module", None)
+    text = str(e.value)
+    assert "could not unpickle the run's storage_options on this executor" in text, text
+    assert "No module named 'driver_only_module'" in text and "Install the same packages" in text

@@ -36,28 +36,23 @@ class Scan:
 
 
 def split(pieces: Sequence[Piece], size: int) -> list[list[int]]:
-    """Each rank's row groups (indices into ``pieces``), contiguous in file order, cut at the
-    row-group boundary nearest each rank's even share of the rows: every rank's count is within
-    half a row group of the even share at each of its ends, so two ranks differ by at most one
-    row group.
+    """Each rank's row groups (indices into ``pieces``, in file order): dealt in file order, each
+    to the rank with the fewest rows so far (the lowest rank on a tie). A row group goes to a
+    rank at the bottom, so no rank is ever more than one row group ahead of another: two ranks'
+    counts differ by at most the largest row group.
 
-    >>> split([Piece("f", i, 10, 0) for i in range(5)], 2)
-    [[0, 1], [2, 3, 4]]
+    >>> split([Piece("f", i, r, 0) for i, r in enumerate([10, 10, 30, 10, 10])], 2)
+    [[0, 2], [1, 3, 4]]
     """
-    total = sum(p.rows for p in pieces)
-    ends = []
-    done = 0
-    for p in pieces:
-        ends.append(done + p.rows)
-        done += p.rows
-    cuts = [0]
-    for k in range(1, size):
-        target = total * k / size
-        best = min(range(cuts[-1], len(pieces) + 1),
-                   key=lambda i: abs((ends[i - 1] if i else 0) - target))
-        cuts.append(best)
-    cuts.append(len(pieces))
-    return [list(range(cuts[k], cuts[k + 1])) for k in range(size)]
+    import heapq
+
+    shares: list[list[int]] = [[] for _ in range(size)]
+    heap = [(0, rank) for rank in range(size)]
+    for index, piece in enumerate(pieces):
+        rows, rank = heapq.heappop(heap)
+        shares[rank].append(index)
+        heapq.heappush(heap, (rows + piece.rows, rank))
+    return shares
 
 
 def rows_per_rank(scan: Scan, size: int) -> list[int]:

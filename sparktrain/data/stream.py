@@ -39,8 +39,9 @@ def cache_limit(directory: str, local_size: int, setting) -> int:
 
 class Cache:
     """Row groups this rank has read, as Arrow IPC files under ``directory``, up to ``limit`` bytes
-    on disk: a row group is kept only if it fits whole; one that would pass the limit is dropped
-    as it is written, so the disk holds at most the limit and one read."""
+    on disk: a row group is kept only if it fits whole (one that would pass the limit is not
+    written, or removed as soon as its size shows it), so the disk holds at most the limit and one
+    row group."""
 
     def __init__(self, directory: str, limit: int):
         self.directory = directory
@@ -70,39 +71,50 @@ class Cache:
 
 
 class _CacheWriter:
-    """One row group on its way into the cache; :meth:`done` keeps it, :meth:`drop` removes it."""
+    """One row group on its way into the cache, written as one record batch when it is whole (a
+    gather over the cached shard then takes from one piece per row group): :meth:`done` keeps it,
+    :meth:`drop` leaves nothing."""
 
     def __init__(self, cache: Cache, index: int):
         self.cache, self.index = cache, index
         self.path = os.path.join(cache.directory, f"{index}.arrow")
         self.part = self.path + ".part"
-        self._writer = None
+        self._batches: list = []
+        self._bytes = 0
         self.ok = True
 
     def write(self, batch) -> None:
-        import pyarrow as pa
-
         if not self.ok:
             return
-        if self._writer is None:
-            self._writer = pa.ipc.new_file(self.part, batch.schema)
-        self._writer.write_batch(batch)
-        if self.cache.used + os.path.getsize(self.part) > self.cache.limit:
+        self._batches.append(batch)
+        self._bytes += batch.nbytes
+        if self.cache.used + self._bytes > self.cache.limit:
             self.drop()
 
     def done(self) -> None:
-        if not self.ok or self._writer is None:
+        import pyarrow as pa
+
+        if not self.ok or not self._batches:
             return self.drop()
-        self._writer.close()
-        os.replace(self.part, self.path)
+        joined = _joined(self._batches)
+        self._batches = []
+        try:
+            with pa.ipc.new_file(self.part, joined[0].schema) as writer:
+                for b in joined:
+                    writer.write_batch(b)
+            size = os.path.getsize(self.part)
+            if self.cache.used + size > self.cache.limit:
+                return self.drop()
+            os.replace(self.part, self.path)
+        except OSError:  # a full or failing local disk: the row group is read from its file again
+            return self.drop()
         with self.cache._lock:
-            self.cache.used += os.path.getsize(self.path)
+            self.cache.used += size
             self.cache.held[self.index] = self.path
             self.cache._busy.discard(self.index)
 
     def drop(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        self._batches = []
         if os.path.exists(self.part):
             os.remove(self.part)
         self.ok = False

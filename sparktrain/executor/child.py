@@ -150,16 +150,17 @@ def main(argv: list[str]) -> int:
     try:
         # The rank's settings, parsed once (the driver refused bad values before launch).
         _set_gc_threshold(rank_settings.load().gc_threshold)
-        home.load(workdir)  # the storage options of the run's home, where run() was given them
     except InvalidArgumentError as e:
         _report_error(workdir, e)
         return 1
 
     try:
+        home.load(workdir)  # the storage options of the run's home, where run() was given them
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
     except BaseException as e:  # noqa: BLE001 - report whatever stopped the unpickling
-        _report_error(workdir, e, f"could not unpickle train_fn on this executor: {e}. "
+        what = "the run's storage_options" if home.loading else "train_fn"
+        _report_error(workdir, e, f"could not unpickle {what} on this executor: {e}. "
                                   "Install the same packages on the executors as on the driver")
         return 1
 

@@ -124,7 +124,8 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
                              "they hold"),
     ((PROGRESS_FILE,), "a file in the rank's work directory where the native engine records which collective "
                        "the rank is in and since when; the rank's task reads it to report stalls"),
-    ((DATA_DIR,), "only with ``run(..., data=...)``: this rank's spool, which ``sparktrain.data`` reads"),
+    ((DATA_DIR,), "only with ``run(..., data=...)``: this rank's data directory (its spool, and the cache of the row "
+     "groups it reads from files), which ``sparktrain.data`` reads"),
     (("PYTHONUNBUFFERED",), "``1``, so that output reaches the driver line by line; ``env`` may override it"),
     (("TF_CPP_MIN_LOG_LEVEL",), "``2`` (TensorFlow's C++ INFO and WARNING lines hidden), ``0`` with "
                                 "``run(verbose=2)``; ``env`` or the executor's environment wins"),

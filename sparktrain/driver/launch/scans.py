@@ -3,7 +3,7 @@
 A DataFrame whose optimized plan is a Parquet scan, with at most a choice of its columns (no
 filter, no computed column, no limit), needs no Spark stage to reach the ranks: the driver reads
 the files' footers here (their row groups and row counts, a few KiB a file, in a pool of threads),
-and each rank reads its contiguous share of the row groups itself (``sparktrain.data.scan``,
+and each rank reads its share of the row groups itself (``sparktrain.data.scan``,
 ``sparktrain.data.stream``). Any other plan, or a scan whose files the driver cannot read with
 fsspec, travels through the run's barrier stage as before (``feed.stage_input``); the run's log
 says which and why.
