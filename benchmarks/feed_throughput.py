@@ -192,10 +192,16 @@ def main() -> int:
         shutil.rmtree(table, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
 
-    ceilings = {r: g for r, n, g in results if n.startswith("in-memory") and isinstance(g, dict)}
+    # The ceiling of a size: its fastest in-memory contender (numpy made in the rank, or pyarrow's
+    # files read into memory); both fit numpy arrays, and a neighbour's load moves either.
+    ceilings: dict[int, dict] = {}
+    for r, n, g in results:
+        if (n.startswith("in-memory") or "in memory" in n) and isinstance(g, dict):
+            if r not in ceilings or g["rows_per_s"] > ceilings[r]["rows_per_s"]:
+                ceilings[r] = g
     first_small = next((g["first"] for r, n, g in results if n.startswith("data=df, Parquet") and r == sizes[0]
                         and isinstance(g, dict)), None)
-    header = ["rows", "contender", "steady rows/s (2 ranks)", "vs in-memory", "first batch (s)",
+    header = ["rows", "contender", "steady rows/s (2 ranks)", "vs in-memory ceiling", "first batch (s)",
               "vs first at smallest", "peak disk per rank (MiB)", "cache limit + a row group (MiB)"]
     table_rows = []
     for rows, name, got in results:
@@ -217,7 +223,9 @@ def main() -> int:
                  "feeding dominates. Steady state is epochs 2.., summed over the ranks; the first batch is "
                  "timed from the driver's `run` call to rank 0's first batch (launch included); peak disk is "
                  "rank 0's data directory (cache or spool), sampled every 0.2 s. The in-memory ceiling runs "
-                 "at each size, and each row's ratio is to the ceiling of its size. One run, one session.")
+                 "at each size, and each row's ratio is to the ceiling of its size: the faster of the two in-memory "
+                 "contenders there (numpy made in the rank, pyarrow's files read into memory; both fit numpy "
+                 "arrays). One run, one session.")
         write_section(
             args.write, SECTION_BEGIN, SECTION_END, "The feed at scale", intro, machine,
             f"python benchmarks/feed_throughput.py --rows {args.rows} --cache-limit {args.cache_limit} "

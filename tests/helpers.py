@@ -55,6 +55,15 @@ def wait_pids_gone(pids, timeout: float = 10.0) -> list[int]:
     return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Wait for ``predicate()`` to hold, checking every 50 ms; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout} s")
+        time.sleep(0.05)
+
+
 def wait_for_file(path: str, timeout: float = 60.0) -> None:
     """Block until ``path`` exists (a rank signalling a test); fails loudly on timeout."""
     deadline = time.monotonic() + timeout

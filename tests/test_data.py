@@ -17,7 +17,7 @@ import pytest
 
 import sparktrain
 from conftest import module_spark
-from helpers import weights_digest
+from helpers import wait_until, weights_digest
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.timeout(300)
@@ -36,14 +36,6 @@ def spool_dirs(run_id: str) -> list[str]:
     pattern = f"sparktrain-{run_id}-r*-data-*"
     return glob.glob(os.path.join(tempfile.gettempdir(), pattern)) + \
         glob.glob(os.path.join(tempfile.gettempdir(), "*", pattern))
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout} s")
-        time.sleep(0.05)
 
 
 # -- training quality -------------------------------------------------------------------------------

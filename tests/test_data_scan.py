@@ -16,6 +16,7 @@ import pytest
 
 import sparktrain
 from conftest import module_spark
+from helpers import wait_until
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.timeout(300)
@@ -115,14 +116,6 @@ def test_a_table_five_times_the_cache_limit_trains_with_every_row_once_per_epoch
     wait_until(lambda: not any(os.path.exists(g["data_dir"]) for g in got), 30, "the ranks' caches were not removed")
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout} s")
-        time.sleep(0.05)
-
-
 def shard_kind_and_ids(outdir):
     import sparktrain.data
 
@@ -140,6 +133,52 @@ def test_a_plan_that_is_not_a_plain_scan_goes_through_one_shuffle(spark, table, 
     assert sum(got[0]["rows"]) == ROWS // 3
     assert sorted(got[0]["ids"] + got[1]["ids"]) == list(range(0, ROWS, 3))
     assert "Exchange" in last_execution(spark)[1]
+
+
+def test_a_filter_the_ranks_can_evaluate_keeps_the_scan_and_its_exact_counts(spark, table, tmp_path):
+    df = spark.read.parquet(table).where("label = 1 and id >= 1000 and id not in (1001, 1003)").select("id")
+    log = io.StringIO()
+    import logging
+
+    handler = logging.StreamHandler(log)
+    logging.getLogger("sparktrain").addHandler(handler)
+    try:
+        sparktrain.run(shard_kind_and_ids, args=(str(tmp_path),), num_proc=2, data=df, env=ENV, verbose=1)
+    finally:
+        logging.getLogger("sparktrain").removeHandler(handler)
+    got = [json.load(open(tmp_path / f"rank-{r}.json")) for r in range(2)]
+    want = [i for i in range(1000, ROWS) if i % 2 == 1 and i not in (1001, 1003)]
+    assert {g["kind"] for g in got} == {"StreamShard"}, log.getvalue()
+    assert sum(got[0]["rows"]) == len(want)  # counted before the first step, exactly
+    assert sorted(got[0]["ids"] + got[1]["ids"]) == want
+    assert "is read by the ranks from its files" in log.getvalue()
+
+
+def test_a_keras_estimator_fits_on_a_scan_split_by_its_validation_column(spark, table, tmp_path):
+    import keras
+    from pyspark.sql import functions as F
+
+    from sparktrain.ml import KerasEstimator
+
+    path = str(tmp_path / "with_val")
+    spark.read.parquet(table).withColumn("is_val", F.col("id") % 10 == 0).write.parquet(path)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1, activation="sigmoid")])
+    est = KerasEstimator(model=model, optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy",
+                         feature_cols=["x"], label_cols=["label"], validation="is_val", batch_size=512, epochs=2,
+                         num_proc=2, verbose=1, env=ENV, store=f"file://{tmp_path}/store")
+    log = io.StringIO()
+    import logging
+
+    handler = logging.StreamHandler(log)
+    logging.getLogger("sparktrain").addHandler(handler)
+    try:
+        fitted = est.fit(spark.read.parquet(path))
+    finally:
+        logging.getLogger("sparktrain").removeHandler(handler)
+    history = fitted.getHistory()
+    assert len(history["loss"]) == 2 and len(history["val_loss"]) == 2, history
+    for name in ("train", "val"):  # both halves of the split read from the files, no shuffle
+        assert f"data[{name!r}] is read by the ranks from its files" in log.getvalue(), log.getvalue()
 
 
 def delete_a_file_after_the_first_epoch(outdir):

@@ -3,8 +3,9 @@
 Pure (pyarrow and fsspec only, imported where used): the driver reads the files' footers into a
 :class:`Scan` (``sparktrain.driver.launch.feed``), the spec carries it to every task, and each
 rank reads its share (:func:`split`) straight from the files (``sparktrain.data.stream``), with
-no shuffle and no spool. A scan's row counts come from the footers, so every rank knows every
-rank's count before it reads a row.
+no shuffle and no spool. A scan's row counts come from the footers (or, for a scan with a filter,
+from one counting job that reads the filter's columns), so every rank knows every rank's count
+before it reads a row.
 """
 from __future__ import annotations
 
@@ -25,10 +26,20 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class Scan:
-    """A DataFrame read from its files: the columns it selects, and every row group, in file order."""
+    """A DataFrame read from its files: the columns it selects, every row group in file order (with
+    the rows its filter keeps), and the filter (``sparktrain.data.rowfilter``; None: every row)."""
 
     columns: tuple[str, ...]
     pieces: tuple[Piece, ...]
+    filter: tuple | None = None
+
+    @property
+    def read_columns(self) -> list[str]:
+        """The columns read from the files: the DataFrame's, and those its filter needs."""
+        from .rowfilter import columns
+
+        extra = sorted(columns(self.filter) - set(self.columns)) if self.filter is not None else []
+        return list(self.columns) + extra
 
     @property
     def rows(self) -> int:

@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import InvalidArgumentError, SparkTrainError
+from . import rowfilter
 from .scan import Piece, open_parquet
 from .shard import Counts, Window
 
@@ -133,6 +134,8 @@ class StreamShard(Counts):
         entry = manifest["scans"][name]
         self.columns = list(entry["columns"])
         self.pieces = [Piece(**p) for p in entry["pieces"]]
+        self._filter = _tree(entry.get("filter"))
+        self._read_columns = list(entry.get("read") or self.columns)
         local_size = int(os.environ.get(worker_env.LOCAL_SIZE, "1"))
         limit = cache_limit(directory, local_size, rank_settings.current().data_cache_limit)
         self.cache = Cache(os.path.join(directory, f"{name}.cache"), limit)
@@ -195,22 +198,25 @@ class StreamShard(Counts):
         piece = self.pieces[index]
         writer = self.cache.writer(index) if keep and self.cache.claim(index, piece) else None
         seen = 0
-        complete = False
         try:
             for batch in self._from_file(piece):
                 seen += batch.num_rows
+                if seen > piece.rows:
+                    break
                 if writer is not None:
                     writer.write(batch)
+                    if seen == piece.rows:  # whole: kept before its last rows go on (an epoch may end there)
+                        writer.done()
+                        writer = None
                 yield batch
             if seen != piece.rows:
                 raise SparkTrainError(
                     f"sparktrain.data: {piece.path} row group {piece.row_group} of the DataFrame fed as "
-                    f"{self.name!r} holds {seen} rows, where its footer said {piece.rows} when the run started: "
-                    "the table changed under the run")
-            complete = True
+                    f"{self.name!r} holds {'more than ' if seen > piece.rows else ''}{seen} rows, where its "
+                    f"footer said {piece.rows} when the run started: the table changed under the run")
         finally:
             if writer is not None:
-                writer.done() if complete else writer.drop()
+                writer.drop()
 
     def _from_file(self, piece: Piece) -> Iterator:
         try:
@@ -219,7 +225,8 @@ class StreamShard(Counts):
             raise SparkTrainError(f"sparktrain.data: could not open {piece.path} of the DataFrame fed as "
                                   f"{self.name!r}: {e}") from e
         try:
-            reads = parquet.iter_batches(batch_size=READ_ROWS, row_groups=[piece.row_group], columns=self.columns)
+            reads = parquet.iter_batches(batch_size=READ_ROWS, row_groups=[piece.row_group],
+                                         columns=self._read_columns)
             while True:
                 try:
                     batch = next(reads)
@@ -229,12 +236,20 @@ class StreamShard(Counts):
                     raise SparkTrainError(
                         f"sparktrain.data: could not read {piece.path} row group {piece.row_group} of the "
                         f"DataFrame fed as {self.name!r}: {e}") from e
+                batch = rowfilter.apply(self._filter, batch, tuple(self.columns))
                 if batch.num_rows:
                     yield batch
         finally:
             parquet.close()
             if f is not None:
                 f.close()
+
+
+def _tree(value):
+    """The filter as the manifest's JSON holds it (lists), as the tuples ``rowfilter`` reads."""
+    if isinstance(value, list):
+        return tuple(_tree(v) for v in value)
+    return value
 
 
 def _joined(batches: list) -> list:

@@ -107,13 +107,16 @@ NOT_SUPPORTED = {
 
 #: Horovod's performance hints, accepted with one log line per fit: they tune what sparktrain has not.
 NO_EFFECT = {
-    "inmemory_cache_all": "each rank memory-maps its spooled shard, so the OS already caches it",
+    "inmemory_cache_all": "each rank memory-maps its spooled shard, or its cache of the row groups it reads from "
+                          "files (data_cache_limit), so the OS already caches it",
     "train_reader_num_workers": "there is no petastorm reader: each rank memory-maps its spooled shard",
     "val_reader_num_workers": "there is no petastorm reader: each rank memory-maps its spooled shard",
-    "reader_pool_type": "there is no petastorm reader: each rank memory-maps its spooled shard",
+    "reader_pool_type": "there is no petastorm reader: each rank memory-maps its spooled shard, or reads its row "
+                        "groups of a Parquet scan itself",
     "partitions_per_process": "there is no Parquet copy of the data: the feed deals rows evenly over the ranks",
     "compress_sparse_cols": "there is no Parquet copy of the data: sparse vectors reach the ranks as dense arrays",
-    "shuffle_buffer_size": "each epoch shuffles the rank's whole shard; 0 turns shuffling off, as in Horovod",
+    "shuffle_buffer_size": "each epoch shuffles the rank's shard anew, whole or, as it streams from files, in a "
+                           "buffer of up to 262,144 rows; 0 turns shuffling off, as in Horovod",
 }
 
 MODEL = COMMON + (

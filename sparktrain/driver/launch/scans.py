@@ -1,7 +1,8 @@
 """Which fed DataFrames the ranks read straight from their Parquet files, and those files' row groups.
 
-A DataFrame whose optimized plan is a Parquet scan, with at most a choice of its columns (no
-filter, no computed column, no limit), needs no Spark stage to reach the ranks: the driver reads
+A DataFrame whose optimized plan is a Parquet scan, with at most a choice of its columns and a
+filter the ranks can evaluate (``pushdown``; no computed column, no limit), needs no Spark stage
+to reach the ranks: the driver reads
 the files' footers here (their row groups and row counts, a few KiB a file, in a pool of threads),
 and each rank reads its share of the row groups itself (``sparktrain.data.scan``,
 ``sparktrain.data.stream``). Any other plan, or a scan whose files the driver cannot read with
@@ -21,12 +22,14 @@ from typing import Any, Mapping
 from ...data import layout
 from ...data.scan import Piece, Scan, open_parquet
 from ...errors import InvalidArgumentError
+from . import pushdown
 from .feed import column_kind
 
 log = logging.getLogger("sparktrain")
 
 _ATTRIBUTE = r"[^\s,\[\]]+#\d+L?"
-_PLAN = re.compile(rf"^(?:Project \[(?:{_ATTRIBUTE})(?:, {_ATTRIBUTE})*\]\n\+- )?Relation (?:\S+ )?\[[^\n]*\] parquet$")
+_PLAN = re.compile(rf"^(?:Project \[(?:{_ATTRIBUTE})(?:, {_ATTRIBUTE})*\]\n\+- )?(?P<filter>Filter [^\n]*\n *\+- )?"
+                   rf"Relation (?:\S+ )?\[[^\n]*\] parquet$")
 #: Threads that read the footers.
 FOOTER_THREADS = 16
 
@@ -50,17 +53,25 @@ def file_scans(frames: Mapping[str, Any], size: int) -> dict[str, Scan]:
 
 def _scan(name: str, df) -> tuple[str, Scan | None]:
     plan = optimized_plan(df)
-    if plan is None or not _PLAN.match(plan.strip()):
-        return "its plan is not a plain scan of Parquet files", None
+    shape = _PLAN.match(plan.strip()) if plan is not None else None
+    if shape is None:
+        return "its plan is not a scan of Parquet files (with at most a choice of columns and a filter)", None
+    tree = None
+    if shape.group("filter"):
+        try:
+            tree = pushdown.plan_filter(df)
+        except pushdown.Untranslatable as e:
+            return f"its filter holds what the ranks cannot evaluate: {e}", None
     if any(column_kind(f.dataType) == "vector" for f in df.schema.fields):
         return "it holds ml Vectors, which Spark converts", None
     files = sorted(df.inputFiles())
     if not files:
         return "it has no files", None
     columns = tuple(df.schema.names)
+    needed = columns + tuple(sorted(_filter_columns(tree) - set(columns)))
     try:
         with ThreadPoolExecutor(min(FOOTER_THREADS, len(files))) as pool:
-            footers = list(pool.map(lambda f: _footer(f, columns), files))
+            footers = list(pool.map(lambda f: _footer(f, needed), files))
     except _NotDirect as e:
         return str(e), None
     except Exception as e:  # noqa: BLE001 - a file this process cannot read: Spark reads it instead
@@ -69,6 +80,9 @@ def _scan(name: str, df) -> tuple[str, Scan | None]:
     if len(types) > 1:
         return "its files hold the columns in different types", None
     pieces = tuple(p for _, ps, _ in footers for p in ps)
+    if tree is not None:  # the footers count every row; the filter's own counts come from the cluster
+        pieces = pushdown.counted(df.sparkSession, pieces, tree, sorted(_filter_columns(tree)))
+        footers = []  # the statistics' null counts include rows the filter leaves out
     nulls = {}
     for _, _, counts in footers:
         for column, n in counts.items():
@@ -79,10 +93,16 @@ def _scan(name: str, df) -> tuple[str, Scan | None]:
         raise InvalidArgumentError(
             f"data[{name!r}]: column {column!r} has {n} null value(s) (the files' statistics say so); fill or drop "
             f"them in Spark (df.fillna(...) or df.dropna(subset=[{column!r}]))")
-    scan = Scan(columns=columns, pieces=tuple(p for p in pieces if p.rows))
+    scan = Scan(columns=columns, pieces=tuple(p for p in pieces if p.rows), filter=tree)
     if scan.rows == 0:
         raise InvalidArgumentError(layout.no_rows(name))
     return "", scan
+
+
+def _filter_columns(tree) -> set[str]:
+    from ...data.rowfilter import columns
+
+    return columns(tree) if tree is not None else set()
 
 
 class _NotDirect(Exception):
