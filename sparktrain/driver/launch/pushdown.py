@@ -44,7 +44,7 @@ def plan_filter(df) -> tuple | None:
 
 
 def _kind(node) -> str:
-    return str(node.getClass().getSimpleName())
+    return str(node.getClass().getSimpleName()).rstrip("$")  # Scala objects: BooleanType$
 
 
 def _tree(e) -> tuple:
