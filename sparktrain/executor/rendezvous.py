@@ -33,7 +33,8 @@ def reserve_port(host: str = "", attempts: int = 64) -> socket.socket:
     """
     low, high = _unclaimed_range()
     last: OSError | None = None
-    for _ in range(attempts if high > low else 1):
+    tries = attempts if high > low else 1
+    for _ in range(tries):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             s.bind((host, low + secrets.randbelow(high - low) if high > low else 0))
@@ -43,7 +44,8 @@ def reserve_port(host: str = "", attempts: int = 64) -> socket.socket:
             if e.errno not in (errno.EADDRINUSE, errno.EACCES):
                 raise
             last = e
-    raise OSError(errno.EADDRINUSE, f"no free port after {attempts} attempts: {last}")
+    where = f"between {low} and {high}" if high > low else "from the kernel"
+    raise OSError(errno.EADDRINUSE, f"no free port {where} after {tries} attempt(s): {last}")
 
 
 def _unclaimed_range(floor: int = 10000, width: int = 16384) -> tuple[int, int]:
