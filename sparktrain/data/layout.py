@@ -53,6 +53,7 @@ def scan_shares(scans, size: int, rank: int, rows: dict[str, list[int]]) -> dict
         shares = split(scan.pieces, size)
         rows[name] = [sum(scan.pieces[i].rows for i in share) for share in shares]
         out[name] = {"columns": list(scan.columns), "filter": scan.filter, "read": scan.read_columns,
+                     "format": scan.format,
                      "pieces": [dataclasses.asdict(scan.pieces[i]) for i in shares[rank]]}
     return out
 

@@ -71,25 +71,3 @@ def apply(tree, batch, keep: tuple[str, ...]):
 
         batch = pa.RecordBatch.from_arrays([batch.column(c) for c in keep], names=list(keep))
     return batch
-
-
-def count(tree, path_row_groups, columns_read: list[str]) -> list[int]:
-    """The rows the filter keeps in each ``(path, row group)``: the counts the driver asks the
-    cluster for when a scan has a filter, reading only the filter's columns."""
-    from .scan import open_parquet
-
-    out = []
-    for path, row_group in path_row_groups:
-        parquet, f = open_parquet(path)
-        try:
-            import pyarrow.compute as pc
-
-            kept = 0
-            for batch in parquet.iter_batches(batch_size=1 << 16, row_groups=[row_group], columns=columns_read):
-                kept += pc.sum(mask(tree, batch).cast("int64")).as_py() or 0
-            out.append(kept)
-        finally:
-            parquet.close()
-            if f is not None:
-                f.close()
-    return out

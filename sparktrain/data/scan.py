@@ -14,9 +14,14 @@ import os
 from typing import Sequence
 
 
+#: Bytes a Parquet column is read ahead by, as its batches are decoded.
+BUFFER_BYTES = 8 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One row group of one file: where it is, its rows, and its size uncompressed (the footer's)."""
+    """One row group of one Parquet file, or one whole ORC file (``row_group`` -1): where it is, its
+    rows, and its size uncompressed (the footer's; for ORC, an estimate from the file's size)."""
 
     path: str
     row_group: int
@@ -32,6 +37,8 @@ class Scan:
     columns: tuple[str, ...]
     pieces: tuple[Piece, ...]
     filter: tuple | None = None
+    #: "parquet" or "orc".
+    format: str = "parquet"
 
     @property
     def read_columns(self) -> list[str]:
@@ -86,16 +93,70 @@ def filesystem(url: str):
     return fsspec.core.url_to_fs(url)
 
 
+def open_piece(piece: Piece, columns: list[str], fmt: str, rows: int):
+    """The batches of ``piece`` (at most ``rows`` each, ``columns`` only), from a file opened now:
+    an error opening it is raised here, one reading it as the batches are taken."""
+    if fmt == "orc":
+        import pyarrow.orc
+
+        fs, path = filesystem(piece.path)
+        f = fs.open(path, "rb")
+        try:
+            orc = pyarrow.orc.ORCFile(f)
+        except BaseException:
+            f.close()
+            raise
+        return _orc_batches(orc, f, columns, rows)
+    parquet, f = open_parquet(piece.path)
+    return _parquet_batches(parquet, f, piece.row_group, columns, rows)
+
+
+def _orc_batches(orc, f, columns: list[str], rows: int):
+    import pyarrow as pa
+
+    try:
+        for stripe in range(orc.nstripes):
+            yield from pa.Table.from_batches([orc.read_stripe(stripe, columns=columns)]).to_batches(rows)
+    finally:
+        f.close()
+
+
+def _parquet_batches(parquet, f, row_group: int, columns: list[str], rows: int):
+    try:
+        yield from parquet.iter_batches(batch_size=rows, row_groups=[row_group], columns=columns)
+    finally:
+        parquet.close()
+        if f is not None:
+            f.close()
+
+
+def count_kept(tree, pieces: Sequence[Piece], columns: list[str], fmt: str = "parquet") -> list[int]:
+    """The rows the filter ``tree`` (``rowfilter``) keeps in each of ``pieces``: the counts the
+    driver asks the cluster for when a scan has a filter, reading only the filter's columns."""
+    import pyarrow.compute as pc
+
+    from .rowfilter import mask
+
+    out = []
+    for piece in pieces:
+        kept = 0
+        for batch in open_piece(piece, columns, fmt, 1 << 16):
+            kept += pc.sum(mask(tree, batch).cast("int64")).as_py() or 0
+        out.append(kept)
+    return out
+
+
 def open_parquet(url: str):
     """A ``pyarrow.parquet.ParquetFile`` over ``url`` and the file object under it (close both)."""
     import pyarrow.parquet as pq
 
     fs, path = filesystem(url)
+    # Buffered reads: a batch decodes from the pages it needs, not from its whole column chunk.
     if type(fs).__name__ == "LocalFileSystem":
-        return pq.ParquetFile(path, memory_map=False), None
+        return pq.ParquetFile(path, memory_map=False, buffer_size=BUFFER_BYTES), None
     f = fs.open(path, "rb")
     try:
-        return pq.ParquetFile(f), f
+        return pq.ParquetFile(f, buffer_size=BUFFER_BYTES), f
     except BaseException:
         f.close()
         raise

@@ -11,6 +11,7 @@ of it, gathered memory-mapped. The cache goes with the rank's task, as the spool
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, SparkTrainError
 from . import rowfilter
-from .scan import Piece, open_parquet
+from .scan import Piece, open_piece
 from .shard import Counts, Window
 
 #: Rows per read from a row group: the first batch waits for one read.
@@ -136,6 +137,7 @@ class StreamShard(Counts):
         self.pieces = [Piece(**p) for p in entry["pieces"]]
         self._filter = _tree(entry.get("filter"))
         self._read_columns = list(entry.get("read") or self.columns)
+        self._format = entry.get("format", "parquet")
         local_size = int(os.environ.get(worker_env.LOCAL_SIZE, "1"))
         limit = cache_limit(directory, local_size, rank_settings.current().data_cache_limit)
         self.cache = Cache(os.path.join(directory, f"{name}.cache"), limit)
@@ -211,7 +213,7 @@ class StreamShard(Counts):
                 yield batch
             if seen != piece.rows:
                 raise SparkTrainError(
-                    f"sparktrain.data: {piece.path} row group {piece.row_group} of the DataFrame fed as "
+                    f"sparktrain.data: {piece.path} (row group {piece.row_group}) of the DataFrame fed as "
                     f"{self.name!r} holds {'more than ' if seen > piece.rows else ''}{seen} rows, where its "
                     f"footer said {piece.rows} when the run started: the table changed under the run")
         finally:
@@ -219,30 +221,24 @@ class StreamShard(Counts):
                 writer.drop()
 
     def _from_file(self, piece: Piece) -> Iterator:
+        where = f"{piece.path}" + (f" row group {piece.row_group}" if piece.row_group >= 0 else "")
         try:
-            parquet, f = open_parquet(piece.path)
+            reads = open_piece(piece, self._read_columns, self._format, READ_ROWS)
         except (OSError, ValueError) as e:
             raise SparkTrainError(f"sparktrain.data: could not open {piece.path} of the DataFrame fed as "
                                   f"{self.name!r}: {e}") from e
-        try:
-            reads = parquet.iter_batches(batch_size=READ_ROWS, row_groups=[piece.row_group],
-                                         columns=self._read_columns)
+        with contextlib.closing(reads):
             while True:
                 try:
                     batch = next(reads)
                 except StopIteration:
                     return
                 except (OSError, ValueError) as e:  # pyarrow's errors are OSError or ValueError kinds
-                    raise SparkTrainError(
-                        f"sparktrain.data: could not read {piece.path} row group {piece.row_group} of the "
-                        f"DataFrame fed as {self.name!r}: {e}") from e
+                    raise SparkTrainError(f"sparktrain.data: could not read {where} of the DataFrame fed as "
+                                          f"{self.name!r}: {e}") from e
                 batch = rowfilter.apply(self._filter, batch, tuple(self.columns))
                 if batch.num_rows:
                     yield batch
-        finally:
-            parquet.close()
-            if f is not None:
-                f.close()
 
 
 def _tree(value):

@@ -97,14 +97,14 @@ def _value(v) -> Any:
     return str(v.toString())  # Spark's UTF8String
 
 
-def counted(spark, pieces: Sequence[Piece], tree: tuple, columns: list[str]) -> tuple[Piece, ...]:
+def counted(spark, pieces: Sequence[Piece], tree: tuple, columns: list[str], fmt: str) -> tuple[Piece, ...]:
     """``pieces`` with the rows ``tree`` keeps in each, counted by one Spark job over the cluster
     (a row group a task), which reads ``columns`` (the filter's) only."""
     import cloudpickle
 
     rows = [(i, p.path, p.row_group) for i, p in enumerate(pieces)]
     tasks = max(1, min(len(rows), 4 * _parallelism(spark)))
-    job = cloudpickle.dumps((tree, columns))
+    job = cloudpickle.dumps((tree, columns, fmt))
     counts = spark.createDataFrame(rows, "i long, path string, row_group int").repartition(tasks) \
         .mapInArrow(_counter(job), "i long, rows long").collect()
     kept = {int(r["i"]): int(r["rows"]) for r in counts}
@@ -127,12 +127,12 @@ def _counter(job: bytes):
         import cloudpickle
         import pyarrow as pa
 
-        from sparktrain.data import rowfilter
+        from sparktrain.data.scan import Piece, count_kept
 
-        tree, columns = cloudpickle.loads(job)
+        tree, columns, fmt = cloudpickle.loads(job)
         for batch in batches:
-            items = list(zip(batch.column(1).to_pylist(), batch.column(2).to_pylist()))
-            kept = rowfilter.count(tree, items, columns)
+            items = [Piece(path, rg, 0, 0) for path, rg in zip(batch.column(1).to_pylist(), batch.column(2).to_pylist())]
+            kept = count_kept(tree, items, columns, fmt)
             yield pa.RecordBatch.from_arrays([batch.column(0), pa.array(kept, pa.int64())], names=["i", "rows"])
 
     return count

@@ -1,6 +1,6 @@
-"""Which fed DataFrames the ranks read straight from their Parquet files, and those files' row groups.
+"""Which fed DataFrames the ranks read straight from their Parquet or ORC files, and their pieces.
 
-A DataFrame whose optimized plan is a Parquet scan, with at most a choice of its columns and a
+A DataFrame whose optimized plan is a Parquet scan (or an ORC scan: each file a piece), with at most a choice of its columns and a
 filter the ranks can evaluate (``pushdown``; no computed column, no limit), needs no Spark stage
 to reach the ranks: the driver reads
 the files' footers here (their row groups and row counts, a few KiB a file, in a pool of threads),
@@ -29,7 +29,7 @@ log = logging.getLogger("sparktrain")
 
 _ATTRIBUTE = r"[^\s,\[\]]+#\d+L?"
 _PLAN = re.compile(rf"^(?:Project \[(?:{_ATTRIBUTE})(?:, {_ATTRIBUTE})*\]\n\+- )?(?P<filter>Filter [^\n]*\n *\+- )?"
-                   rf"Relation (?:\S+ )?\[[^\n]*\] parquet$")
+                   rf"Relation (?:\S+ )?\[[^\n]*\] (?P<format>parquet|orc)$")
 #: Threads that read the footers.
 FOOTER_THREADS = 16
 
@@ -55,7 +55,8 @@ def _scan(name: str, df) -> tuple[str, Scan | None]:
     plan = optimized_plan(df)
     shape = _PLAN.match(plan.strip()) if plan is not None else None
     if shape is None:
-        return "its plan is not a scan of Parquet files (with at most a choice of columns and a filter)", None
+        return "its plan is not a scan of Parquet or ORC files (with at most a choice of columns and a filter)", None
+    fmt = shape.group("format")
     tree = None
     if shape.group("filter"):
         try:
@@ -71,7 +72,7 @@ def _scan(name: str, df) -> tuple[str, Scan | None]:
     needed = columns + tuple(sorted(_filter_columns(tree) - set(columns)))
     try:
         with ThreadPoolExecutor(min(FOOTER_THREADS, len(files))) as pool:
-            footers = list(pool.map(lambda f: _footer(f, needed), files))
+            footers = list(pool.map(lambda f: (_orc_footer if fmt == "orc" else _footer)(f, needed), files))
     except _NotDirect as e:
         return str(e), None
     except Exception as e:  # noqa: BLE001 - a file this process cannot read: Spark reads it instead
@@ -81,7 +82,7 @@ def _scan(name: str, df) -> tuple[str, Scan | None]:
         return "its files hold the columns in different types", None
     pieces = tuple(p for _, ps, _ in footers for p in ps)
     if tree is not None:  # the footers count every row; the filter's own counts come from the cluster
-        pieces = pushdown.counted(df.sparkSession, pieces, tree, sorted(_filter_columns(tree)))
+        pieces = pushdown.counted(df.sparkSession, pieces, tree, sorted(_filter_columns(tree)), fmt)
         footers = []  # the statistics' null counts include rows the filter leaves out
     nulls = {}
     for _, _, counts in footers:
@@ -93,7 +94,7 @@ def _scan(name: str, df) -> tuple[str, Scan | None]:
         raise InvalidArgumentError(
             f"data[{name!r}]: column {column!r} has {n} null value(s) (the files' statistics say so); fill or drop "
             f"them in Spark (df.fillna(...) or df.dropna(subset=[{column!r}]))")
-    scan = Scan(columns=columns, pieces=tuple(p for p in pieces if p.rows), filter=tree)
+    scan = Scan(columns=columns, pieces=tuple(p for p in pieces if p.rows), filter=tree, format=fmt)
     if scan.rows == 0:
         raise InvalidArgumentError(layout.no_rows(name))
     return "", scan
@@ -114,10 +115,7 @@ def _footer(url: str, columns: tuple[str, ...]):
     parquet, f = open_parquet(url)
     try:
         schema = parquet.schema_arrow
-        missing = [c for c in columns if c not in schema.names]
-        if missing:
-            raise _NotDirect(f"its column(s) {missing} are not in {url} as named (partition columns, or "
-                             "names Spark matched without case)")
+        _check_names(url, columns, schema.names)
         meta = parquet.metadata
         paths = {meta.schema.column(j).path: j for j in range(meta.num_columns)}
         pieces, nulls = [], {c: 0 for c in columns if c in paths}
@@ -133,6 +131,30 @@ def _footer(url: str, columns: tuple[str, ...]):
         parquet.close()
         if f is not None:
             f.close()
+
+
+def _orc_footer(url: str, columns: tuple[str, ...]):
+    """An ORC file as one piece (pyarrow gives no stripe's row count without reading it); its
+    nulls are the rank's to find."""
+    import pyarrow.orc
+
+    from ...data.scan import filesystem
+
+    fs, path = filesystem(url)
+    with fs.open(path, "rb") as f:
+        orc = pyarrow.orc.ORCFile(f)
+        schema = orc.schema
+        _check_names(url, columns, schema.names)
+        width = sum(schema.field(c).type.bit_width // 8 if pyarrow.types.is_primitive(schema.field(c).type) else 64
+                    for c in columns)
+        return tuple(str(schema.field(c).type) for c in columns), [Piece(url, -1, orc.nrows, orc.nrows * width)], {}
+
+
+def _check_names(url: str, columns: tuple[str, ...], names) -> None:
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise _NotDirect(f"its column(s) {missing} are not in {url} as named (partition columns, or "
+                         "names Spark matched without case)")
 
 
 def optimized_plan(df) -> str | None:
