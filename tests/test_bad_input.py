@@ -120,6 +120,7 @@ RANK_SETTINGS_BAD = {
     "encryption": ("yes", "must be one of auto, on, off; got 'yes'"),
     "elastic_url": ("  ", "must be an fsspec URL"),
     "legacy_keras": ("yes", "TensorFlow reads only 1, true, True as tf_keras"),
+    "data_cache_limit": ("lots", "must be 'auto' or a size in bytes such as 20g"),
 }
 
 
