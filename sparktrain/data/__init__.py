@@ -86,11 +86,9 @@ def dataset(features: Columns, label: Columns | None = None, *, batch_size: int,
     """
     import tensorflow as tf
 
-    batch_size, seed, s, steps, make = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven,
-                                             model)
+    batch_size, seed, s, steps, make, (window, built) = _open(name, features, label, sample_weight, batch_size,
+                                                              shuffle, seed, uneven, model)
     epochs = itertools.count()
-    window = s.sample()
-    built = make(window)
     sample = built(np.arange(1))
     # Python hands tf.data several batches at a time (about GATHER_BYTES), which rebatch splits:
     # one generator step per batch would cost more than the gather itself for small rows.
@@ -117,7 +115,7 @@ def _open(name: str, features: Columns, label: Columns | None, sample_weight: st
     """What :func:`dataset` and :func:`pydataset` share: their arguments checked, this rank's shard
     of ``name`` opened, its steps per epoch, and ``make``, which gives the builder of batches from
     rows the shard holds (every column is checked on its first rows now; rank 0 says what it feeds).
-    Returns ``(batch_size, seed, shard, steps, make)``."""
+    Returns ``(batch_size, seed, shard, steps, make, (sample rows, their builder))``."""
     batch_size = _check_batch_size(batch_size)
     check_uneven(uneven)
     if not isinstance(shuffle, bool):
@@ -129,10 +127,11 @@ def _open(name: str, features: Columns, label: Columns | None, sample_weight: st
     def make(held):
         return _builder(held, features, label, sample_weight, model)
 
-    make(s.sample())
+    window = s.sample()
+    built = make(window)
     if s.rank == 0:
         print(s.describe(batch_size, uneven), file=sys.stderr, flush=True)
-    return batch_size, seed, s, steps, make
+    return batch_size, seed, s, steps, make, (window, built)
 
 
 def pydataset(features: Columns, label: Columns | None = None, *, batch_size: int, shuffle: bool = True,
@@ -151,8 +150,8 @@ def pydataset(features: Columns, label: Columns | None = None, *, batch_size: in
     """
     import keras
 
-    batch_size, seed, s, steps, make = _open(name, features, label, sample_weight, batch_size, shuffle, seed, uneven,
-                                             model)
+    batch_size, seed, s, steps, make, _ = _open(name, features, label, sample_weight, batch_size, shuffle, seed,
+                                                uneven, model)
 
     class ShardBatches(keras.utils.PyDataset):
         """Batches in order: Keras asks for them one after another (and for the first once more,
@@ -216,9 +215,10 @@ def numpy(features: Columns, label: Columns | None = None, name: str = "train", 
     check_uneven(uneven)
     s = open_shard(name)
     length = max(s.rows_per_rank) if uneven == "wrap" else min(s.rows_per_rank)
-    make = lambda held: _builder(held, features, label, None, model)  # noqa: E731
-    make(s.sample())
-    parts = [make(held)(rows) for held, rows in s.epoch_windows(0, length, False, 0)]
+    window = s.sample()
+    built = _builder(window, features, label, None, model)  # every column checked before a row is read
+    parts = [(built if held is window else _builder(held, features, label, None, model))(rows)
+             for held, rows in s.epoch_windows(0, length, False, 0)]
     return parts[0] if len(parts) == 1 else concat(parts)
 
 

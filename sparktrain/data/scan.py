@@ -1,7 +1,7 @@
-"""A fed DataFrame that is a scan of Parquet files: its row groups, and each rank's share of them.
+"""A fed DataFrame that is a scan of Parquet or ORC files: its pieces, and each rank's share of them.
 
 Pure (pyarrow and fsspec only, imported where used): the driver reads the files' footers into a
-:class:`Scan` (``sparktrain.driver.launch.feed``), the spec carries it to every task, and each
+:class:`Scan` (``sparktrain.driver.launch.scans``), the spec carries it to every task, and each
 rank reads its share (:func:`split`) straight from the files (``sparktrain.data.stream``), with
 no shuffle and no spool. A scan's row counts come from the footers (or, for a scan with a filter,
 from one counting job that reads the filter's columns), so every rank knows every rank's count
@@ -71,10 +71,6 @@ def split(pieces: Sequence[Piece], size: int) -> list[list[int]]:
         shares[rank].append(index)
         heapq.heappush(heap, (rows + piece.rows, rank))
     return shares
-
-
-def rows_per_rank(scan: Scan, size: int) -> list[int]:
-    return [sum(scan.pieces[i].rows for i in share) for share in split(scan.pieces, size)]
 
 
 def filesystem(url: str):

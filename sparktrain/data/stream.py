@@ -1,4 +1,4 @@
-"""This rank's share of a scanned DataFrame, read from its Parquet files while the rank trains.
+"""This rank's share of a scanned DataFrame, read from its Parquet or ORC files while the rank trains.
 
 The rank's row groups (``sparktrain.data.scan.split``) are read :data:`READ_ROWS` rows at a time,
 each epoch in a new order of row groups drawn from the seed, the rows mixed in a shuffle buffer

@@ -154,12 +154,13 @@ def main(argv: list[str]) -> int:
         _report_error(workdir, e)
         return 1
 
+    what = "the run's storage_options"
     try:
         home.load(workdir)  # the storage options of the run's home, where run() was given them
+        what = "train_fn"
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
     except BaseException as e:  # noqa: BLE001 - report whatever stopped the unpickling
-        what = "the run's storage_options" if home.loading else "train_fn"
         _report_error(workdir, e, f"could not unpickle {what} on this executor: {e}. "
                                   "Install the same packages on the executors as on the driver")
         return 1

@@ -16,21 +16,17 @@ from typing import Any
 FILE = "home.pkl"
 
 _options: dict[str, Any] | None = None
-#: True while :func:`load` unpickles (a failure then is the options', not ``train_fn``'s).
-loading = False
 
 
 def load(workdir: str) -> None:
     """Read this rank's home options from ``workdir``, where its task wrote them (if it did)."""
-    global _options, loading
+    global _options
     path = os.path.join(workdir, FILE)
     if os.path.exists(path):
         import cloudpickle
 
-        loading = True
         with open(path, "rb") as f:
             _options = cloudpickle.load(f)
-        loading = False
 
 
 def options() -> dict[str, Any] | None:
