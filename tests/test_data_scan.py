@@ -233,11 +233,16 @@ def kill_my_task_mid_epoch(outdir):
     import sparktrain.data
 
     ds = sparktrain.data.dataset("id", batch_size=100, seed=1, prefetch=False)
-    with open(os.path.join(outdir, f"run-{sparktrain.rank()}"), "w") as f:
+    mine = os.path.join(outdir, f"run-{sparktrain.rank()}")
+    with open(mine + ".part", "w") as f:
         f.write(os.environ["SPARKTRAIN_RUN_ID"] + "\n" + os.environ["SPARKTRAIN_DATA_DIR"])
+    os.rename(mine + ".part", mine)
     for step, _ in enumerate(ds):
         if sparktrain.rank() == 1 and step == 150:  # some row groups are in the cache by now
             assert os.listdir(os.path.join(os.environ["SPARKTRAIN_DATA_DIR"], "train.cache"))
+            deadline = time.monotonic() + 60  # rank 0 has said where its cache is (a loaded machine starts it late)
+            while not os.path.exists(os.path.join(outdir, "run-0")) and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.kill(os.getppid(), signal.SIGKILL)  # the Spark task's Python worker, mid-epoch
     time.sleep(120)  # the others wait to be stopped
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ...data.scan import Piece
+from ...errors import SparkTrainError
 
 _COMPARE = {"EqualTo": "==", "LessThan": "<", "LessThanOrEqual": "<=", "GreaterThan": ">",
             "GreaterThanOrEqual": ">="}
@@ -23,7 +24,7 @@ _LITERAL_TYPES = {"ByteType", "ShortType", "IntegerType", "LongType", "FloatType
                   "StringType"}
 
 
-class Untranslatable(Exception):
+class Untranslatable(SparkTrainError):
     """A part of the filter the ranks cannot evaluate."""
 
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from ...data import layout
 from ...data.scan import Piece, Scan, open_parquet
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, SparkTrainError
 from . import pushdown
 from .feed import column_kind
 
@@ -106,7 +106,7 @@ def _filter_columns(tree) -> set[str]:
     return columns(tree) if tree is not None else set()
 
 
-class _NotDirect(Exception):
+class _NotDirect(SparkTrainError):
     """A file of the scan that the ranks could not read as Spark does."""
 
 
