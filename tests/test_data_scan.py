@@ -260,6 +260,57 @@ def test_a_killed_rank_fails_the_run_by_name_and_leaves_no_cache(spark, table, t
                and not glob.glob(os.path.join(tempfile.gettempdir(), "*", pattern)), 30, "a rank's directory was left")
 
 
+DRIVER = """
+import os, sys, time
+import sparktrain
+from sparktrain.driver.launch.cluster import start_session
+
+def stream_then_wait(outdir):
+    import sparktrain.data
+    ds = sparktrain.data.dataset("id", batch_size=100, seed=1, prefetch=False)
+    mine = os.path.join(outdir, f"rank-{sparktrain.rank()}")
+    for step, _ in enumerate(ds):
+        if step == 100:  # mid-epoch, with row groups in the cache
+            assert os.listdir(os.path.join(os.environ["SPARKTRAIN_DATA_DIR"], "train.cache"))
+            with open(mine + ".part", "w") as f:
+                f.write(f"{os.getpid()}\\n{os.environ['SPARKTRAIN_RUN_ID']}\\n{os.environ['SPARKTRAIN_DATA_DIR']}")
+            os.rename(mine + ".part", mine)
+            time.sleep(300)  # the test kills the driver now
+
+spark = start_session("local[2]")
+sparktrain.run(stream_then_wait, args=(sys.argv[2],), num_proc=2, data=spark.read.parquet(sys.argv[1]), verbose=0,
+               env={"SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"})
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_driver_killed_mid_stream_leaves_no_rank_cache_or_directory(table, tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import wait_pids_gone
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, table, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: driver.poll() is not None or all((tmp_path / f"rank-{r}").exists() for r in range(2)),
+                   180, "both ranks streaming")
+        assert driver.poll() is None, driver.stdout.read()[-3000:]
+        driver.send_signal(signal.SIGKILL)  # our own child: Popen holds it until we wait
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=30)
+    ranks = [open(tmp_path / f"rank-{r}").read().split("\n") for r in range(2)]
+    assert wait_pids_gone([int(pid) for pid, _, _ in ranks], timeout=60) == []
+    for pid, run_id, data_dir in ranks:
+        wait_until(lambda: not os.path.exists(data_dir), 30, f"the cache {data_dir} of rank pid {pid} was not removed")
+    pattern = f"sparktrain-{ranks[0][1]}-r*"
+    wait_until(lambda: not glob.glob(os.path.join(tempfile.gettempdir(), pattern))
+               and not glob.glob(os.path.join(tempfile.gettempdir(), "*", pattern)), 30, "a rank's directory was left")
+
+
 def test_a_scan_with_nulls_or_no_rows_is_refused_before_any_spark_job(spark, tmp_path):
     from pyspark.sql import functions as F
 
