@@ -80,25 +80,33 @@ def elastic_fit(outdir, epochs, fault_epoch, grow_to=None, batch_size=16, hold_f
     shard = sparktrain.data.shard()
     record_rank(outdir, digest=weights_digest(state.model.get_weights()), size=hvd.size(), sizes=sizes,
                 resumed_at=resumed_at,
-                rows_per_rank=list(shard.rows_per_rank), steps=shard.steps_per_epoch(16), began=began)
+                rows_per_rank=list(shard.rows_per_rank), steps=shard.steps_per_epoch(16), began=began,
+                shard=type(shard).__name__)
     x, y = __import__("helpers").digits()[1]
     return float(state.model.evaluate(x, y, verbose=0)[1]) if hvd.rank() == 0 else None
 
 
 @pytest.mark.timeout(420)
 def test_an_elastic_fit_loses_a_host_and_finishes_on_the_other(cluster, tmp_path, caplog):
-    """run_elastic of 4 ranks (min 2) from data=df: host 1 dies whole in epoch 3. The run goes on
-    with the other host's 2 ranks from the epoch-2 commit, finishes every epoch with equal weights,
-    as accurate as an uninterrupted run; nothing of it is left on the dead host once it is back."""
+    """run_elastic of 4 ranks (min 2) from data=df, a Parquet scan the ranks read from its files:
+    host 1 dies whole in epoch 3. The run goes on with the other host's 2 ranks from the epoch-2
+    commit, the scan's row groups split again over 2, finishes every epoch with equal weights, as
+    accurate as an uninterrupted run; nothing of it is left on the dead host once it is back."""
     import logging
 
     from helpers import digits, read_ranks
-    from pyspark.ml.linalg import Vectors
     from sparktrain.driver.launch import cluster as capacity
 
     hosts, standalone, session = cluster
     (x, y), _ = digits()
-    df = session.createDataFrame([(Vectors.dense(x[i]), int(y[i])) for i in range(len(y))], ["features", "label"])
+    table = str(tmp_path / "digits.parquet")  # 8 files of one row group: 2 a rank, then 4
+    session.createDataFrame([([float(v) for v in x[i]], int(y[i])) for i in range(len(y))],
+                            ["features", "label"]).repartition(8).write.parquet(table)
+    df = session.read.parquet(table)
+    files = sorted(glob.glob(os.path.join(table, "*.parquet")))
+    import pyarrow.parquet as pq
+
+    largest = max(pq.ParquetFile(f).metadata.num_rows for f in files)
     env = {"SPARKTRAIN_ELASTIC_URL": f"file://{tmp_path}/elastic", "TF_CPP_MIN_LOG_LEVEL": "2",
            "SPARKTRAIN_COLLECTIVE_TIMEOUT": "60"}
     epochs, n = 6, HOSTS * PER_HOST
@@ -116,8 +124,10 @@ def test_an_elastic_fit_loses_a_host_and_finishes_on_the_other(cluster, tmp_path
         assert len({ranks[r]["digest"] for r in survivors}) == 1  # the 2 ranks end equal
         assert all(ranks[r]["began"] == [2] for r in survivors)  # resumed from the epoch-2 commit
         assert all(ranks[r]["sizes"] == [2] for r in survivors)  # the reset callbacks ran once, with the new size
-        rows = ranks[0]["rows_per_rank"]
-        assert sum(rows) == len(y) and max(rows) - min(rows) <= 1 and ranks[0]["steps"] * 16 >= max(rows)
+        rows = ranks[0]["rows_per_rank"]  # the 2 survivors' shares of the scan: every row, a row group apart at most
+        assert len(rows) == 2 and sum(rows) == len(y), rows
+        assert max(rows) - min(rows) <= largest and ranks[0]["steps"] * 16 >= max(rows), (rows, largest)
+        assert ranks[0]["shard"] == ranks[1]["shard"] == "StreamShard", ranks
         lines = [r.getMessage() for r in caplog.records if "continuing with 2 rank(s)" in r.getMessage()]
         assert len(lines) == 1 and "from the last commit, at epoch 2" in lines[0], lines
     finally:
