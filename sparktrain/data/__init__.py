@@ -155,7 +155,8 @@ def pydataset(features: Columns, label: Columns | None = None, *, batch_size: in
 
     class ShardBatches(keras.utils.PyDataset):
         """Batches in order: Keras asks for them one after another (and for the first once more,
-        to see its shapes), and a streamed shard reads its rows in that order."""
+        to see its shapes), and a streamed shard reads its rows in that order. A batch asked for
+        out of order is the same batch: the epoch's reads are made again up to it."""
 
         def __init__(self):
             super().__init__()
@@ -173,12 +174,11 @@ def pydataset(features: Columns, label: Columns | None = None, *, batch_size: in
         def __getitem__(self, step: int):
             if self._last is not None and step == self._next - 1:
                 return self._last
-            if step == 0 and self._next:
+            if step < self._next:  # the epoch's order again from its start (it is drawn from the seed)
                 self._start()
-            if step != self._next:
-                raise InvalidArgumentError(
-                    f"sparktrain.data.pydataset gives its batches in order; batch {step} was asked for after "
-                    f"batch {self._next - 1}. Run it with Keras' default workers=1, use_multiprocessing=False")
+            while self._next < step:  # a batch asked for out of order: the ones before it are read past
+                self._take(batch_size)
+                self._next += 1
             self._last = self._take(batch_size)
             self._next += 1
             return self._last
