@@ -229,6 +229,12 @@ def test_a_file_deleted_mid_run_fails_the_run_by_its_name(spark, table, tmp_path
     assert f"could not open {victim} of the DataFrame fed as 'train'" in e.value.root_cause.message, str(e.value)
 
 
+def no_rank_directory_left(run_id: str) -> None:
+    pattern = f"sparktrain-{run_id}-r*"
+    wait_until(lambda: not glob.glob(os.path.join(tempfile.gettempdir(), pattern))
+               and not glob.glob(os.path.join(tempfile.gettempdir(), "*", pattern)), 30, "a rank's directory was left")
+
+
 def kill_my_task_mid_epoch(outdir):
     import sparktrain.data
 
@@ -255,9 +261,7 @@ def test_a_killed_rank_fails_the_run_by_name_and_leaves_no_cache(spark, table, t
     for r in range(2):
         run_id, data_dir = open(tmp_path / f"run-{r}").read().split("\n")
         wait_until(lambda: not os.path.exists(data_dir), 30, f"rank {r}'s cache {data_dir} was not removed")
-    pattern = f"sparktrain-{run_id}-r*"
-    wait_until(lambda: not glob.glob(os.path.join(tempfile.gettempdir(), pattern))
-               and not glob.glob(os.path.join(tempfile.gettempdir(), "*", pattern)), 30, "a rank's directory was left")
+    no_rank_directory_left(run_id)
 
 
 DRIVER = """
@@ -290,12 +294,14 @@ def test_a_driver_killed_mid_stream_leaves_no_rank_cache_or_directory(table, tmp
 
     from helpers import wait_pids_gone
 
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, table, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = open(tmp_path / "driver.log", "w")  # a file, not a pipe no one reads while the driver runs
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, table, str(tmp_path)], stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
     try:
         wait_until(lambda: driver.poll() is not None or all((tmp_path / f"rank-{r}").exists() for r in range(2)),
                    180, "both ranks streaming")
-        assert driver.poll() is None, driver.stdout.read()[-3000:]
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
         driver.send_signal(signal.SIGKILL)  # our own child: Popen holds it until we wait
         driver.wait(timeout=30)
     finally:
@@ -306,9 +312,7 @@ def test_a_driver_killed_mid_stream_leaves_no_rank_cache_or_directory(table, tmp
     assert wait_pids_gone([int(pid) for pid, _, _ in ranks], timeout=60) == []
     for pid, run_id, data_dir in ranks:
         wait_until(lambda: not os.path.exists(data_dir), 30, f"the cache {data_dir} of rank pid {pid} was not removed")
-    pattern = f"sparktrain-{ranks[0][1]}-r*"
-    wait_until(lambda: not glob.glob(os.path.join(tempfile.gettempdir(), pattern))
-               and not glob.glob(os.path.join(tempfile.gettempdir(), "*", pattern)), 30, "a rank's directory was left")
+    no_rank_directory_left(ranks[0][1])
 
 
 def test_a_scan_with_nulls_or_no_rows_is_refused_before_any_spark_job(spark, tmp_path):
