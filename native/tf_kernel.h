@@ -2,7 +2,8 @@
 // broadcast, reducescatter; tf_ragged_kernels.cc: allgather and alltoall, whose first dimension
 // differs between ranks): the engine's dtype codes, the timeline's buffer, the current
 // communicator held for one collective, the engine's codes as TensorFlow's status, and
-// CollectiveKernel, which runs a collective at once or through the TensorFlow 1 graph sequencer.
+// CollectiveKernel, which runs a collective at once, on the engine's thread (a gradient bucket,
+// tf_reducer.h) or through the TensorFlow 1 graph sequencer (tf_sequencer.h).
 #ifndef SPARKTRAIN_TF_KERNEL_H
 #define SPARKTRAIN_TF_KERNEL_H
 
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "collective.h"
+#include "tf_reducer.h"
 #include "tf_sequencer.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -71,9 +73,12 @@ inline double NowUs() {  // the epoch's microseconds, as Python's time.time() * 
   return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
 }
 
-inline void Record(const std::string &label, uint64_t bytes, double start, double end) {
-  char nums[96];
-  snprintf(nums, sizeof nums, "\t%llu\t%.3f\t%.3f\n", static_cast<unsigned long long>(bytes), start, end);
+// One line "label\tbytes\tstart_us\tend_us\tqueued_us": queued_us is when a collective run on the
+// engine's thread was handed over (its inputs existed), 0 for one run in place.
+inline void Record(const std::string &label, uint64_t bytes, double start, double end, double queued) {
+  char nums[128];
+  snprintf(nums, sizeof nums, "\t%llu\t%.3f\t%.3f\t%.3f\n", static_cast<unsigned long long>(bytes), start, end,
+           queued);
   std::lock_guard<std::mutex> lock(timeline_mu);
   timeline_buf += label;
   timeline_buf += nums;
@@ -150,46 +155,59 @@ inline char *DataOf(Tensor *t) {
   } while (0)
 
 // Eagerly and in a tf.function (sequence_key < 0) a kernel runs its collective at once, holding
-// the current communicator. Built into a TensorFlow 1 graph (sequence_key >= 0) it hands the
-// collective to the sequencer (tf_sequencer.h) and returns, leaving the session's thread free;
-// the sequencer's thread runs it, with the communicator held, once every rank has it waiting.
+// the current communicator; one built with overlap=true (a gradient bucket in a tf.function) hands
+// it to the engine's thread (tf_reducer.h) and returns, so the executor goes on with backprop.
+// Built into a TensorFlow 1 graph (sequence_key >= 0) it hands the collective to the sequencer
+// (tf_sequencer.h) and returns, leaving the session's thread free; the sequencer's thread runs
+// it, with the communicator held, once every rank has it waiting.
 class CollectiveKernel : public AsyncOpKernel {
  public:
   CollectiveKernel(OpKernelConstruction *ctx, const char *what) : AsyncOpKernel(ctx), what_(what) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("sequence_key", &key_));
+    if (ctx->HasAttr("overlap")) OP_REQUIRES_OK(ctx, ctx->GetAttr("overlap", &overlap_));
     for (char &ch : label_)
       if (ch == '\t' || ch == '\n') ch = ' ';
   }
 
+  // A kernel that hands its collective over returns at once: TensorFlow's executor then runs it
+  // on its own thread as soon as its inputs exist, instead of queueing it behind the long ops
+  // (backprop's) its inter-op pool is busy with, so a bucket starts as soon as its gradients do.
+  bool IsExpensive() override { return key_ < 0 && !overlap_; }
+
   void ComputeAsync(OpKernelContext *ctx, DoneCallback done) override {
-    if (key_ < 0) {
+    if (key_ < 0 && !overlap_) {
       {
         Held held;
-        Timed(ctx, held.get());
+        Timed(ctx, held.get(), 0);
       }
       done();
       return;
     }
+    const double queued = key_ < 0 && timeline_on.load(std::memory_order_relaxed) ? NowUs() : 0;
     sparktrain::SequencedOp op;
-    op.run = [this, ctx](stc_comm *comm) { Timed(ctx, comm); };
+    op.run = [this, ctx, queued](stc_comm *comm) { Timed(ctx, comm, queued); };
     op.fail = [ctx](int rc, const std::string &msg) { ctx->SetStatus(Coded(rc, msg)); };
     op.done = std::move(done);
-    sparktrain::SequencerEnqueue(key_, std::move(op));
+    if (key_ >= 0)
+      sparktrain::SequencerEnqueue(key_, std::move(op));
+    else
+      sparktrain::ReducerEnqueue(std::move(op));
   }
 
  protected:
   // The collective on comm (current, held, not NULL).
   virtual void Run(OpKernelContext *ctx, stc_comm *comm) = 0;
 
-  void Timed(OpKernelContext *ctx, stc_comm *comm) {
+  // queued: when the collective was handed to the engine's thread (timeline on), else 0.
+  void Timed(OpKernelContext *ctx, stc_comm *comm, double queued) {
     REQUIRE(ctx, comm, NoCommunicator(what_));
     const bool timed = timeline_on.load(std::memory_order_relaxed);
     const double start = timed ? NowUs() : 0;
     uint64_t bytes = 0;
     for (int i = 0; i < ctx->num_inputs(); ++i) bytes += ctx->input(i).TotalBytes();
     Run(ctx, comm);
-    if (timed && ctx->status().ok()) Record(label_, bytes, start, NowUs());
+    if (timed && ctx->status().ok()) Record(label_, bytes, start, NowUs(), queued);
   }
 
   // Allocates output i as a copy of input i.
@@ -221,6 +239,7 @@ class CollectiveKernel : public AsyncOpKernel {
   const char *what_;
   std::string label_;
   int64_t key_ = -1;
+  bool overlap_ = false;
 };
 
 // The shape function of the ops whose output has the input's trailing dimensions and rows that

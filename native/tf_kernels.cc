@@ -161,6 +161,7 @@ REGISTER_OP("SparktrainGroupedAllreduce")
     .Attr("reduce_op: int")
     .Attr("label: string = ''")
     .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
+    .Attr("overlap: bool = false")    // a gradient bucket: reduced on the engine's thread (tf_reducer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn([](shape_inference::InferenceContext *c) {
@@ -221,7 +222,11 @@ void sparktrain_tk_free(char *p) { std::free(p); }
 // The collective timeout: how long the ranks may agree on nothing in a TensorFlow 1 graph.
 void sparktrain_tk_sequencer_timeout(double seconds) { sparktrain::SequencerSetTimeout(seconds); }
 
-// Fails the collectives waiting in the sequencer and joins its thread (shutdown()).
-void sparktrain_tk_sequencer_stop(void) { sparktrain::SequencerStop(); }
+// Fails the collectives waiting in the sequencer and on the engine's thread, and joins both
+// threads (shutdown()).
+void sparktrain_tk_sequencer_stop(void) {
+  sparktrain::ReducerStop();
+  sparktrain::SequencerStop();
+}
 
 }  // extern "C"

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from ..host import nics
 from ..seam import worker_env
 from .record import RankSettings, Settings, names as record_names
-from .parsers import (choice as _choice, parse_bool, parse_bytes_or_auto, parse_gc_threshold, parse_legacy_keras, parse_positive_int,
+from .parsers import (choice as _choice, parse_bool, parse_bytes, parse_bytes_or_auto, parse_path, parse_gc_threshold, parse_legacy_keras, parse_positive_int,
                       parse_seconds, parse_seconds_or_off, parse_spin, url as _url)
 
 
@@ -140,6 +140,17 @@ SETTINGS = {
                 "Parquet scan), so that later epochs read it from there; what does not fit is read from the "
                 "files again each epoch. 'auto': half the free space of the executor's local directory, shared "
                 "among the host's ranks; 0 keeps nothing",
+                read_in="rank"),
+        Setting("bucket_bytes", "SPARKTRAIN_BUCKET_BYTES", "spark.sparktrain.bucketBytes", 4 << 20, parse_bytes,
+                "bytes of gradients in one bucket of a compiled step (DistributedOptimizer, DistributedGradientTape "
+                "inside tf.function): buckets are filled in reverse order of the variables, as backprop makes "
+                "them, and each is reduced on the engine's thread as soon as its gradients exist, while backprop "
+                "goes on (docs/performance.md); 0: one collective per dtype once every gradient exists",
+                read_in="rank"),
+        Setting("timeline", "SPARKTRAIN_TIMELINE", "spark.sparktrain.timeline", None, parse_path,
+                "a file each rank writes a Chrome trace of its collectives to, from init() until shutdown() or its "
+                "exit (as start_timeline: rank r > 0 writes it with .rank<r> before the extension; gradient "
+                "buckets on a lane of their own, beside the moments backprop made them); None: no timeline",
                 read_in="rank"),
         Setting("gc_threshold", worker_env.GC_THRESHOLD, "spark.sparktrain.gcThreshold",
                 worker_env.GC_THRESHOLD_DEFAULT, parse_gc_threshold,

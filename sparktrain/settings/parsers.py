@@ -5,6 +5,7 @@ value: each parser takes the name to blame and the value, and returns it parsed 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from ..errors import InvalidArgumentError
@@ -75,10 +76,23 @@ def parse_bytes_or_auto(name: str, value: Any) -> int | str:
     >>> parse_bytes_or_auto("n", "20g"), parse_bytes_or_auto("n", 1024), parse_bytes_or_auto("n", "auto")
     (21474836480, 1024, 'auto')
     """
+    return _bytes(name, value, True)
+
+
+def parse_bytes(name: str, value: Any) -> int:
+    """A size in bytes, as :func:`parse_bytes_or_auto` reads one, without ``"auto"``.
+
+    >>> parse_bytes("n", "25m"), parse_bytes("n", 0)
+    (26214400, 0)
+    """
+    return _bytes(name, value, False)
+
+
+def _bytes(name: str, value: Any, auto: bool) -> int | str:
     given = value
     if isinstance(value, str):
         text = value.strip().lower().replace("ib", "").rstrip("b")
-        if text == "auto":
+        if text == "auto" and auto:
             return "auto"
         number, unit = text.rstrip("kmgt"), text[len(text.rstrip("kmgt")):]
         try:
@@ -86,9 +100,21 @@ def parse_bytes_or_auto(name: str, value: Any) -> int | str:
         except (ValueError, KeyError):
             value = None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"{name} must be 'auto' or a size in bytes such as 20g, 512m or 1073741824; "
+        either = "'auto' or " if auto else ""
+        raise InvalidArgumentError(f"{name} must be {either}a size in bytes such as 20g, 512m or 1073741824; "
                                    f"got {given!r}")
     return value
+
+
+def parse_path(name: str, value: Any) -> str:
+    """A file path (not empty).
+
+    >>> parse_path("n", "/tmp/trace.json")
+    '/tmp/trace.json'
+    """
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise InvalidArgumentError(f"{name} must be a file path, got {value!r}")
+    return os.fspath(value)
 
 
 def parse_gc_threshold(name: str, value: Any) -> str:

@@ -31,6 +31,8 @@ class RankSettings:
     pin_cores: str
     gc_threshold: str
     data_cache_limit: int | str
+    bucket_bytes: int
+    timeline: str | None
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False, kw_only=True)
 
     def origin(self, name: str) -> str:

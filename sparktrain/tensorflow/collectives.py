@@ -168,10 +168,18 @@ def grouped_allreduce(tensors: Iterable, average=None, device_dense: str = "", d
 
     ``tf.IndexedSlices`` among them are reduced as sparse, as by :func:`allreduce`.
     """
+    return reduce_group(tensors, ops.resolve(op, average), compression, prescale_factor, postscale_factor,
+                        process_set)
+
+
+def reduce_group(tensors: Iterable, op: str, compression=Compression.none, prescale_factor: float = 1.0,
+                 postscale_factor: float = 1.0, process_set=global_process_set, bucket: str | None = None) -> list:
+    """:func:`grouped_allreduce` with its op resolved; ``bucket`` (a gradient bucket's label,
+    ``buckets``) reduces the dense tensors as one bucket of a compiled step: the same engine calls,
+    run off TensorFlow's thread where the backend can."""
     require_init()
     tf = _tf()
     tensors = list(tensors)
-    op = ops.resolve(op, average)
     ops.check_scale(prescale_factor, postscale_factor)
     g = _group(process_set)
     if not tensors:
@@ -188,18 +196,22 @@ def grouped_allreduce(tensors: Iterable, average=None, device_dense: str = "", d
         for t in dense:
             ops.check_dtype(t.dtype.name, op, "grouped_allreduce")
         packed = [compression.compress(t) for t in dense]
-        reduced = _grouped_allreduce([p[0] for p in packed], op, prescale_factor, postscale_factor, g)
+        reduced = _grouped_allreduce([p[0] for p in packed], op, prescale_factor, postscale_factor, g, bucket)
         for i, r, (_, ctx) in zip(dense_idx, reduced, packed):
             out[i] = compression.decompress(r, ctx)
     return out
 
 
-def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_factor=1.0, g=None) -> list:
+def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_factor=1.0, g=None,
+                       bucket: str | None = None) -> list:
     tf = _tf()
 
     def forward(*xs):
         xs = [_scale(x, prescale_factor) for x in xs]
-        return [_scale(y, postscale_factor) for y in _backend(g).grouped_allreduce(list(xs), op)]
+        backend = _backend(g)
+        reduced = backend.grouped_allreduce(list(xs), op) if bucket is None else \
+            backend.bucket_allreduce(list(xs), op, bucket)
+        return [_scale(y, postscale_factor) for y in reduced]
 
     if not any(_differentiable(t) for t in tensors):
         return forward(*tensors)
@@ -209,7 +221,7 @@ def _grouped_allreduce(tensors: list, op: str, prescale_factor=1.0, postscale_fa
         def grad(*dys):
             # TensorFlow may hand float32 zeros for a float64 output: reduce each in its own dtype.
             dys = [tf.cast(dy, x.dtype) for dy, x in zip(dys, xs)]
-            back = _grouped_allreduce(dys, op, prescale_factor, postscale_factor, g)
+            back = _grouped_allreduce(dys, op, prescale_factor, postscale_factor, g, bucket)
             return [g if _differentiable(x) else None for g, x in zip(back, xs)]
 
         return forward(*xs), grad

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from . import collectives, ops, process_sets
+from . import buckets, collectives, ops, process_sets
 from .compression import Compression
 from .ops import Average
 from ..errors import InvalidArgumentError
@@ -53,6 +53,9 @@ def allreduce_gradients(grads, *, variables=None, op=Average, compression=Compre
     ``groups`` asks otherwise: an int splits them into that many consecutive groups, a list of
     lists of variables (with ``variables``, the gradients' variables in order) puts each inner
     list's gradients in one group and every other gradient in a group of its own, as Horovod.
+    Inside a ``tf.function`` (and ``bucket_bytes`` not 0) the dense gradients go in buckets, or the
+    groups are taken as buckets, last variables first, each reduced while backprop goes on
+    (``buckets``); the sums are the same bits.
     ``tf.IndexedSlices`` are reduced as sparse (values and indices allgathered; Average divides
     the values by the size) unless ``sparse_as_dense``, which densifies them first.
     """
@@ -65,8 +68,14 @@ def allreduce_gradients(grads, *, variables=None, op=Average, compression=Compre
     present = [i for i, g in enumerate(flat) if g is not None]
     if sparse_as_dense:
         flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in flat]
+    overlap = False
     if groups is None:
         batches = [present] if present else []
+        dense = [i for i in present if not isinstance(flat[i], tf.IndexedSlices)]
+        split = buckets.plan([flat[i] for i in dense])
+        if split is not None:
+            overlap = True
+            batches = [[dense[j] for j in b] for b in split] + [[i for i in present if i not in set(dense)]]
     elif isinstance(groups, int):
         batches = _split_even(present, groups)
     else:
@@ -84,13 +93,15 @@ def allreduce_gradients(grads, *, variables=None, op=Average, compression=Compre
                     taken.add(i)
             batches.append(sorted(idx))
         batches += [[i] for i in present if i not in taken]
+    if groups is not None and buckets.enabled():  # the groups as buckets, the last variables' first
+        overlap, batches = True, batches[::-1]
+    batches = [idx for idx in batches if idx]
     out = list(flat)
-    for idx in batches:
-        if not idx:
-            continue
-        reduced = collectives.grouped_allreduce([flat[i] for i in idx], op=op, compression=compression,
-                                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                                process_set=process_set)
+    for number, idx in enumerate(batches):
+        label = buckets.label(number, len(batches), sum(buckets.nbytes(flat[i]) or 0 for i in idx)) if overlap \
+            else None
+        reduced = collectives.reduce_group([flat[i] for i in idx], op, compression, prescale_factor,
+                                           postscale_factor, process_set, bucket=label)
         for i, r in zip(idx, reduced):
             out[i] = r
     return tf.nest.pack_sequence_as(grads, out)

@@ -218,9 +218,9 @@ def set_timeout(seconds: float) -> None:
 
 
 def stop_sequencer() -> None:
-    """Fail the TensorFlow 1 graph collectives still waiting for their turn and join the
-    sequencer's thread (``shutdown()``, before the communicator closes); it starts again with
-    the next one."""
+    """Fail the collectives still waiting for their turn (TensorFlow 1 graphs' and gradient
+    buckets' on the engine's thread) and join both threads (``shutdown()``, before the
+    communicator closes); each starts again with the next one."""
     if _loaded is not None:
         _loaded[1].sparktrain_tk_sequencer_stop()
 
@@ -237,8 +237,10 @@ def set_timeline(on: bool) -> None:
         _loaded[1].sparktrain_tk_timeline(1 if on else 0)
 
 
-def drain_timeline() -> list[tuple[str, int, float, float]]:
-    """The collectives the kernels ran since the last drain: ``(label, bytes, start_us, end_us)``."""
+def drain_timeline() -> list[tuple[str, int, float, float, float]]:
+    """The collectives the kernels ran since the last drain: ``(label, bytes, start_us, end_us,
+    queued_us)``; ``queued_us`` is when one run on the engine's thread (a gradient bucket) was handed
+    over, 0 for one run in place."""
     if _loaded is None:
         return []
     lib = _loaded[1]
@@ -251,6 +253,6 @@ def drain_timeline() -> list[tuple[str, int, float, float]]:
         lib.sparktrain_tk_free(p)
     events = []
     for line in text.splitlines():
-        label, nbytes, start, end = line.rsplit("\t", 3)
-        events.append((label, int(nbytes), float(start), float(end)))
+        label, nbytes, start, end, queued = line.rsplit("\t", 4)
+        events.append((label, int(nbytes), float(start), float(end), float(queued)))
     return events

@@ -93,6 +93,12 @@ def init(timeout: float | None = None, comm=None, process_sets=None) -> None:
             with tf.init_scope():
                 _bring_up(tf, float(timeout))
             state.initialized = True
+            path = rank_settings.current().timeline
+            if path:  # SPARKTRAIN_TIMELINE: Horovod's HOROVOD_TIMELINE
+                from .timeline import active, start_timeline
+
+                if not active():
+                    start_timeline(path)
     if process_sets and "start" in hooks:
         hooks["start"](process_sets)
 

@@ -88,8 +88,13 @@ def stop_timeline() -> str | None:
     if from_kernels:
         from .. import context as _ctx
 
-        for name, nbytes, start_us, end_us in from_kernels:
-            events.extend(_events(name, nbytes, start_us, end_us, _ctx.rank(), mark_cycles))
+        rank = _ctx.rank()
+        if any(queued for *_, queued in from_kernels):
+            events.extend(_lanes(rank))
+        for name, nbytes, start_us, end_us, queued_us in from_kernels:
+            if queued_us:
+                events.append({"name": f"{name} ready", "ph": "i", "s": "t", "ts": queued_us, "pid": rank, "tid": 0})
+            events.extend(_events(name, nbytes, start_us, end_us, rank, mark_cycles, tid=1 if queued_us else 0))
         events.sort(key=lambda e: (e["ph"] != "M", e.get("ts", 0.0)))  # stable: a cycle mark stays first
     with open(path + ".tmp", "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
@@ -118,10 +123,18 @@ def record(name: str, nbytes: int, start_us: float, end_us: float) -> None:
         _timeline.events.extend(_events(name, nbytes, start_us, end_us, rank, _timeline.mark_cycles))
 
 
-def _events(name: str, nbytes: int, start_us: float, end_us: float, rank: int, mark_cycles: bool) -> list:
+def _lanes(rank: int) -> list:
+    """The names of a rank's two lanes: the collectives run in place (eager ones, and those a
+    ``tf.function`` runs on TensorFlow's thread) and those of the engine's thread (gradient buckets)."""
+    return [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+            for tid, name in ((0, "TensorFlow"), (1, "engine thread: gradient buckets"))]
+
+
+def _events(name: str, nbytes: int, start_us: float, end_us: float, rank: int, mark_cycles: bool,
+            tid: int = 0) -> list:
     out = []
     if mark_cycles:
-        out.append({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": start_us, "pid": rank, "tid": 0})
-    out.append({"name": name, "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us), "pid": rank, "tid": 0,
+        out.append({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": start_us, "pid": rank, "tid": tid})
+    out.append({"name": name, "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us), "pid": rank, "tid": tid,
                 "args": {"bytes": int(nbytes)}})
     return out

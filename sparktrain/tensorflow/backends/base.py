@@ -71,6 +71,12 @@ class Backend:
     def grouped_allreduce(self, tensors: list, op: str) -> list:
         raise NotImplementedError
 
+    def bucket_allreduce(self, tensors: list, op: str, label: str) -> list:
+        """One gradient bucket of a compiled step (``tensorflow.buckets``): as ``grouped_allreduce``,
+        the same engine calls; a backend that can reduces it off TensorFlow's thread while backprop
+        goes on."""
+        return self.grouped_allreduce(tensors, op)
+
     def allgather(self, t, name: str | None = None):
         """``t`` has at least one dimension (the caller reshapes a scalar)."""
         raise NotImplementedError

@@ -158,9 +158,11 @@ class Kernels(Numpy):
         return self._ops().sparktrain_allreduce(t, reduce_op=OP_CODES[op], label=name or f"allreduce.{op}",
                                                 **self._key())
 
-    def grouped_allreduce(self, tensors, op):
+    def grouped_allreduce(self, tensors, op, label=None, overlap=False):
         """One kernel (one engine call over one buffer) per dtype, the dtypes in name order, as
-        ``hostops.grouped_allreduce`` does: the same calls, so ranks on either path agree."""
+        ``hostops.grouped_allreduce`` does: the same calls, so ranks on either path agree.
+        ``overlap``: each kernel reduces on the engine's thread (``native/tf_reducer.h``) and
+        TensorFlow's goes on at once."""
         if op not in OP_CODES:
             self._not_in_graph(f"grouped_allreduce(op={ops.name_of(op)})")
             return super().grouped_allreduce(tensors, op)
@@ -168,11 +170,14 @@ class Kernels(Numpy):
         out: list = [None] * len(tensors)
         for idx in hostops.dtype_groups([t.dtype.name for t in tensors]):
             reduced = k.sparktrain_grouped_allreduce([tensors[i] for i in idx], reduce_op=OP_CODES[op],
-                                                     label=f"grouped_allreduce.{op}",
+                                                     label=label or f"grouped_allreduce.{op}", overlap=overlap,
                                                      **self._key())
             for i, r in zip(idx, reduced):
                 out[i] = r
         return out
+
+    def bucket_allreduce(self, tensors, op, label):
+        return self.grouped_allreduce(tensors, op, label, overlap=not in_graph())
 
     def allgather(self, t, name=None):
         return self._ops().sparktrain_allgather(t, label=name or "allgather", **self._key())
