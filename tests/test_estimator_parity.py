@@ -12,8 +12,7 @@ and four outputs that holds the cases, trained with sample weights:
 A callback on each rank writes the rank's shard as ``sparktrain.data.numpy(..., model=...)`` gives
 it (labels in the outputs' shapes); the one process fits on the global batches those shards make
 (rank 0's batch i, then rank 1's). The checkpoint callback, on the custom metric, keeps the epoch
-one process finds best; on JAX it is left out: with it, rank 0 hangs saving the kept model at the
-first epoch's end (a bug of the estimator's JAX path, open)."""
+one process finds best, and the estimator's model is that epoch's."""
 from __future__ import annotations
 
 import math
@@ -162,7 +161,8 @@ def test_the_history_equals_one_process_fit_on_the_same_global_batches(spark, tm
     est = KerasEstimator(model=model, **_compiled(k), feature_cols=["a", "b"], label_cols=list(LABELS.values()),
                          sample_weight_col="w", validation="is_val", batch_size=BATCH, val_batch_size=VAL_BATCH,
                          epochs=EPOCHS, shuffle=False, num_proc=2, store=f"file://{tmp_path}/store", verbose=0,
-                         env={**ENV, "KERAS_BACKEND": "jax"} if line == "jax" else ENV, callbacks=[_recorder(k, str(outdir))], checkpoint_callback=None if line == "jax" else _best(k, line),
+                         env={**ENV, "KERAS_BACKEND": "jax"} if line == "jax" else ENV,
+                         callbacks=[_recorder(k, str(outdir))], checkpoint_callback=_best(k, line),
                          custom_objects={"my_mae": my_mae, "label_rank": label_rank})
     fitted = est.fit(_frame(spark, table, val))
     history = fitted.getHistory()
@@ -191,8 +191,6 @@ def test_the_history_equals_one_process_fit_on_the_same_global_batches(spark, tm
     # The metric is a function of (y_true, y_pred): the estimator's equals it as one process computes it.
     assert history["val_reg_my_mae"] != history["val_reg_loss"]
 
-    if line == "jax":  # rank 0's BestModelCheckpoint as the estimator's checkpoint_callback hangs on JAX (issue 58)
-        return
     best = int(np.argmin(expected["val_reg_my_mae"]))
     print(f"{line}: val_reg_my_mae by epoch {history['val_reg_my_mae']}, kept epoch {best + 1}")
     kept = fitted.getModel().get_weights()

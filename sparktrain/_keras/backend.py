@@ -67,6 +67,12 @@ class Backend:
         """Around a save that one rank makes alone."""
         return contextlib.nullcontext()
 
+    def with_weights(self, model, filepath: str, custom_objects=None):
+        """``model`` holding the weights saved at ``filepath`` (a ``.keras`` or ``.weights.h5`` file),
+        loaded by one rank alone: here ``model`` itself."""
+        model.load_weights(filepath)
+        return model
+
     def value(self, x) -> float:
         """A Keras scalar (a variable, a tensor, a number) as a Python float."""
         if isinstance(x, (int, float)):

@@ -111,6 +111,21 @@ class JaxBackend(Backend):
         finally:
             keras.distribution.set_distribution(distribution)
 
+    def with_weights(self, model, filepath: str, custom_objects=None):
+        """A copy of ``model`` that this process holds alone, outside the run's distribution, with
+        the weights at ``filepath``. The run's variables are placed across every process, and
+        assigning one a value is a collective (JAX checks that every process gives the same value)
+        that the ranks which do not load never join; the copy's variables are this process's own."""
+        import os
+        import tempfile
+
+        with self.saving(), tempfile.TemporaryDirectory(prefix="sparktrain-alone-") as tmp:
+            copy = os.path.join(tmp, "model.keras")
+            model.save(copy)  # reads the replicated values from this process's devices
+            alone = self.keras.saving.load_model(copy, custom_objects=custom_objects)
+            alone.load_weights(filepath)
+        return alone
+
     def backend_requirements(self) -> list[str]:
         from importlib.metadata import version
 

@@ -144,8 +144,8 @@ def train(spec: TrainSpec) -> dict[str, list[float]]:
         if hvd.rank() != 0:
             return {}
         if kept_file is not None and os.path.exists(kept_file):
-            with backend.saving():  # rank 0 alone: on JAX, outside the run's distribution
-                model.load_weights(kept_file)  # what the checkpoint callback kept (its best epoch, say)
+            # What the checkpoint callback kept (its best epoch, say), loaded by rank 0 alone.
+            model = backend.with_weights(model, kept_file, spec.custom_objects)
         hvd.callbacks.save_checkpoint(model, spec.model_url, epoch=spec.epochs, storage_options=spec.storage_options)
     return history_of(spec.run_url, spec.storage_options, spec.epochs)
 
