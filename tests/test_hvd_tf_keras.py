@@ -193,6 +193,32 @@ def tracking_checkpoints_and_elastic(got, hvd, tf, r, outdir, x, y):
                          [q.split("==")[0] for q in requirements if q.startswith(("tf_keras", "tensorflow"))]]
 
 
+def buckets_against_fused(got, hvd, tf, outdir, x, y):
+    """The same fits fused and in gradient buckets (of 512 bytes: one a layer)."""
+    import json
+
+    from overlap_ranks import bucket_bytes
+
+    for label, make in [("adam", lambda: hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.01))),
+                        ("legacy_sgd_predivide", lambda: hvd.DistributedOptimizer(
+                            tf.keras.optimizers.legacy.SGD(0.05), gradient_predivide_factor=2.0)),
+                        ("fp16_groups", lambda: hvd.DistributedOptimizer(
+                            tf.keras.optimizers.SGD(0.05), compression=hvd.Compression.fp16, num_groups=2))]:
+        digests = []
+        for limit in (0, 512):
+            trace = os.path.join(outdir, f"buckets-{label}-{limit}.json")
+            hvd.start_timeline(trace)
+            with bucket_bytes(limit):
+                model = _model(tf, 0, hidden=16)
+                _fit(model, make(), x[:320], y[:320], 32)
+            written = hvd.stop_timeline()
+            digests.append(weights_digest(model.get_weights()))
+            with open(written) as f:
+                names = {e["name"].split(" (")[0] for e in json.load(f)["traceEvents"] if e.get("tid") == 1}
+            got[f"bucket_names_{label}_{limit}"] = sorted(names - {"thread_name"})
+        got[f"buckets_{label}"] = digests
+
+
 def tf_keras_checks(outdir):
     import tensorflow as tf
 
@@ -210,6 +236,7 @@ def tf_keras_checks(outdir):
     schedules(got, hvd, tf, x, y)
     state_and_files(got, hvd, tf, r, outdir, x, y)
     tracking_checkpoints_and_elastic(got, hvd, tf, r, outdir, x, y)
+    buckets_against_fused(got, hvd, tf, outdir, x, y)
     record_rank(outdir, got=got)
 
 
@@ -297,3 +324,17 @@ def test_mlflow_remote_checkpoints_and_the_elastic_callbacks_on_tf_keras(ranks):
     metrics, num_proc, models, pinned = ranks[0]["mlflow"]
     assert {"loss", "accuracy"} <= set(metrics) and num_proc == "2" and models == ["model"], ranks[0]["mlflow"]
     assert sorted(pinned) == ["tensorflow", "tf_keras"], pinned  # the model's Keras is tf_keras
+
+
+def test_gradient_buckets_give_tf_keras_the_fused_reductions_bits(ranks):
+    got, _ = ranks
+    labels = ("adam", "legacy_sgd_predivide", "fp16_groups")
+    for label in labels:
+        fused, bucketed = got[0][f"buckets_{label}"]
+        assert fused == bucketed, label
+        assert got[1][f"buckets_{label}"] == [fused, bucketed], label  # and every rank's are the same
+        assert got[0][f"bucket_names_{label}_0"] == []  # fused: nothing on the engine's lane
+    # Each layer's kernel closes a bucket (with the bias after it, filled first); two groups, each a bucket.
+    assert got[0]["bucket_names_adam_512"] == ["gradient bucket 1/2", "gradient bucket 2/2"]
+    assert got[0]["bucket_names_fp16_groups_512"] == ["gradient bucket 1/2", "gradient bucket 2/2"]
+    assert len({got[0][f"buckets_{label}"][0] for label in labels}) == len(labels)
