@@ -283,7 +283,10 @@ PATTERN = b"sparktrain-clear-marker-7f3a"
 def fit_with_marker(pattern: bytes):
     """A small Keras fit through DistributedOptimizer; the pattern crosses the ring (a broadcast of
     its bytes, passed on unchanged) and the channel (a printed line). Rank 0 returns the weights."""
+    import json
     import os
+    import shutil
+    import tempfile
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -303,9 +306,15 @@ def fit_with_marker(pattern: bytes):
                               keras.layers.Dense(2, activation="softmax")])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
                   loss="sparse_categorical_crossentropy")
+    trace = os.path.join(tempfile.mkdtemp(prefix="sparktrain-test-trace-"), "trace.json")
+    hvd.start_timeline(trace)
     model.fit(x, y, batch_size=16, epochs=2, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    return [w.tolist() for w in model.get_weights()], os.environ["SPARKTRAIN_ENCRYPTION"], hvd.cross_size()
+    with open(hvd.stop_timeline()) as f:
+        buckets = {e["name"] for e in json.load(f)["traceEvents"] if e.get("tid") == 1 and e.get("ph") == "X"}
+    shutil.rmtree(os.path.dirname(trace))
+    return [w.tolist() for w in model.get_weights()], os.environ["SPARKTRAIN_ENCRYPTION"], hvd.cross_size(), \
+        len(buckets)
 
 
 class Capture:
@@ -338,31 +347,36 @@ def _captured_run(sim, **kw):
     capture = Capture(sim.veths[0])  # host 0's link: its ranks' ring connections and channels
     try:
         # One rank per host (Spark offers each executor a task in turn): the ring, at the least cost.
-        weights, mode, hosts = sparktrain.run(fit_with_marker, args=(PATTERN,), num_proc=HOSTS, verbose=1, **kw)
+        weights, mode, hosts, buckets = sparktrain.run(fit_with_marker, args=(PATTERN,), num_proc=HOSTS, verbose=1,
+                                                       **kw)
     finally:
         wire = capture.stop()
     assert hosts == HOSTS
-    return weights, mode, wire
+    return weights, mode, wire, buckets
 
 
 @pytest.mark.timeout(400)
-def test_sparks_encryption_encrypts_a_fit_across_hosts_with_the_clear_runs_weights(cluster, monkeypatch, caplog):
+def test_sparks_encryption_encrypts_a_bucketed_fit_across_hosts_with_the_clear_fused_runs_weights(cluster, monkeypatch,
+                                                                                                   caplog):
     sim, _, session = cluster
     jconf = session.sparkContext._conf._jconf
     # Spark's conf as a cluster with Spark's RPC encryption would have it (this tier's standalone
     # cluster does not run spark.authenticate, without which Spark itself ignores the key).
     jconf.set("spark.network.crypto.enabled", "true")
     try:
-        sealed, mode, sealed_wire = _captured_run(sim)
+        # Encrypted in gradient buckets of 64 bytes; clear in one fused reduction.
+        sealed, mode, sealed_wire, buckets = _captured_run(sim, env={"SPARKTRAIN_BUCKET_BYTES": "64"})
         monkeypatch.setenv("SPARKTRAIN_ALLOW_UNENCRYPTED", "1")  # Spark's is on: clear must be allowed
-        clear, clear_mode, clear_wire = _captured_run(sim, encryption="off")
+        clear, clear_mode, clear_wire, fused = _captured_run(sim, encryption="off",
+                                                             env={"SPARKTRAIN_BUCKET_BYTES": "0"})
     finally:
         jconf.remove("spark.network.crypto.enabled")
     assert (mode, clear_mode) == ("on", "off")
     launches = [r.getMessage() for r in caplog.records if "launching" in r.getMessage()]
     assert launches[0].endswith("; encrypted (AES-256-GCM between hosts and on the driver's channel)"), launches
     assert launches[1].endswith("; not encrypted"), launches
-    assert sealed == clear  # the same reductions in the same order: the same bits
+    assert (buckets, fused) == (3, 0)  # the second layer's kernel and bias, the first's bias, its kernel; none fused
+    assert sealed == clear  # the same sums, in buckets or fused, encrypted or not: the same bits
     # The clear run shows the pattern on the wire (ring and channel); the encrypted one nowhere.
     assert clear_wire.count(PATTERN) >= 64 and sealed_wire.count(PATTERN) == 0, (
         clear_wire.count(PATTERN), sealed_wire.count(PATTERN))
