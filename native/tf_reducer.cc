@@ -69,14 +69,7 @@ void ReducerEnqueue(SequencedOp op) {
 
 void ReducerStop() {
   Reducer &r = R();
-  std::thread thread;
-  {
-    std::lock_guard<std::mutex> lock(r.mu);
-    r.stopping = true;
-    thread.swap(r.thread);
-    r.queued.notify_all();
-  }
-  if (thread.joinable()) thread.join();  // after the op in flight, if any
+  JoinStopping(r.mu, r.queued, r.thread, r.stopping);  // after the op in flight, if any
   std::vector<SequencedOp> left;
   {
     std::lock_guard<std::mutex> lock(r.mu);

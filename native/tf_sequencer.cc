@@ -222,16 +222,20 @@ void SequencerSetTimeout(double seconds) {
   s.timeout_s = seconds;
 }
 
+void JoinStopping(std::mutex &mu, std::condition_variable &cv, std::thread &thread, bool &stopping) {
+  std::thread joined;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stopping = true;
+    joined.swap(thread);
+    cv.notify_all();
+  }
+  if (joined.joinable()) joined.join();
+}
+
 void SequencerStop() {
   Sequencer &s = S();
-  std::thread thread;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.stopping = true;
-    thread.swap(s.thread);
-    s.arrived.notify_all();
-  }
-  if (thread.joinable()) thread.join();  // after the round in flight, if any
+  JoinStopping(s.mu, s.arrived, s.thread, s.stopping);  // after the round in flight, if any
   FailAll(STC_E_BROKEN, "shutdown() was called while this collective waited for the other ranks");
   std::lock_guard<std::mutex> lock(s.mu);
   s.stopping = false;
