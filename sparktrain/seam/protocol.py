@@ -8,8 +8,10 @@ turns such an object back into its message, or raises :class:`ProtocolError` nam
 Nothing is ever unpickled.
 
 A rank's task sends :class:`CheckedIn`, :class:`Output`, :class:`Beat`, :class:`Quiet`,
-:class:`Stacks` and :class:`RankFailed`; the driver sends :class:`Peers`, :class:`Beat`,
-:class:`AskStacks` and :class:`Abort`. Each side decodes only what the other may send.
+:class:`Stacks`, :class:`RankFailed` and :class:`Bye`, and :class:`Resume` first on a connection
+that replaces a broken one; the driver sends :class:`Peers`, :class:`Beat`, :class:`AskStacks`,
+:class:`Abort`, and :class:`Resumed` to a resume it accepts. Each side decodes only what the other
+may send. (Their numbering across connections is ``sparktrain.seam.session``'s.)
 
 A rank of a ``sparktrain.tune`` trial also speaks to the study on its own channel to the driver:
 it says which trial it serves (:class:`TrialHello`), then asks (:class:`Suggest`, :class:`Report`,
@@ -56,6 +58,8 @@ class CheckedIn:
     partition: int = -1
     shard: dict = dataclasses.field(default_factory=dict)
     collective_key: str | None = None
+    #: A fresh random name for this rank's session, which a :class:`Resume` must name.
+    session: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +107,24 @@ class RankFailed:
 
     TYPE: ClassVar[str] = "failed"
     failure: RankFailure
+
+
+@dataclasses.dataclass(frozen=True)
+class Bye:
+    """The task is done with the channel: the connection's end that follows is no break."""
+
+    TYPE: ClassVar[str] = "bye"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The first message on a connection that replaces a broken one: the rank, the attempt and
+    the session its hello named. Answered with :class:`Resumed`, or refused by a close."""
+
+    TYPE: ClassVar[str] = "resume"
+    rank: int
+    attempt: int
+    session: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +209,13 @@ class Abort:
 
 
 @dataclasses.dataclass(frozen=True)
+class Resumed:
+    """The driver took a :class:`Resume`: the connection carries the rank's session on."""
+
+    TYPE: ClassVar[str] = "resumed"
+
+
+@dataclasses.dataclass(frozen=True)
 class Answer:
     """The study's answer to a trial's request: ``value`` as JSON text, or the ``error`` it raised."""
 
@@ -196,9 +225,9 @@ class Answer:
 
 
 TRIAL_REQUESTS = (Suggest, Report, ShouldPrune, SetUserAttr, Look)
-FromRank = Union[CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, TrialHello, Suggest, Report, ShouldPrune,
-                 SetUserAttr, Look]
-FromDriver = Union[Peers, Beat, AskStacks, Abort, Answer]
+FromRank = Union[CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, Bye, Resume, TrialHello, Suggest, Report,
+                 ShouldPrune, SetUserAttr, Look]
+FromDriver = Union[Peers, Beat, AskStacks, Abort, Resumed, Answer]
 Message = Union[FromRank, FromDriver]
 
 #: Who sent a message: a rank's task or the driver.
@@ -274,9 +303,9 @@ def _kind(cls: type) -> _Kind:
 
 
 _SENT_BY: dict[str, dict[str, _Kind]] = {
-    RANK: {c.TYPE: _kind(c) for c in (CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, TrialHello,
-                                      *TRIAL_REQUESTS)},
-    DRIVER: {c.TYPE: _kind(c) for c in (Peers, Beat, AskStacks, Abort, Answer)},
+    RANK: {c.TYPE: _kind(c) for c in (CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, Bye, Resume,
+                                      TrialHello, *TRIAL_REQUESTS)},
+    DRIVER: {c.TYPE: _kind(c) for c in (Peers, Beat, AskStacks, Abort, Resumed, Answer)},
 }
 
 
