@@ -19,9 +19,9 @@ it says which trial it serves (:class:`TrialHello`), then asks (:class:`Suggest`
 Values that Optuna takes as any JSON value travel as JSON text.
 
 A rank's failure reaches the driver one way: the task's :class:`RankFailed` message. Where there is
-no channel to carry it (ranks meet through Spark's barrier, or the channel broke), the same
-encoded message rides in the task's error (:class:`RankError`), and the driver reads it back out
-of Spark's error text (:func:`failures_in`). Only a rank that could say nothing at all (its task
+no channel to carry it (ranks meet through Spark's barrier, or the channel broke and did not come
+back), the same encoded message rides in the task's error (:class:`RankError`), and the driver reads
+it back out of Spark's error text (:func:`failures_in`). Only a rank that could say nothing at all (its task
 died) leaves the driver to read Spark's own error.
 """
 from __future__ import annotations
@@ -129,11 +129,13 @@ class Resume:
 
 @dataclasses.dataclass(frozen=True)
 class TrialHello:
-    """A rank of trial ``number`` opens its channel to the study (the first message on it)."""
+    """A rank of trial ``number`` opens its channel to the study (the first message on each connection)."""
 
     TYPE: ClassVar[str] = "trial"
     number: int
     rank: int
+    #: The rank's session with the study, named again on a connection that replaces a broken one.
+    session: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +368,8 @@ class RankError(SparkTrainError):
 
     With ``carry_report``, the task's :class:`RankFailed` message rides in the error's text, encoded
     as on the channel: for a rank whose channel could not carry it (ranks meet through Spark's
-    barrier, or the channel broke). The driver reads it back with :func:`failures_in`.
+    barrier, or the channel broke and did not come back). The driver reads it back with
+    :func:`failures_in`.
     """
 
     def __init__(self, failure: RankFailure, carry_report: bool = True):
