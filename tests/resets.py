@@ -40,12 +40,16 @@ def why_not() -> str | None:
     return None
 
 
-def reset(address: tuple[str, int], peer_port: int | None = None, netns: str | None = None) -> list[str]:
+def reset(address: tuple[str, int], peer_port: int | None = None, netns: str | None = None,
+          peer_host: str | None = None) -> list[str]:
     """Destroy the TCP connections to and from ``address`` (both ends, where both are in this network
-    namespace, or ``netns``'s); with ``peer_port``, only the one whose other end has that port.
-    Returns the sockets ``ss`` destroyed, one line each."""
+    namespace, or ``netns``'s); with ``peer_port``, only the one whose other end has that port; with
+    ``peer_host``, only those whose other end is that address. Returns the sockets ``ss`` destroyed,
+    one line each."""
     host, port = address
-    if peer_port is None:
+    if peer_host is not None:
+        expr = f"( src {host}:{port} and dst {peer_host} ) or ( dst {host}:{port} and src {peer_host} )"
+    elif peer_port is None:
         expr = f"( src {host}:{port} or dst {host}:{port} )"
     else:
         expr = (f"( src {host}:{port} and dport = :{peer_port} ) or "

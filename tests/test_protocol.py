@@ -35,8 +35,8 @@ SAMPLES = [
      {"type": "hello", "rank": 2, "host": "h", "port": 1, "master_port": 0, "pid": 3, "partition": -1, "shard": {},
       "session": "5e" * 16}),
     (RANK, protocol.Bye(), {"type": "bye"}),
-    (RANK, protocol.Resume(rank=1, attempt=2, session="ab" * 16),
-     {"type": "resume", "rank": 1, "attempt": 2, "session": "ab" * 16}),
+    (RANK, protocol.Resume(rank=1, attempt=2, session="ab" * 16, away=1.5),
+     {"type": "resume", "rank": 1, "attempt": 2, "session": "ab" * 16, "away": 1.5}),
     (RANK, protocol.Stacks('File "train.py", line 3 in wait'),
      {"type": "stacks", "text": 'File "train.py", line 3 in wait'}),
     (RANK, protocol.RankFailed(FAILURE), {"type": "failed", "failure": {**FAILURE.__dict__, "output_tail": list(

@@ -211,7 +211,7 @@ class Link:
             if not hello_kept:  # the driver has the hello: name the session, and wait for its word
                 with self._cond:
                     first = self.session.wrap(protocol.encode(protocol.Resume(
-                        self.rank, self.spec.attempt, self.token)), numbered=False)
+                        self.rank, self.spec.attempt, self.token, time.monotonic() - self.heard)), numbered=False)
                 chan.send_encoded(first)
                 chan.sock.settimeout(timeout + channel.AUTH_TIMEOUT)
                 body = chan.recv_body()

@@ -1,17 +1,16 @@
 """The messages between the driver and its ranks, and their one encoding.
 
 Pure and shared: the driver's server (``sparktrain.driver.supervise.server``) and each rank's task
-(``sparktrain.executor``) import it; it imports neither. Every message is a frozen dataclass;
-:func:`encode` turns one into the JSON object the channel (``sparktrain.seam.channel``) frames and signs,
-``{"type": <TYPE>, <field>: <value>, ...}`` (a field that is None is left out), and :func:`decode`
-turns such an object back into its message, or raises :class:`ProtocolError` naming what is wrong.
-Nothing is ever unpickled.
+(``sparktrain.executor``) import it; it imports neither. Every message is a frozen dataclass; :func:`encode`
+turns one into the JSON object the channel (``sparktrain.seam.channel``) frames and signs, ``{"type":
+<TYPE>, <field>: <value>, ...}`` (a field that is None is left out), and :func:`decode` turns such an
+object back into its message, or raises :class:`ProtocolError` naming what is wrong. Nothing is ever unpickled.
 
-A rank's task sends :class:`CheckedIn`, :class:`Output`, :class:`Beat`, :class:`Quiet`,
-:class:`Stacks`, :class:`RankFailed` and :class:`Bye`, and :class:`Resume` first on a connection
-that replaces a broken one; the driver sends :class:`Peers`, :class:`Beat`, :class:`AskStacks`,
-:class:`Abort`, and :class:`Resumed` to a resume it accepts. Each side decodes only what the other
-may send. (Their numbering across connections is ``sparktrain.seam.session``'s.)
+A rank's task sends :class:`CheckedIn`, :class:`Output`, :class:`Beat`, :class:`Quiet`, :class:`Stacks`,
+:class:`RankFailed`, :class:`Bye`, and :class:`Resume` first on a connection that replaces a broken
+one; the driver sends :class:`Peers`, :class:`Beat`, :class:`AskStacks`, :class:`Abort`, and
+:class:`Resumed` to a resume it takes. Each side decodes only what the other may send (numbered
+across connections by ``sparktrain.seam.session``).
 
 A rank of a ``sparktrain.tune`` trial also speaks to the study on its own channel to the driver:
 it says which trial it serves (:class:`TrialHello`), then asks (:class:`Suggest`, :class:`Report`,
@@ -21,8 +20,8 @@ Values that Optuna takes as any JSON value travel as JSON text.
 A rank's failure reaches the driver one way: the task's :class:`RankFailed` message. Where there is
 no channel to carry it (ranks meet through Spark's barrier, or the channel broke and did not come
 back), the same encoded message rides in the task's error (:class:`RankError`), and the driver reads
-it back out of Spark's error text (:func:`failures_in`). Only a rank that could say nothing at all (its task
-died) leaves the driver to read Spark's own error.
+it back out of Spark's error text (:func:`failures_in`). Only a rank that could say nothing at all
+(its task died) leaves the driver to read Spark's own error.
 """
 from __future__ import annotations
 
@@ -118,23 +117,25 @@ class Bye:
 
 @dataclasses.dataclass(frozen=True)
 class Resume:
-    """The first message on a connection that replaces a broken one: the rank, the attempt and
-    the session its hello named. Answered with :class:`Resumed`, or refused by a close."""
+    """The first message on a connection that replaces a broken one: the rank, the attempt, the
+    session its hello named, and the seconds since the rank last heard from the driver (``away``).
+    Answered with :class:`Resumed`, or refused by a close."""
 
     TYPE: ClassVar[str] = "resume"
     rank: int
     attempt: int
     session: str
+    away: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class TrialHello:
-    """A rank of trial ``number`` opens its channel to the study (the first message on each connection)."""
+    """A rank of trial ``number`` opens its channel to the study, naming its ``session`` (the first
+    message on each connection)."""
 
     TYPE: ClassVar[str] = "trial"
     number: int
     rank: int
-    #: The rank's session with the study, named again on a connection that replaces a broken one.
     session: str | None = None
 
 

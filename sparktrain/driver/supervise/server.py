@@ -66,8 +66,9 @@ class Closed:
 
 @dataclasses.dataclass(frozen=True)
 class Rejoined:
-    """A rank's channel dropped and the rank came back on a new connection, ``seconds`` after it
-    was last heard from: nothing sent either way was lost (``sparktrain.seam.session``)."""
+    """A rank's channel dropped and the rank came back on a new connection, away for ``seconds``
+    (the longer of the rank's silence and the driver's): nothing sent either way was lost
+    (``sparktrain.seam.session``)."""
 
     rank: int
     seconds: float
@@ -158,7 +159,7 @@ class DriverServer:
     def resume(self, chan: Channel, msg: protocol.Resume, ack: int) -> str | None:
         link = self._links.get(msg.rank)
         return self._refuse(link, msg.rank, msg.attempt, msg.session) or \
-            self._resume(link, chan, ack, protocol.Resumed())
+            self._resume(link, chan, ack, protocol.Resumed(), msg.away)
 
     def _refuse(self, link: RankLink | None, rank: int, attempt: int, token: str) -> str | None:
         """Why a new connection may not carry on ``rank``'s session, or None when it may."""
@@ -173,8 +174,11 @@ class DriverServer:
                 return f"a resume for rank {rank}, which is connected"
         return None
 
-    def _resume(self, link: RankLink, chan: Channel, ack: int, reply: protocol.Resumed | None) -> str | None:
-        """Carry ``link``'s session on ``chan``; a reason where that failed."""
+    def _resume(self, link: RankLink, chan: Channel, ack: int, reply: protocol.Resumed | None,
+                away: float = 0.0) -> str | None:
+        """Carry ``link``'s session on ``chan``; a reason where that failed. ``away``: the seconds the
+        rank says it had not heard from the driver (the driver may have heard from it later: what
+        its old connection held when it closed)."""
         since = link.away_since()
         try:
             old = link.attach(chan, ack, reply)
@@ -188,7 +192,7 @@ class DriverServer:
         with self._lock:
             if link.rank in self._heard:
                 self._heard[link.rank] = now
-        self.events.put(Rejoined(link.rank, now - since))
+        self.events.put(Rejoined(link.rank, max(away, now - since)))
         return None
 
     def message(self, rank: int, chan: Channel, msg: protocol.FromRank, seq: int, ack: int) -> None:
