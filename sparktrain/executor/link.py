@@ -84,12 +84,12 @@ class Link:
         return not self.gone and self.session.kept_bytes > MAX_KEPT
 
     # -- receiving -------------------------------------------------------------------------------
-    def receive(self) -> protocol.FromDriver | None:
-        """The driver's next message, read when the connection is readable; None for a frame that
-        carried nothing new (a resent message, or none: the connection broke, and the link
-        reconnects)."""
+    def receive(self, sock) -> protocol.FromDriver | None:
+        """The driver's next message, read when ``sock`` is readable; None for a frame that carried
+        nothing new (a resent message, or none: the connection broke, and the link reconnects), or
+        where ``sock`` is no longer the connection's."""
         chan = self.chan
-        if chan is None:
+        if chan is None or chan.sock is not sock:
             return None
         try:
             body = chan.recv_body()
@@ -115,7 +115,7 @@ class Link:
             if sock is None:
                 continue
             if select.select([sock], [], [], max(0.0, min(1.0, deadline - time.monotonic())))[0]:
-                msg = self.receive()
+                msg = self.receive(sock)
                 if msg is not None:
                     return msg
         return None

@@ -152,7 +152,7 @@ class RankIO:
                     self.send(protocol.Stacks(stacks))
                 for key, _ in sel.select(timeout=0.5 if self.stacks.asked is None and not held else 0.1):
                     if key.data == "driver":
-                        self._on_driver_message(child)
+                        self._on_driver_message(child, key.fileobj)
                     elif key.data == "stacks":
                         if not self.stacks.read(key.fd, time.monotonic()):
                             sel.unregister(key.fileobj)
@@ -239,8 +239,8 @@ class RankIO:
         if text:  # an empty line being drawn is a line just finished: that line has gone already
             self.send(protocol.Output(stream, text, time.time(), live=True), numbered=False)
 
-    def _on_driver_message(self, child: ChildProcess) -> None:
-        msg = self.link.receive()  # None: nothing new (a broken connection: the link reconnects)
+    def _on_driver_message(self, child: ChildProcess, sock) -> None:
+        msg = self.link.receive(sock)  # None: nothing new (a broken connection: the link reconnects)
         if isinstance(msg, protocol.AskStacks) and not self.stacks.ask(child, time.monotonic()):
             self.send(protocol.Stacks(""))  # it has exited: nothing to wait for
         if isinstance(msg, protocol.Abort) and self.abort_reason is None:
