@@ -6,8 +6,9 @@ connection, greets it (``channel.greet``), reads the rank's nonce and then its f
 without blocking on any one peer: a peer that has not said hello within ``channel.AUTH_TIMEOUT``
 is dropped. Whole messages go to the :class:`Handler`, on the loop's thread, in the order each rank
 sent them, with their frame's sequence number and acknowledgement (``sparktrain.seam.session``): a
-connection's first message is a hello, or a resume that carries a broken connection's session on. Sending is not done here: a channel's ``send`` is thread-safe and may be called from
-any thread (the loop's own included, for the rendezvous's answer).
+connection's first message is a hello, or a resume that carries a broken connection's session on.
+Sending is not done here: a rank's session (``ranklinks``) sends on its connection from any thread
+(the loop's own included, for the rendezvous's answer).
 """
 from __future__ import annotations
 

@@ -169,7 +169,8 @@ class DriverServer:
             if link is None or link.token != token:
                 return f"a resume for rank {rank} that names no session of this run"
             if link.bye or rank in self._unreachable:
-                return f"a resume for rank {rank}, which " + ("said goodbye" if link.bye else "was reported unreachable")
+                return f"a resume for rank {rank}, which " + \
+                    ("said goodbye" if link.bye else "was reported unreachable")
             if not link.stale(time.monotonic()):
                 return f"a resume for rank {rank}, which is connected"
         return None
