@@ -17,7 +17,8 @@ process is told on its stdin, one JSON object a line:
   their connections left open: a host whose network went down;
 - ``{"cmd": "exit"}``: close everything and end.
 
-A rank told to stop (abort) records when (``time.monotonic``, one clock for every process of the
+Each rank numbers what it sends as a real rank's link does (``sparktrain.seam.session``), and says
+goodbye before it closes. A rank told to stop (abort) records when (``time.monotonic``, one clock for every process of the
 host), says it is quiet and closes. When its ranks are done, or on ``exit``, the process writes one
 JSON line to stdout: ``{"aborted": {rank: t}, "failed_at": t, "silenced_at": t}``.
 
@@ -37,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from sparktrain.seam import channel, protocol  # noqa: E402
+from sparktrain.seam import channel, protocol, session  # noqa: E402
 from sparktrain.errors import RankFailure  # noqa: E402
 
 #: What a late rank answers when the driver asks for its stacks.
@@ -51,6 +52,18 @@ class _Rank:
         self.running = False  # the peers came
         self.silent = False
         self.at: dict | None = None
+        self.session = session.Session()
+
+    def send(self, msg, numbered: bool = True) -> None:
+        self.chan.send_encoded(self.session.wrap(protocol.encode(msg), numbered))
+
+    def recv(self):
+        body = self.chan.recv_body()
+        if body is None:
+            return None
+        seq, ack, payload = session.split(body)
+        msg = self.chan.decode(payload)
+        return msg if self.session.take(seq, ack) else protocol.Beat()
 
 
 class _Ranks:
@@ -68,8 +81,8 @@ class _Ranks:
         address = tuple(self.config["address"])
         for r in self.ranks:
             r.chan = channel.connect(address, secret, timeout=60.0, encrypted=self.config["encrypted"])
-            r.chan.send(protocol.CheckedIn(r.rank, r.host, 40000 + r.rank, 39999 if r.rank == 0 else 0,
-                                       os.getpid(), r.rank))
+            r.send(protocol.CheckedIn(r.rank, r.host, 40000 + r.rank, 39999 if r.rank == 0 else 0,
+                                      os.getpid(), r.rank, session=os.urandom(8).hex()))
             self.sel.register(r.chan.sock, selectors.EVENT_READ, r)
             self.open += 1
 
@@ -78,21 +91,25 @@ class _Ranks:
             return
         if not r.silent:
             self.sel.unregister(r.chan.sock)
+            try:
+                r.send(protocol.Bye())
+            except OSError:
+                pass
         r.chan.close()
         r.chan = None
         self.open -= 1
 
-    def send(self, r: _Rank, msg) -> None:
+    def send(self, r: _Rank, msg, numbered: bool = True) -> None:
         if r.chan is None:
             return
         try:
-            r.chan.send(msg)
+            r.send(msg, numbered)
         except OSError:
             self.close(r)
 
     def on_message(self, r: _Rank) -> None:
         try:
-            msg = r.chan.recv()
+            msg = r.recv()
         except (OSError, ValueError):
             msg = None
         if msg is None:
@@ -144,7 +161,7 @@ class _Ranks:
     def beat(self) -> None:
         for r in self.ranks:
             if r.running and not r.silent and r.chan is not None:
-                self.send(r, protocol.Beat(r.at))
+                self.send(r, protocol.Beat(r.at), numbered=False)
 
     def serve(self, control) -> None:
         self.sel.register(control, selectors.EVENT_READ, None)

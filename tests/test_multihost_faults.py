@@ -1,4 +1,6 @@
-"""The multi-host tier, faults between hosts: a silent partition, a link that flaps or is slow, a host that dies (the cluster: tests/multihost_cluster.py)."""
+"""The multi-host tier, faults between hosts: a silent partition, a link that flaps or is slow, a
+link cut for 5 s under channel connections reset meanwhile, a host that dies (the cluster:
+tests/multihost_cluster.py)."""
 from __future__ import annotations
 
 import os
@@ -93,6 +95,87 @@ def test_a_link_that_flaps_or_is_slow_does_not_fail_the_run(cluster, tmp_path):
         assert sparktrain.run(allreduce_through, args=(str(tmp_path), 10), num_proc=n, timeout=120, verbose=0) >= 10
     finally:
         hosts.shape_all("none")
+
+
+def print_rounds_through(outdir, more):
+    """Allreduces across the hosts as ``allreduce_through`` does, and prints a line each round;
+    returns the rounds it made (every rank makes as many)."""
+    import numpy as np
+
+    from helpers import mark_time
+    from sparktrain import engine
+
+    comm = engine.from_env()
+    i = after = 0
+    while True:
+        x = np.zeros(1001)
+        x[-1] = float(comm.rank == 0 and os.path.exists(os.path.join(outdir, "healed")))
+        got = comm.allreduce(x, "sum")
+        print(f"rank {comm.rank} round {i}", flush=True)
+        if i == 1:
+            with open(os.path.join(outdir, f"host-{comm.rank}"), "w") as f:
+                import socket
+
+                f.write(socket.gethostname())
+            mark_time(outdir, f"running-{comm.rank}")
+        i += 1
+        if got[-1] > 0:
+            after += 1
+            if after >= more:
+                return i
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reset", [True, False], ids=["channel reset", "link cut only"])
+def test_a_link_cut_for_5_s_loses_no_line(cluster, tmp_path, caplog, reset):
+    """Host 1's link goes down for 5 s while the ranks allreduce and print. With ``reset``, the
+    driver's end of every rank's channel connection is destroyed meanwhile (``ss -K``, as a
+    middlebox that drops the flows; the resets to host 1 are lost on the cut link): host 0's ranks
+    reconnect at once, host 1's once the link is back, within heartbeat_timeout, and each rank's
+    channel is said to have come back once. Without, host 1's ranks find the driver silent and
+    reconnect, or their connections carry on once the link is back. Either way the run goes on,
+    every line of every rank reaches the driver once and in order, and nothing of the run is left
+    on any host."""
+    import io
+    import logging
+
+    import resets
+
+    if reset and resets.why_not() is not None:
+        pytest.skip(resets.why_not())
+    caplog.set_level(logging.WARNING, logger="sparktrain")
+    hosts, standalone, _ = cluster
+    n = HOSTS * PER_HOST
+    before, found = resets.listening_ports(), {}
+
+    def cut_and_reset():
+        hosts.cut(1)
+        try:
+            (port,) = resets.listening_ports() - before  # the run's channel
+            found["killed"] = resets.reset(resets.listening_address(port)) if reset else []
+            time.sleep(5.0)  # the outage itself: a link down for 5 s
+        finally:
+            hosts.heal(1)
+            (tmp_path / "healed").touch()
+
+    cutter, _ = when_running(tmp_path, n, cut_and_reset)
+    out = io.StringIO()
+    try:
+        rounds = sparktrain.run(print_rounds_through, args=(str(tmp_path), 20), num_proc=n, timeout=150,
+                                stdout=out, stderr=out, verbose=0)
+    finally:
+        cutter.join(30)
+        hosts.heal(1)
+    assert rounds > 20 and len(found["killed"]) >= (n if reset else 0), found
+    for r in range(n):
+        prefix = f"[{r}]<stdout>:"
+        lines = [line[len(prefix):] for line in out.getvalue().splitlines() if line.startswith(prefix)]
+        assert lines == [f"rank {r} round {i}" for i in range(rounds)], (r, out.getvalue()[-3000:])
+        came_back = caplog.text.count(f"rank {r}'s channel to the driver dropped and came back after")
+        assert (came_back == 1) if reset else (came_back <= 1), caplog.text
+    assert set(ranks_on(tmp_path, hosts.names[1])) and "HostUnreachable" not in caplog.text
+    for i in range(HOSTS):
+        assert [name for name in hosts.shm(i, standalone.workers[i].pid) if name.startswith("sparktrain-")] == []
 
 
 @pytest.mark.timeout(300)

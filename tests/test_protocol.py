@@ -31,6 +31,12 @@ SAMPLES = [
     (RANK, protocol.Beat({"n": 4, "active": True, "what": "allreduce", "shape": [1024]}),
      {"type": "beat", "at": {"n": 4, "active": True, "what": "allreduce", "shape": [1024]}}),
     (RANK, protocol.Quiet(), {"type": "quiet"}),
+    (RANK, protocol.CheckedIn(rank=2, host="h", port=1, master_port=0, pid=3, session="5e" * 16),
+     {"type": "hello", "rank": 2, "host": "h", "port": 1, "master_port": 0, "pid": 3, "partition": -1, "shard": {},
+      "session": "5e" * 16}),
+    (RANK, protocol.Bye(), {"type": "bye"}),
+    (RANK, protocol.Resume(rank=1, attempt=2, session="ab" * 16, away=1.5),
+     {"type": "resume", "rank": 1, "attempt": 2, "session": "ab" * 16, "away": 1.5}),
     (RANK, protocol.Stacks('File "train.py", line 3 in wait'),
      {"type": "stacks", "text": 'File "train.py", line 3 in wait'}),
     (RANK, protocol.RankFailed(FAILURE), {"type": "failed", "failure": {**FAILURE.__dict__, "output_tail": list(
@@ -40,6 +46,7 @@ SAMPLES = [
       "shards": [{"train": 3}, {"train": 4}]}),
     (DRIVER, protocol.Beat(), {"type": "beat"}),
     (DRIVER, protocol.AskStacks(), {"type": "stacks"}),
+    (DRIVER, protocol.Resumed(), {"type": "resumed"}),
     (DRIVER, protocol.Abort("rank 1 failed"), {"type": "abort", "reason": "rank 1 failed"}),
     # A sparktrain.tune trial's rank and the study (tune/rank.py, tune/server.py).
     (RANK, protocol.TrialHello(3, 1), {"type": "trial", "number": 3, "rank": 1}),
@@ -78,15 +85,15 @@ def test_one_tag_means_what_its_sender_may_send():
 @pytest.mark.parametrize("sender, body, says", [
     (RANK, b"not json", "a message from a rank is not JSON"),
     (RANK, b"\xff\xfe", "a message from a rank is not JSON"),
-    (RANK, b"[1, 2]", "a rank sent a message of a JSON list; a rank sends only attr, beat, failed, hello, look, out, prune?, "
-                       "quiet, report, stacks, suggest, trial"),
+    (RANK, b"[1, 2]", "a rank sent a message of a JSON list; a rank sends only attr, beat, bye, failed, hello, look, out, "
+                       "prune?, quiet, report, resume, stacks, suggest, trial"),
     (RANK, b'{"rank": 0}', "a rank sent a message of type 'None'"),
     (RANK, b'{"type": ["hello"]}', "a rank sent a message of type \"['hello']\""),
     (RANK, b'{"type": "shutdown"}', "a rank sent a message of type 'shutdown'; a rank sends only"),
     (RANK, b'{"type": "abort", "reason": "x"}', "a rank sent a message of type 'abort'"),
     (RANK, b'{"type": "peers", "hosts": [], "ports": [], "master_port": 1, "shards": []}', "of type 'peers'"),
     (DRIVER, b'{"type": "out", "stream": "stdout", "line": "x", "time": 1}',
-     "a driver sent a message of type 'out'; a driver sends only abort, answer, beat, peers, stacks"),
+     "a driver sent a message of type 'out'; a driver sends only abort, answer, beat, peers, resumed, stacks"),
     (DRIVER, b'{"type": "failed", "failure": {}}', "a driver sent a message of type 'failed'"),
     (RANK, b'{"type": "hello", "rank": 0, "host": "h", "port": 1, "pid": 1}',
      "a rank's 'hello' message lacks its field 'master_port'"),
@@ -106,6 +113,7 @@ def test_one_tag_means_what_its_sender_may_send():
     (DRIVER, b'{"type": "peers", "hosts": ["a"], "ports": ["1"], "master_port": 1, "shards": [{}]}',
      "a driver's 'peers' message has ports=\"['1']\"; it must be a list of int"),
     (DRIVER, b'{"type": "abort"}', "a driver's 'abort' message lacks its field 'reason'"),
+    (RANK, b'{"type": "resume", "rank": 0, "attempt": 1}', "a rank's 'resume' message lacks its field 'session'"),
 ])
 def test_anything_else_is_refused_naming_what_is_wrong(sender, body, says):
     with pytest.raises(ProtocolError) as e:

@@ -139,6 +139,45 @@ def test_the_study_server_answers_a_trials_ranks_in_process():
         server.close()
 
 
+def test_a_trials_channel_that_breaks_is_opened_again_and_no_request_is_lost_or_taken_twice():
+    """Rank 0's connection to the study ends just as the study has taken its report, before the
+    answer reaches it: the rank opens a new connection, asks again, and gets the answer given, the
+    report recorded once; a suggestion asked before the break is the same after it."""
+    import socket
+
+    from sparktrain.tune.rank import RankTrial, TrialAddress, _Study
+    from sparktrain.tune.server import TrialServer
+
+    study = optuna.create_study()
+    trial = study.ask()
+    server = TrialServer("127.0.0.1", encrypted=True)
+    address = TrialAddress(*server.address, server.secret, True, trial.number)
+    reports, cut = [], []
+
+    def on_report(number, step, value):
+        reports.append((number, step, value))
+        if not cut:  # the study's end of rank 0's connection goes, its answer not yet sent
+            mine = ranks[0]._study._channel.sock.getsockname()
+            for ch in list(server._connections):
+                if ch.sock.getpeername() == mine:
+                    cut.append(ch)
+                    ch.sock.shutdown(socket.SHUT_RDWR)
+
+    try:
+        with server.serve(trial, on_report):
+            ranks = [RankTrial(_Study(address, r), trial.number) for r in range(2)]
+            first = ranks[0]._study._channel
+            x = ranks[0].suggest_float("x", 0.0, 1.0)
+            ranks[0].report(0.25, 0)
+            assert cut and ranks[0]._study._channel is not first and ranks[0]._study._channel.encrypted
+            assert ranks[0].suggest_float("x", 0.0, 1.0) == x == ranks[1].suggest_float("x", 0.0, 1.0)
+            ranks[0].report(0.5, 1)
+        assert reports == [(trial.number, 0, 0.25), (trial.number, 1, 0.5)]
+        assert trial.storage.get_trial(trial._trial_id).intermediate_values == {0: 0.25, 1: 0.5}
+    finally:
+        server.close()
+
+
 # -- on Spark ----------------------------------------------------------------------------------------
 
 def test_the_same_suggestions_on_every_rank_trials_at_once_and_queued_params(spark, tmp_path, monkeypatch):

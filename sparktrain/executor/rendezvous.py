@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..seam import channel, protocol, versions
 from ..errors import SparkTrainError, VersionMismatchError
+from .link import Link
 from .output import RankIO
 
 
@@ -92,35 +93,30 @@ def rendezvous(state: RankIO, port: int, master_port: int, barrier_ctx, shard: d
         state.collective_key = bytes.fromhex(next(h.collective_key for h in hellos if h.rank == 0))
         return list(peers.hosts), list(peers.ports), peers.master_port, list(peers.shards)
     state.collective_key = collective_key(spec.secret, spec.run_id, spec.attempt)
+    state.link = Link(spec, state.rank, secrets.token_hex(16))
     try:
-        state.chan = channel.connect(spec.driver_address, spec.secret, timeout=min(30.0, spec.start_timeout),
-                                     encrypted=spec.encrypted)
+        state.link.open(timeout=min(30.0, spec.start_timeout))
     except OSError as e:
+        state.link = None
         raise SparkTrainError(
             f"rank {state.rank} on {state.host} cannot reach the driver's channel at "
             f"{spec.driver_address[0]}:{spec.driver_address[1]}: {e}. If executors cannot open "
             "connections to the driver, set spark.sparktrain.rendezvous=barrier"
         ) from None
-    state.chan.send(me)
+    state.send(dataclasses.replace(me, session=state.link.token))
     check_versions(state)  # after the hello, so the failure report reaches the driver at once
     checked_in()
     deadline = time.monotonic() + spec.start_timeout
-    try:
-        while True:  # the driver's beats come every second until the peers do
-            state.chan.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            msg = state.chan.recv()
-            if not isinstance(msg, protocol.Beat):
-                break
-    except socket.timeout:
+    msg = protocol.Beat()
+    while isinstance(msg, protocol.Beat):  # the driver's beats come every second until the peers do
+        msg = state.link.next_message(deadline)
+    if msg is None and state.link.gone:
+        raise SparkTrainError(f"rank {state.rank}: the channel to the driver broke during rendezvous and did not "
+                              "come back within heartbeat_timeout")
+    if msg is None:
         raise SparkTrainError(
             f"rank {state.rank} waited {spec.start_timeout:.0f} s for the other ranks to start "
-            "(start_timeout); see the driver's error for which ranks never started"
-        ) from None
-    # A driver that stops reading must not block this rank's output (and so its training)
-    # for ever: a send that cannot finish in 30 s drops the channel instead.
-    state.chan.sock.settimeout(30.0)
-    if msg is None:
-        raise SparkTrainError(f"rank {state.rank}: the driver closed the channel during rendezvous")
+            "(start_timeout); see the driver's error for which ranks never started")
     if isinstance(msg, protocol.Abort):
         state.abort_reason = msg.reason
         raise SparkTrainError(f"rank {state.rank} was stopped before it started: {state.abort_reason}")

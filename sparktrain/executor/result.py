@@ -46,7 +46,7 @@ def outcome(state: RankIO, code: int, workdir: str) -> RankError | None:
 def failed(state: RankIO, failure: RankFailure) -> RankError:
     """The rank's one report of its failure: the channel's ``failed`` message, or, where the
     channel cannot carry it, the same message inside the task's error (``protocol.RankError``)."""
-    delivered = state.send(protocol.RankFailed(failure))
+    delivered = state.send(protocol.RankFailed(failure)) and state.settle()  # the driver has it
     # The report travels inside Spark's exception text only when the channel could not carry
     # it: otherwise Spark's own log lines would repeat it, traceback and all, for every rank.
     return RankError(failure, carry_report=not delivered)

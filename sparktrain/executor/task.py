@@ -106,8 +106,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         if child is not None:
             child.stop(spec.grace_period)  # ends the group if the task itself is being torn down
             child.close()
-        if state.chan is not None:
-            state.chan.close()
+        state.close_link()  # once the driver has everything the rank sent (it may reconnect first)
         for d in owned:  # first: a task killed while its watcher finishes must leave nothing behind
             d.close()
         watcher.finish()

@@ -16,6 +16,13 @@ its sequence number and length authenticated. Either way the receiver checks the
 it parses anything, so a peer without the secret cannot read (when encrypted), inject, replay
 or reorder messages, and a mode stripped or changed on the way gives different keys and fails
 the first frame. A peer that fails the check is dropped and the run goes on.
+
+Sessions: a rank's channel outlives its connections. Each frame's body starts with the message's
+sequence number and its sender's acknowledgement (``sparktrain.seam.session``); a rank whose
+connection breaks opens a new one, with a fresh handshake as above, and resumes its session there.
+The frames of this module know nothing of that: :meth:`Channel.send_encoded` and
+:meth:`Channel.recv_body` carry bodies, :meth:`Channel.send` and :meth:`Channel.recv` whole messages
+(a ``sparktrain.tune`` trial's channel, which has no sessions).
 """
 from __future__ import annotations
 
@@ -103,16 +110,22 @@ class Channel:
     def recv(self) -> protocol.Message | None:
         """The next message, or None when the peer closed. Raises AuthenticationError on a bad MAC,
         ``protocol.ProtocolError`` on a signed message that is not one the peer may send."""
+        body = self.recv_body()
+        return None if body is None else protocol.decode(body, self._sender)
+
+    def recv_body(self) -> bytes | None:
+        """The next frame's body, checked, not parsed; None when the peer closed. Raises
+        AuthenticationError on a bad MAC."""
         header = _recv_exact(self.sock, _HEADER.size)
         if header is None:
             return None
         rest = _recv_exact(self.sock, self._frame_rest(header))
         return None if rest is None else self._open(header, rest)
 
-    def unframe(self, buf: bytearray) -> protocol.Message | None:
-        """The next message whole in ``buf``, taken out of it, or None while it is incomplete: the
-        receiving end of a channel read by an event loop, which appends what arrives to ``buf``.
-        Raises as :meth:`recv` does."""
+    def unframe(self, buf: bytearray) -> bytes | None:
+        """The body of the next frame whole in ``buf``, checked and taken out of it, or None while
+        it is incomplete: the receiving end of a channel read by an event loop, which appends what
+        arrives to ``buf``. Raises AuthenticationError on a bad MAC."""
         if len(buf) < _HEADER.size:
             return None
         header = bytes(buf[:_HEADER.size])
@@ -123,6 +136,10 @@ class Channel:
         del buf[:end]
         return self._open(header, rest)
 
+    def decode(self, body: bytes) -> protocol.Message:
+        """The message in a body :meth:`unframe` or :meth:`recv_body` returned, as the peer may send it."""
+        return protocol.decode(body, self._sender)
+
     def _frame_rest(self, header: bytes) -> int:
         """How many bytes follow a frame's header; raises for a frame over the limit."""
         (length,) = _HEADER.unpack(header)
@@ -130,8 +147,8 @@ class Channel:
             raise AuthenticationError(f"frame of {length} bytes is over the {MAX_FRAME} byte limit")
         return length + (crypto.TAG_BYTES if self._in is not None else _MAC_BYTES)
 
-    def _open(self, header: bytes, rest: bytes) -> protocol.Message:
-        """The message of one whole frame, checked before anything parses it."""
+    def _open(self, header: bytes, rest: bytes) -> bytes:
+        """The body of one whole frame, checked before anything parses it."""
         if self._in is not None:
             try:  # opened before parsing: nothing unauthenticated reaches json (or anything else)
                 body = self._in.open(header, rest)
@@ -143,7 +160,7 @@ class Channel:
             if not hmac.compare_digest(mac, self._mac(self._in_key, self._in_seq, body)):
                 raise AuthenticationError("message authentication failed")
         self._in_seq += 1
-        return protocol.decode(body, self._sender)
+        return body
 
     def close(self) -> None:
         self.closed = True

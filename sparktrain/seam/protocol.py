@@ -1,15 +1,16 @@
 """The messages between the driver and its ranks, and their one encoding.
 
 Pure and shared: the driver's server (``sparktrain.driver.supervise.server``) and each rank's task
-(``sparktrain.executor``) import it; it imports neither. Every message is a frozen dataclass;
-:func:`encode` turns one into the JSON object the channel (``sparktrain.seam.channel``) frames and signs,
-``{"type": <TYPE>, <field>: <value>, ...}`` (a field that is None is left out), and :func:`decode`
-turns such an object back into its message, or raises :class:`ProtocolError` naming what is wrong.
-Nothing is ever unpickled.
+(``sparktrain.executor``) import it; it imports neither. Every message is a frozen dataclass; :func:`encode`
+turns one into the JSON object the channel (``sparktrain.seam.channel``) frames and signs, ``{"type":
+<TYPE>, <field>: <value>, ...}`` (a field that is None is left out), and :func:`decode` turns such an
+object back into its message, or raises :class:`ProtocolError` naming what is wrong. Nothing is ever unpickled.
 
-A rank's task sends :class:`CheckedIn`, :class:`Output`, :class:`Beat`, :class:`Quiet`,
-:class:`Stacks` and :class:`RankFailed`; the driver sends :class:`Peers`, :class:`Beat`,
-:class:`AskStacks` and :class:`Abort`. Each side decodes only what the other may send.
+A rank's task sends :class:`CheckedIn`, :class:`Output`, :class:`Beat`, :class:`Quiet`, :class:`Stacks`,
+:class:`RankFailed`, :class:`Bye`, and :class:`Resume` first on a connection that replaces a broken
+one; the driver sends :class:`Peers`, :class:`Beat`, :class:`AskStacks`, :class:`Abort`, and
+:class:`Resumed` to a resume it takes. Each side decodes only what the other may send (numbered
+across connections by ``sparktrain.seam.session``).
 
 A rank of a ``sparktrain.tune`` trial also speaks to the study on its own channel to the driver:
 it says which trial it serves (:class:`TrialHello`), then asks (:class:`Suggest`, :class:`Report`,
@@ -17,10 +18,10 @@ it says which trial it serves (:class:`TrialHello`), then asks (:class:`Suggest`
 Values that Optuna takes as any JSON value travel as JSON text.
 
 A rank's failure reaches the driver one way: the task's :class:`RankFailed` message. Where there is
-no channel to carry it (ranks meet through Spark's barrier, or the channel broke), the same
-encoded message rides in the task's error (:class:`RankError`), and the driver reads it back out
-of Spark's error text (:func:`failures_in`). Only a rank that could say nothing at all (its task
-died) leaves the driver to read Spark's own error.
+no channel to carry it (ranks meet through Spark's barrier, or the channel broke and did not come
+back), the same encoded message rides in the task's error (:class:`RankError`), and the driver reads
+it back out of Spark's error text (:func:`failures_in`). Only a rank that could say nothing at all
+(its task died) leaves the driver to read Spark's own error.
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ class CheckedIn:
     partition: int = -1
     shard: dict = dataclasses.field(default_factory=dict)
     collective_key: str | None = None
+    #: A fresh random name for this rank's session, which a :class:`Resume` must name.
+    session: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +109,34 @@ class RankFailed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bye:
+    """The task is done with the channel: the connection's end that follows is no break."""
+
+    TYPE: ClassVar[str] = "bye"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The first message on a connection that replaces a broken one: the rank, the attempt, the
+    session its hello named, and the seconds since the rank last heard from the driver (``away``).
+    Answered with :class:`Resumed`, or refused by a close."""
+
+    TYPE: ClassVar[str] = "resume"
+    rank: int
+    attempt: int
+    session: str
+    away: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class TrialHello:
-    """A rank of trial ``number`` opens its channel to the study (the first message on it)."""
+    """A rank of trial ``number`` opens its channel to the study, naming its ``session`` (the first
+    message on each connection)."""
 
     TYPE: ClassVar[str] = "trial"
     number: int
     rank: int
+    session: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +212,13 @@ class Abort:
 
 
 @dataclasses.dataclass(frozen=True)
+class Resumed:
+    """The driver took a :class:`Resume`: the connection carries the rank's session on."""
+
+    TYPE: ClassVar[str] = "resumed"
+
+
+@dataclasses.dataclass(frozen=True)
 class Answer:
     """The study's answer to a trial's request: ``value`` as JSON text, or the ``error`` it raised."""
 
@@ -196,9 +228,9 @@ class Answer:
 
 
 TRIAL_REQUESTS = (Suggest, Report, ShouldPrune, SetUserAttr, Look)
-FromRank = Union[CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, TrialHello, Suggest, Report, ShouldPrune,
-                 SetUserAttr, Look]
-FromDriver = Union[Peers, Beat, AskStacks, Abort, Answer]
+FromRank = Union[CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, Bye, Resume, TrialHello, Suggest, Report,
+                 ShouldPrune, SetUserAttr, Look]
+FromDriver = Union[Peers, Beat, AskStacks, Abort, Resumed, Answer]
 Message = Union[FromRank, FromDriver]
 
 #: Who sent a message: a rank's task or the driver.
@@ -274,9 +306,9 @@ def _kind(cls: type) -> _Kind:
 
 
 _SENT_BY: dict[str, dict[str, _Kind]] = {
-    RANK: {c.TYPE: _kind(c) for c in (CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, TrialHello,
-                                      *TRIAL_REQUESTS)},
-    DRIVER: {c.TYPE: _kind(c) for c in (Peers, Beat, AskStacks, Abort, Answer)},
+    RANK: {c.TYPE: _kind(c) for c in (CheckedIn, Output, Beat, Quiet, Stacks, RankFailed, Bye, Resume,
+                                      TrialHello, *TRIAL_REQUESTS)},
+    DRIVER: {c.TYPE: _kind(c) for c in (Peers, Beat, AskStacks, Abort, Resumed, Answer)},
 }
 
 
@@ -337,7 +369,8 @@ class RankError(SparkTrainError):
 
     With ``carry_report``, the task's :class:`RankFailed` message rides in the error's text, encoded
     as on the channel: for a rank whose channel could not carry it (ranks meet through Spark's
-    barrier, or the channel broke). The driver reads it back with :func:`failures_in`.
+    barrier, or the channel broke and did not come back). The driver reads it back with
+    :func:`failures_in`.
     """
 
     def __init__(self, failure: RankFailure, carry_report: bool = True):

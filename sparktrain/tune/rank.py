@@ -12,14 +12,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import secrets
+import socket
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from ..errors import SparkTrainError
-from ..seam import channel, protocol
+from ..seam import channel, protocol, session
 
 #: Seconds a rank waits for the driver to answer one request (a should_prune may wait for rank 0's report).
 ANSWER_TIMEOUT = 300.0
+#: Seconds a rank whose trial's channel broke keeps trying to open it again.
+RECONNECT_SECONDS = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,28 +57,88 @@ class StudyChannelError(SparkTrainError):
 
 
 class _Study:
-    """The rank's end of its trial's channel: one request at a time, each answered."""
+    """The rank's end of its trial's channel: one request at a time, each answered. Requests and
+    answers are numbered (``sparktrain.seam.session``): where the connection breaks once it has
+    worked, the rank reconnects with backoff for up to :data:`RECONNECT_SECONDS` and asks again,
+    and the study answers a request it has answered already with the answer it gave, never twice."""
 
     def __init__(self, address: TrialAddress, rank: int):
-        self._channel = channel.connect((address.host, address.port), address.secret, timeout=30.0,
-                                        encrypted=address.encrypted)
-        self._channel.sock.settimeout(ANSWER_TIMEOUT)
+        self._address, self._rank = address, rank
+        self._token = secrets.token_hex(16)
+        self._session = session.Session()
         self._lock = threading.Lock()
-        self._channel.send(protocol.TrialHello(address.number, rank))
+        self._channel: channel.Channel | None = None
+        self._connect()
+
+    def _connect(self) -> None:
+        """A connection: the hello, the study's word that it took it, then every request unanswered."""
+        a = self._address
+        chan = channel.connect((a.host, a.port), a.secret, timeout=30.0, encrypted=a.encrypted)
+        try:
+            chan.sock.settimeout(30.0)
+            hello = protocol.TrialHello(a.number, self._rank, session=self._token)
+            chan.send_encoded(self._session.wrap(protocol.encode(hello), numbered=False))
+            try:
+                if self._read(chan) is not None:
+                    raise protocol.ProtocolError("the study answered a hello")
+            except socket.timeout:
+                raise ConnectionError("the study did not take this trial's hello within 30 s") from None
+            chan.sock.settimeout(ANSWER_TIMEOUT)
+            for frame in self._session.unacknowledged(0):
+                chan.send_encoded(frame)
+        except BaseException:
+            chan.close()
+            raise
+        self._channel = chan
+
+    def _read(self, chan: channel.Channel) -> protocol.Answer | None:
+        """The next frame: a new answer, or None for a frame that brings none."""
+        body = chan.recv_body()
+        if body is None:
+            raise ConnectionError("the study closed this trial's channel")
+        seq, ack, payload = session.split(body)
+        msg = chan.decode(payload)
+        fresh = self._session.take(seq, ack)
+        return msg if fresh and isinstance(msg, protocol.Answer) else None
 
     def ask(self, request) -> Any:
         with self._lock:
-            self._channel.send(request)
-            answer = self._channel.recv()
-        if not isinstance(answer, protocol.Answer):
-            raise StudyChannelError(f"the study on the driver closed this trial's channel before it answered "
-                                    f"{request.TYPE!r} (the trial has ended, or the driver is gone)")
+            frame = self._session.wrap(protocol.encode(request))
+            answer = self._exchange(frame, request)
         if answer.error is not None:
             raise StudyChannelError(answer.error)
         return json.loads(answer.value)
 
+    def _exchange(self, frame: bytes, request) -> protocol.Answer:
+        """Send ``frame`` and wait for its answer, reconnecting while the channel breaks."""
+        until, tries = time.monotonic() + RECONNECT_SECONDS, 0
+        while True:
+            try:
+                if self._channel is None:
+                    self._connect()  # the request goes again with it
+                else:
+                    self._channel.send_encoded(frame)
+                while True:
+                    answer = self._read(self._channel)
+                    if answer is not None:
+                        return answer
+            except socket.timeout:
+                raise StudyChannelError(f"the study on the driver did not answer {request.TYPE!r} within "
+                                        f"{ANSWER_TIMEOUT:g} s") from None
+            except (OSError, channel.AuthenticationError, protocol.ProtocolError) as e:
+                if self._channel is not None:
+                    self._channel.close()
+                    self._channel = None
+                if time.monotonic() > until:
+                    raise StudyChannelError(
+                        f"this trial's channel to the study on the driver broke ({e}) and could not be opened again "
+                        f"within {RECONNECT_SECONDS:g} s (the trial has ended, or the driver is gone)") from None
+                time.sleep(session.BACKOFF[min(tries, len(session.BACKOFF) - 1)])
+                tries += 1
+
     def close(self) -> None:
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
 
 def _trial_base():

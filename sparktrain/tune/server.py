@@ -6,7 +6,10 @@ asks; one thread per connection answers from the trial Optuna's loop handed out
 name (Optuna returns the value it already chose for a name the trial has); rank 0's reports are
 recorded; a pruning decision is taken once per step, when rank 0 reports that step, and every rank
 asking for that step gets it. The channel is the run's own framing and authentication
-(``sparktrain.seam.channel``), with a secret of the study's.
+(``sparktrain.seam.channel``), with a secret of the study's, and its numbering
+(``sparktrain.seam.session``): a rank whose connection broke comes back on a new one naming its
+session, asks again what was not answered, and gets the answer already given to a request it asks
+again, so no suggestion, report or decision is taken twice or lost.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from ..seam import channel, protocol
+from ..driver.supervise.ranklinks import RankLink
+from ..seam import channel, protocol, session
 
 log = logging.getLogger("sparktrain")
 
@@ -40,6 +44,8 @@ class _Served:
         #: The pruning decision per step, taken when rank 0 reported that step.
         self.decisions: dict[int, bool] = {}
         self.ended = False
+        #: Each rank's session with the study, by its rank and the session it names.
+        self.links: dict[tuple[int, str], RankLink] = {}
 
 
 class TrialServer:
@@ -116,24 +122,54 @@ class TrialServer:
 
     def _answer(self, ch: channel.Channel) -> None:
         ch.sock.settimeout(None)
-        hello = ch.recv()
+        body = ch.recv_body()
+        if body is None:
+            return
+        _, ack, payload = session.split(body)
+        hello = ch.decode(payload)
         if not isinstance(hello, protocol.TrialHello):
             return
         with self._lock:
             served = self._trials.get(hello.number)
-        while True:
-            request = ch.recv()
-            if request is None:
-                return
-            if served is None or served.ended:
-                ch.send(protocol.Answer(error=f"trial {hello.number} is not running on this study's driver"))
-                continue
-            try:
-                value = self._handle(served, hello.rank, request)
-            except Exception as e:  # noqa: BLE001 - the rank raises it, as Optuna would have
-                ch.send(protocol.Answer(error=f"{type(e).__name__}: {e}"))
+        link = self._link(served, hello, ch, ack)
+        try:
+            while True:
+                body = ch.recv_body()
+                if body is None:
+                    return
+                seq, ack, payload = session.split(body)
+                request = ch.decode(payload)
+                if not link.take(ch, seq, ack):
+                    continue  # answered already: the answer went again with the new connection
+                link.send(protocol.encode(self._answer_to(served, hello, request)))
+        finally:
+            link.detach(ch)
+
+    @staticmethod
+    def _link(served: _Served | None, hello: protocol.TrialHello, ch: channel.Channel, ack: int) -> RankLink:
+        """The rank's session, carried on ``ch`` (a new one for a new session), its hello acknowledged."""
+        key = (hello.rank, hello.session or "")
+        with served.lock if served is not None else contextlib.nullcontext():
+            link = served.links.get(key) if served is not None and hello.session else None
+            if link is None:
+                link = RankLink(hello.rank, ch, hello.session)
+                if served is not None and hello.session:
+                    served.links[key] = link
+                link.send(_ACK, numbered=False)
             else:
-                ch.send(protocol.Answer(json.dumps(value)))
+                old = link.attach(ch, ack, protocol.Beat())
+                if old is not None:
+                    old.close()
+        return link
+
+    def _answer_to(self, served: _Served | None, hello: protocol.TrialHello, request) -> protocol.Answer:
+        if served is None or served.ended:
+            return protocol.Answer(error=f"trial {hello.number} is not running on this study's driver")
+        try:
+            value = self._handle(served, hello.rank, request)
+        except Exception as e:  # noqa: BLE001 - the rank raises it, as Optuna would have
+            return protocol.Answer(error=f"{type(e).__name__}: {e}")
+        return protocol.Answer(json.dumps(value))
 
     # -- requests --------------------------------------------------------------------------------------
     def _handle(self, served: _Served, rank: int, request) -> Any:
@@ -183,6 +219,9 @@ class TrialServer:
             if step not in served.decisions:
                 served.decisions[step] = bool(served.trial.should_prune())
             return served.decisions[step]
+
+
+_ACK = protocol.encode(protocol.Beat())
 
 
 def _look(trial, what: str) -> Any:

@@ -25,7 +25,7 @@ from ..show.spark_errors import read_spark_failure
 from ..launch.jobs import Job, JobFactory
 from ..show.results import byte_size, load_result, placement
 from .interrupts import Interrupts
-from .server import Closed, DriverServer, Event, Interrupted, JobDone, Output, Progress, Refused, Stacks
+from .server import Closed, DriverServer, Event, Interrupted, JobDone, Output, Progress, Refused, Rejoined, Stacks
 from .stalls import StallWatch, collect_stacks, user_frames
 from . import supervision as core
 
@@ -87,6 +87,9 @@ class NoChannel:
     def request_stacks(self, ranks) -> None:
         pass
 
+    def job_ended(self) -> None:
+        pass
+
     def unreachable(self) -> set[int]:
         return set()
 
@@ -115,7 +118,7 @@ class Attempt:
         if spec.driver_address is not None:
             secret = channel.new_secret()
             self.server = DriverServer(secret, spec.size, host, heartbeat_timeout=spec.heartbeat_timeout,
-                                       encrypted=spec.encrypted)
+                                       encrypted=spec.encrypted, attempt=spec.attempt)
             spec = dataclasses.replace(spec, secret=secret, driver_address=self.server.address)
         else:
             self.server = NoChannel()
@@ -198,6 +201,7 @@ class Attempt:
         do what it asks."""
         if event is None and not self._job_seen_done and self.job.done():
             self._job_seen_done = True
+            self.server.job_ended()  # a rank whose connection dropped will not come back now
             event = core.JobEnded(self.job.error is not None)
         now = time.monotonic()
         self.state, actions = core.step(self.state, event, now, self.limits)
@@ -237,6 +241,11 @@ class Attempt:
             self.stalls.stacks(event.rank, event.text)
         elif isinstance(event, Closed):
             self.disconnected.add(event.rank)
+        elif isinstance(event, Rejoined):
+            self.disconnected.discard(event.rank)
+            log.warning("sparktrain: run %s: rank %d's channel to the driver dropped and came back after %.1f s, "
+                        "on a new connection; nothing sent either way was lost", self.info.run_id, event.rank,
+                        event.seconds)
         elif isinstance(event, Refused):
             log.warning("sparktrain: refused a connection from %s (%s)", event.peer, event.reason)
         elif isinstance(event, (JobDone, Interrupted)) or event is None:

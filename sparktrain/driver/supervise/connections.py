@@ -5,8 +5,10 @@ was a thousand threads at a thousand ranks, each woken for each of its messages.
 connection, greets it (``channel.greet``), reads the rank's nonce and then its frames as they come,
 without blocking on any one peer: a peer that has not said hello within ``channel.AUTH_TIMEOUT``
 is dropped. Whole messages go to the :class:`Handler`, on the loop's thread, in the order each rank
-sent them. Sending is not done here: a channel's ``send`` is thread-safe and may be called from
-any thread (the loop's own included, for the rendezvous's answer).
+sent them, with their frame's sequence number and acknowledgement (``sparktrain.seam.session``): a
+connection's first message is a hello, or a resume that carries a broken connection's session on.
+Sending is not done here: a rank's session (``ranklinks``) sends on its connection from any thread
+(the loop's own included, for the rendezvous's answer).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import threading
 import time
 from typing import Protocol
 
-from ...seam import channel, protocol
+from ...seam import channel, protocol, session
 from ...seam.channel import AuthenticationError, Channel
 
 log = logging.getLogger("sparktrain")
@@ -32,14 +34,17 @@ SEND_TIMEOUT = 30.0
 class Handler(Protocol):
     """What the loop tells: its callbacks run on the loop's thread."""
 
-    def hello(self, chan: Channel, msg: protocol.CheckedIn) -> bool:
+    def hello(self, chan: Channel, msg: protocol.CheckedIn, seq: int, ack: int) -> bool:
         """A connection said hello; False: it is refused (the handler told it why), close it."""
 
-    def message(self, rank: int, msg: protocol.FromRank) -> None:
-        """A message from ``rank``, after its hello."""
+    def resume(self, chan: Channel, msg: protocol.Resume, ack: int) -> str | None:
+        """A connection resumes a rank's session; a reason: it is refused, close it."""
 
-    def closed(self, rank: int | None) -> None:
-        """A connection ended (``rank`` None: it never said hello)."""
+    def message(self, rank: int, chan: Channel, msg: protocol.FromRank, seq: int, ack: int) -> None:
+        """A message from ``rank`` on ``chan``, after its hello."""
+
+    def closed(self, rank: int | None, chan: Channel | None) -> None:
+        """A connection ended (``rank`` None: it never said hello or resumed)."""
 
     def refused(self, peer: str, reason: str) -> None:
         """A connection did not prove it holds the run's secret."""
@@ -136,25 +141,40 @@ class Connections:
                 del conn.buf[:channel.NONCE_BYTES]
                 conn.chan = channel.accepted(conn.sock, self._secret, self._encrypted, conn.nonce, nonce_c)
             while conn.sock.fileno() >= 0:
-                msg = conn.chan.unframe(conn.buf)
-                if msg is None:
+                body = conn.chan.unframe(conn.buf)
+                if body is None:
                     return
+                seq, ack, payload = session.split(body)
+                msg = conn.chan.decode(payload)
                 if conn.rank is None:
-                    if not isinstance(msg, protocol.CheckedIn):
-                        raise AuthenticationError("the first message was not a hello")
-                    conn.rank = msg.rank
-                    if not self._handler.hello(conn.chan, msg):
-                        conn.rank = None  # not the rank it claimed: it never counted as one
-                        self._close(conn)
+                    if not self._first(conn, msg, seq, ack):
                         return
                 else:
-                    self._handler.message(conn.rank, msg)
+                    self._handler.message(conn.rank, conn.chan, msg, seq, ack)
         except (AuthenticationError, ValueError) as e:  # ValueError: a ProtocolError
             if conn.rank is None:
                 self._handler.refused(conn.peer, str(e))
             else:
                 self._handler.dropped(conn.rank, str(e))
             self._close(conn)
+
+    def _first(self, conn: _Conn, msg: protocol.FromRank, seq: int, ack: int) -> bool:
+        """A connection's first message: a hello, or a resume; False: it was refused and closed."""
+        if isinstance(msg, protocol.CheckedIn):
+            conn.rank = msg.rank
+            if self._handler.hello(conn.chan, msg, seq, ack):
+                return True
+        elif isinstance(msg, protocol.Resume):
+            why = self._handler.resume(conn.chan, msg, ack)
+            if why is None:
+                conn.rank = msg.rank
+                return True
+            self._handler.refused(conn.peer, why)
+        else:
+            raise AuthenticationError("the first message was not a hello")
+        conn.rank = None  # not the rank it claimed: it never counted as one
+        self._close(conn)
+        return False
 
     def _expire(self, now: float) -> None:
         """Drop connections that did not say hello in time (the oldest are first in line)."""
@@ -177,7 +197,7 @@ class Connections:
             conn.chan.close()
         else:
             conn.sock.close()
-        self._handler.closed(conn.rank)
+        self._handler.closed(conn.rank, conn.chan)
 
     def close(self) -> None:
         """Stop accepting and reading; close every connection (each counts as closed)."""
