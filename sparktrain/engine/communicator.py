@@ -18,8 +18,8 @@ from .topology import layout, segment_name
 
 
 #: How long a wait spins, by default, where each of a host's ranks can have a CPU of its own:
-#: longer than the usual skew between ranks' steps. On a 2-core virtual machine, a 4 KiB
-#: allreduce inside a step took 68 us with waits that slept almost at once, 19 us spinning.
+#: longer than the usual skew between ranks' steps, so that a small collective inside a step
+#: does not pay for a sleep and a wake-up.
 SPIN_S = 0.002
 
 

@@ -102,8 +102,8 @@ def _child_pythonpath() -> str:
 
     Jars are left out: Spark puts its core jar on the Python workers' path, but since Spark 2 it
     holds no Python (pyspark.zip does), and addPyFile takes .py, .zip and .egg files only. Every
-    rank process would read the jar's directory of some 6000 entries at start-up, about 20 ms of
-    CPU each, before its first import.
+    rank process would read the jar's directory of some thousands of entries at start-up, before
+    its first import.
     """
     parts = [p for p in sys.path if p and not p.endswith(".jar") and os.path.exists(p)]
     parts += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not p.endswith(".jar")]

@@ -195,9 +195,9 @@ def barrier_task(spec: TaskSpec):
         for seq, chunk in rows:
             yield _row(rank, seq, chunk)
         # Without a feed the input is one row per task, of which only the partition id matters,
-        # and PySpark's worker expects it read to its end: it is read now, once the rank is done.
-        # Read first, it held each rank's hello back until the JVM had sent that row (a median
-        # 20 ms of a warm local[3] launch). With a feed, run_rank has read it all.
+        # and PySpark's worker expects it read to its end: it is read now, once the rank is done,
+        # so that each rank's hello does not wait for the JVM to send that row. With a feed,
+        # run_rank has read it all.
         for _ in batches:
             pass
         if output:

@@ -44,8 +44,8 @@ def _command(task_pid: int, workdir: str) -> list[str]:
     variables, no user site, not the script's own directory on the path) and without ``site``
     (``-S``). It needs only the standard library, and every rank's launch waits for the CPU its
     start takes: on 2 cores, 3 ranks start 3 watchers beside their 3 rank processes. Run as
-    ``-m sparktrain.executor.watcher``, a watcher also loaded site-packages and the sparktrain
-    package: about 48 ms of CPU from its start to its exit, against 17 ms. Where sparktrain is
+    ``-m sparktrain.executor.watcher``, a watcher would also load site-packages and the sparktrain
+    package, about three times the CPU of its whole life. Where sparktrain is
     installed as a zip, the module is run by name instead."""
     if os.path.isfile(__file__):
         return [sys.executable, "-I", "-S", __file__, str(task_pid), workdir]

@@ -20,9 +20,8 @@ def _package_version(name: str) -> str | None:
         dist = metadata.distribution(name)
     except metadata.PackageNotFoundError:
         return None
-    # metadata.version() parses the whole METADATA file as an email message, description and all:
-    # about 5 ms for TensorFlow's, on the driver and on every rank of every run. The version is
-    # one of the first headers.
+    # metadata.version() parses the whole METADATA file as an email message, description and all,
+    # on the driver and on every rank of every run; the version is one of the first headers.
     for line in (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").splitlines():
         if line.startswith("Version:"):
             return line[len("Version:"):].strip()

@@ -210,7 +210,7 @@ def rank_cores(allowed: Sequence[int], local_rank: int, local_size: int) -> list
     than a fixed split would).
 
     Unpinned ranks on a busy host keep migrating between cores and meeting each other's helper
-    threads (measured on 2 cores: 2 ranks of one thread each ran an epoch 1.5x faster pinned).
+    threads.
 
     >>> rank_cores([0, 1, 2, 3], 1, 2), rank_cores([0, 1], 0, 3)
     ([2, 3], None)
@@ -229,7 +229,7 @@ def thread_defaults(threads: int, env: Mapping[str, str]) -> dict[str, str]:
 
     TensorFlow's inter-op pool keeps at least 2 threads: with 1, a collective that waits for its
     peers (a ``numpy_function`` into the native engine) holds the only one, and the step's other
-    ops queue behind it (measured: 940 against 380 microseconds added per step on 2 ranks).
+    ops queue behind it.
 
     >>> thread_defaults(1, {"OMP_NUM_THREADS": "4"})
     {'TF_NUM_INTRAOP_THREADS': '1', 'TF_NUM_INTEROP_THREADS': '2'}
@@ -341,12 +341,10 @@ def xla_thread_defaults(threads: int, gpu_ids: str, env: Mapping[str, str]) -> d
     neither ``PJRT_NPROC`` nor ``NPROC``; and, unless ``env`` sets ``XLA_FLAGS``, Eigen's thread
     pool off (each op on the calling thread) for a rank that has one core's share.
 
-    XLA starts its pools with a thread per core of the machine, in every rank, and they burn CPU
-    looking for work: 3 ranks of ``sparktrain.keras.DistributedOptimizer`` on 2 cores (load 12)
-    spent about 13 ms of CPU a step in each of a rank's two ``XLAEigen`` threads (the step's own
-    work is under 1 ms) and took 157 ms a step; with one thread a rank, 6 ms (TensorFlow's, in the
-    same run, 12 ms). As with TensorFlow's pools (:func:`thread_defaults`), and Eigen's: 15.8 s an
-    epoch with XLA's own threads, 4.9 s with Eigen's pool off (benchmarks/jax_throughput.py). A
+    XLA starts its pools with a thread per core of the machine, in every rank, and they spin
+    looking for work, taking the CPU that the ranks beside them need for their own steps; so
+    each rank gets its share, as with TensorFlow's pools (:func:`thread_defaults`), and Eigen's
+    pool is off where a rank has one core's share (benchmarks/jax_throughput.py measures it). A
     rank with more CPU devices keeps XLA's pools (each device's computation may need a thread
     while another waits in a collective).
 

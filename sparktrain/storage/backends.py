@@ -95,7 +95,7 @@ def check_url(url: str, storage_options: StorageOptions = None) -> None:
 
 # -- the backends' own retries ----------------------------------------------------------------------
 # Left at their defaults, the SDKs retry a refused connection for minutes before sparktrain sees an
-# error (measured with Azurite killed: about 3 minutes for one 100-byte put). sparktrain retries the
+# error. sparktrain retries the
 # whole operation with backoff, so each request gets only a few quick retries of its own: enough to
 # resend one block after a blip without restarting a large upload. Keys the user sets win.
 
