@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 
 from helpers import record_rank, weights_digest
@@ -188,23 +187,23 @@ def engine_thread_and_order(outdir: str) -> None:
         reduced, _ = bucket_then_other(a, b)
         hvd.stop_timeline()
 
-    second_made = threading.Event()
-
-    def first(x):  # on rank 1: only once the second bucket's gradient exists
-        if r == 1:
-            second_made.wait(60.0)
-        return x
+    made = []
 
     def second(x):
-        second_made.set()
+        made.append("a")
+        return x
+
+    def first(x, *after):
+        made.append("b")
         return x
 
     with bucket_bytes(1024):
         @tf.function(jit_compile=False)
         def out_of_order(a, b):
-            # The buckets go last variable first: b's bucket, then a's.
-            b_ = tf.numpy_function(first, [b], tf.float32, stateful=False)
+            # The buckets go last variable first: b's bucket, then a's. On rank 1, b's gradient is
+            # made from a's, so only after it.
             a_ = tf.numpy_function(second, [a], tf.float32, stateful=False)
+            b_ = tf.numpy_function(first, [b, a_] if r == 1 else [b], tf.float32, stateful=False)
             return allreduce_gradients([tf.reshape(a_, [4096]), tf.reshape(b_, [4096])], op=hvd.Sum)
 
         ordered = [float(t.numpy()[0]) for t in out_of_order(a, b)]
@@ -220,7 +219,7 @@ def engine_thread_and_order(outdir: str) -> None:
     except tf.errors.OpError as e:
         mismatch = f"{type(e).__name__}: {e.message}"
     record_rank(outdir, first=[float(t.numpy()[0]) for t in reduced], saw_marker=saw, went_on_at=went_on_at,
-                ordered=ordered,
+                ordered=ordered, made=made,
                 mismatch=mismatch, after=float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum).numpy()))
 
 

@@ -121,6 +121,8 @@ RANK_SETTINGS_BAD = {
     "elastic_url": ("  ", "must be an fsspec URL"),
     "legacy_keras": ("yes", "TensorFlow reads only 1, true, True as tf_keras"),
     "data_cache_limit": ("lots", "must be 'auto' or a size in bytes such as 20g"),
+    "bucket_bytes": ("auto", "must be a size in bytes such as 20g"),
+    "timeline": ("  ", "must be a file path"),
 }
 
 
