@@ -12,21 +12,10 @@
 #define SPARKTRAIN_TF_SEQUENCER_H
 
 #include <cstdint>
-#include <functional>
-#include <string>
 
-#include "collective.h"
+#include "engine_op.h"
 
 namespace sparktrain {
-
-// One waiting collective. Exactly one of run and fail is called, on the sequencer's thread:
-// run with the current communicator held (NULL when there is none), after which done is called
-// with it released; fail with an STC_E_* code and a whole message, then done.
-struct SequencedOp {
-  std::function<void(stc_comm *)> run;
-  std::function<void(int, const std::string &)> fail;
-  std::function<void()> done;
-};
 
 // Queues op under key, starting the sequencer's thread if it is not running.
 void SequencerEnqueue(int64_t key, SequencedOp op);
