@@ -30,7 +30,8 @@ from setuptools.command.build_py import build_py
 
 ENGINE = "sparktrain._collective"
 KERNEL_SOURCES = ["native/tf_kernels.cc", "native/tf_ragged_kernels.cc", "native/tf_kernel.h", "native/tf_sequencer.cc",
-                  "native/tf_sequencer.h", "native/tf_reducer.cc", "native/tf_reducer.h", "native/collective.h"]
+                  "native/tf_sequencer.h", "native/reducer.cc", "native/reducer.h", "native/engine_op.h",
+                  "native/collective.h"]
 #: The XLA FFI handler for JAX (``sparktrain.keras.jax_ffi`` compiles it at first use, against jaxlib).
 JAX_SOURCES = ["native/jax_ffi.cc"]
 #: The libraries every manylinux host has (glibc's own), which the engine may link.

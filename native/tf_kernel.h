@@ -3,7 +3,7 @@
 // differs between ranks): the engine's dtype codes, the timeline's buffer, the current
 // communicator held for one collective, the engine's codes as TensorFlow's status, and
 // CollectiveKernel, which runs a collective at once, on the engine's thread (a gradient bucket,
-// tf_reducer.h) or through the TensorFlow 1 graph sequencer (tf_sequencer.h).
+// reducer.h) or through the TensorFlow 1 graph sequencer (tf_sequencer.h).
 #ifndef SPARKTRAIN_TF_KERNEL_H
 #define SPARKTRAIN_TF_KERNEL_H
 
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "collective.h"
-#include "tf_reducer.h"
+#include "reducer.h"
 #include "tf_sequencer.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -156,7 +156,7 @@ inline char *DataOf(Tensor *t) {
 
 // Eagerly and in a tf.function (sequence_key < 0) a kernel runs its collective at once, holding
 // the current communicator; one built with overlap=true (a gradient bucket in a tf.function) hands
-// it to the engine's thread (tf_reducer.h) and returns, so the executor goes on with backprop.
+// it to the engine's thread (reducer.h) and returns, so the executor goes on with backprop.
 // Built into a TensorFlow 1 graph (sequence_key >= 0) it hands the collective to the sequencer
 // (tf_sequencer.h) and returns, leaving the session's thread free; the sequencer's thread runs
 // it, with the communicator held, once every rank has it waiting.

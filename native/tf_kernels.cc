@@ -161,7 +161,7 @@ REGISTER_OP("SparktrainGroupedAllreduce")
     .Attr("reduce_op: int")
     .Attr("label: string = ''")
     .Attr("sequence_key: int = -1")  // >= 0: built into a TensorFlow 1 graph (tf_sequencer.h)
-    .Attr("overlap: bool = false")    // a gradient bucket: reduced on the engine's thread (tf_reducer.h)
+    .Attr("overlap: bool = false")    // a gradient bucket: reduced on the engine's thread (reducer.h)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // so TensorFlow keeps Unavailable (a dead peer) as it is
     .SetShapeFn([](shape_inference::InferenceContext *c) {

@@ -222,17 +222,6 @@ void SequencerSetTimeout(double seconds) {
   s.timeout_s = seconds;
 }
 
-void JoinStopping(std::mutex &mu, std::condition_variable &cv, std::thread &thread, bool &stopping) {
-  std::thread joined;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    stopping = true;
-    joined.swap(thread);
-    cv.notify_all();
-  }
-  if (joined.joinable()) joined.join();
-}
-
 void SequencerStop() {
   Sequencer &s = S();
   JoinStopping(s.mu, s.arrived, s.thread, s.stopping);  // after the round in flight, if any

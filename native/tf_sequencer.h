@@ -11,29 +11,11 @@
 #ifndef SPARKTRAIN_TF_SEQUENCER_H
 #define SPARKTRAIN_TF_SEQUENCER_H
 
-#include <condition_variable>
 #include <cstdint>
-#include <functional>
-#include <mutex>
-#include <string>
-#include <thread>
 
-#include "collective.h"
+#include "engine_op.h"
 
 namespace sparktrain {
-
-// One waiting collective. Exactly one of run and fail is called, on the sequencer's thread:
-// run with the current communicator held (NULL when there is none), after which done is called
-// with it released; fail with an STC_E_* code and a whole message, then done.
-struct SequencedOp {
-  std::function<void(stc_comm *)> run;
-  std::function<void(int, const std::string &)> fail;
-  std::function<void()> done;
-};
-
-// The stop of a background thread (the sequencer's, the reducer's): sets stopping under mu, wakes
-// the thread through cv and joins it, after what it runs now.
-void JoinStopping(std::mutex &mu, std::condition_variable &cv, std::thread &thread, bool &stopping);
 
 // Queues op under key, starting the sequencer's thread if it is not running.
 void SequencerEnqueue(int64_t key, SequencedOp op);

@@ -26,8 +26,8 @@ CXX_ENV = "CXX"
 SOURCE = "tf_kernels.cc"
 HEADER = "collective.h"
 #: Every file the library is built from (compiled: the ``.cc`` ones); all are in its hash.
-SOURCES = (SOURCE, "tf_ragged_kernels.cc", "tf_kernel.h", "tf_sequencer.cc", "tf_sequencer.h", "tf_reducer.cc",
-           "tf_reducer.h", HEADER)
+SOURCES = (SOURCE, "tf_ragged_kernels.cc", "tf_kernel.h", "tf_sequencer.cc", "tf_sequencer.h", "reducer.cc",
+           "reducer.h", "engine_op.h", HEADER)
 #: A header every TensorFlow kernel includes: its absence means TensorFlow's headers are not installed.
 TF_HEADER = os.path.join("tensorflow", "core", "framework", "op_kernel.h")
 #: What a rank's collectives run on where the kernels are not loaded.

@@ -1,5 +1,5 @@
 """Where each rank sits: its host's node number and its place on the host, and the name of a
-host's shared-memory segment."""
+host's shared-memory segment; how buffers group into engine calls (by dtype, in gradient buckets)."""
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +31,6 @@ def segment_name(name: str, node: int) -> str:
     return f"/sparktrain-{hashlib.sha256(name.encode()).hexdigest()[:16]}-h{node}"
 
 
-
-
 def dtype_groups(dtype_names: list[str]) -> list[list[int]]:
     """The positions of each dtype's tensors, the dtypes in name order: the order in which every
     grouped collective (here, in the kernels and on TensorFlow's runtime) makes its one call per
@@ -45,3 +43,35 @@ def dtype_groups(dtype_names: list[str]) -> list[list[int]]:
     for i, name in enumerate(dtype_names):
         by_dtype.setdefault(name, []).append(i)
     return [by_dtype[name] for name in sorted(by_dtype)]
+
+
+def split_buckets(sizes: list, limit: int) -> list[list[int]]:
+    """Positions ``0..len(sizes)-1`` (gradients in their variables' order) in buckets, the last
+    positions first, as backprop makes them (the gradient buckets of ``sparktrain.tensorflow.buckets``
+    and ``sparktrain.keras.jax_engine``): each bucket takes positions from the end until it holds
+    ``limit`` bytes or more; a size None (unknown until the step runs) closes a bucket of its own.
+
+    >>> split_buckets([4, 4, 4, 4, 16], 8)
+    [[4], [2, 3], [0, 1]]
+    >>> split_buckets([4, None, 4], 100)
+    [[2], [1], [0]]
+    """
+    out: list[list[int]] = []
+    bucket: list[int] = []
+    held = 0
+    for i in reversed(range(len(sizes))):
+        size = sizes[i]
+        if size is None:
+            if bucket:
+                out.append(sorted(bucket))
+            out.append([i])
+            bucket, held = [], 0
+            continue
+        bucket.append(i)
+        held += size
+        if held >= limit:
+            out.append(sorted(bucket))
+            bucket, held = [], 0
+    if bucket:
+        out.append(sorted(bucket))
+    return out

@@ -1,5 +1,5 @@
 """The native engine under Keras 3 on JAX: this process's communicator, and arrays reduced through it
-from inside a compiled step, one fused buffer per dtype.
+from inside a compiled step, one fused buffer per dtype, or in gradient buckets.
 
 A JAX rank of ``sparktrain.run(..., backend="jax")`` has the same env contract as a TensorFlow one
 (the ring's addresses in ``TF_CONFIG``, the run's key), so :func:`start` makes the same
@@ -8,15 +8,27 @@ flattened and concatenated into one array, which the engine reduces in place (sh
 a host, the ring between hosts, encrypted where the run is): on CPU in an XLA FFI custom call
 (``jax_ffi``, no Python in the step), else, or where the handler cannot be built, in a
 ``jax.pure_callback`` on a host numpy copy. The step goes on with the result, split back into the
-gradients. No TensorFlow is imported here.
+gradients.
+
+Gradient buckets: where ``bucket_bytes`` (``SPARKTRAIN_BUCKET_BYTES``) is not 0 and the FFI handler
+is in use, a traced reduction puts the arrays, last first (backprop makes the last layers'
+gradients first), into buckets of about that many bytes, one engine call per dtype each. Each is
+an asynchronous custom call: the handler hands the buffer to the engine's thread
+(``native/reducer.h``) and returns a future, and XLA's thunk executor goes on with the thunks that
+do not read the bucket. Each bucket's call also takes the one before it's result, which it does not
+read: XLA orders custom calls by their data alone (``has_side_effect`` does not order them on CPU),
+so this makes every rank hand the engine its buckets in program order, each once the one before it
+is reduced. The engine reduces each element in rank order within a host, so the buckets' sums are
+bit for bit those of the fused buffer. No TensorFlow is imported here.
 """
 from __future__ import annotations
 
 import threading
 
 from .. import context
-from ..engine.topology import dtype_groups
+from ..engine.topology import dtype_groups, split_buckets
 from ..errors import SparkTrainError
+from ..settings import rank as rank_settings
 
 _lock = threading.Lock()
 _comm: list = []  # this process's communicator, once started
@@ -57,7 +69,11 @@ def communicator():
 
 
 def stop() -> None:
-    """Close the communicator, if one runs; :func:`start` makes a new one."""
+    """Close the communicator, if one runs, after failing the buckets that wait for the engine's
+    thread; :func:`start` makes a new one."""
+    from . import jax_ffi
+
+    jax_ffi.stop()
     with _lock:
         while _comm:
             _comm.pop().close()
@@ -112,16 +128,50 @@ def fused_allreduce(arrays: list, op: str = "average", prescale: float = 1.0, po
         if wire_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
             a = a.astype(wire_dtype)
         sent[i] = a
-    for group in dtype_groups([str(sent[i].dtype) for i in present]):
-        idx = [present[k] for k in group]
+    buckets = _buckets(present, sent)
+    after: list = []
+    for idx in _engine_calls(present, sent, buckets):
         flat = jnp.concatenate([sent[i].reshape(-1) for i in idx]) if len(idx) > 1 else sent[idx[0]].reshape(-1)
-        reduced = _reduce_flat(flat, op)
+        if buckets is None:
+            reduced = _reduce_flat(flat, op)
+        else:
+            from .. import engine
+            from . import jax_ffi
+
+            reduced = jax_ffi.bucket(flat, engine.OPS.index(op), after)
+            after = [reduced]
         offset = 0
         for i in idx:
             n = sent[i].size
             r = reduced[offset:offset + n].reshape(arrays[i].shape).astype(arrays[i].dtype)
             out[i] = r if postscale == 1.0 else r * postscale
             offset += n
+    return out
+
+
+def _buckets(present: list, sent: dict) -> list[list[int]] | None:
+    """The gradient buckets of the arrays at ``present`` (positions into the arrays, each bucket in
+    the order its call comes) where buckets are in use: ``bucket_bytes`` not 0, two arrays or more,
+    traced, the FFI handler registered; None: one fused buffer per dtype."""
+    import jax
+
+    limit = rank_settings.current().bucket_bytes
+    if not limit or len(present) < 2 or not isinstance(sent[present[0]], jax.core.Tracer) or not _on_cpu():
+        return None
+    from . import jax_ffi
+
+    if not jax_ffi.ready():
+        return None
+    sizes = [sent[i].size * sent[i].dtype.itemsize for i in present]
+    return [[present[k] for k in bucket] for bucket in split_buckets(sizes, limit)]
+
+
+def _engine_calls(present: list, sent: dict, buckets: list | None) -> list[list[int]]:
+    """The positions each engine call reduces, in the order the calls come: each bucket's (or, with
+    no buckets, all the arrays') by dtype, the dtypes in name order."""
+    out = []
+    for bucket in [present] if buckets is None else buckets:
+        out += [[bucket[k] for k in group] for group in dtype_groups([str(sent[i].dtype) for i in bucket])]
     return out
 
 

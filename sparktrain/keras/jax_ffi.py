@@ -1,5 +1,7 @@
-"""The native engine's XLA FFI handler for JAX on CPU (``native/jax_ffi.cc``): built at first use,
-cached, registered with JAX, and called from inside a compiled step.
+"""The native engine's XLA FFI handlers for JAX on CPU (``native/jax_ffi.cc``): built at first use,
+cached, registered with JAX, and called from inside a compiled step: :func:`allreduce` reduces on
+XLA's thread; :func:`bucket` hands a gradient bucket to the engine's thread (``native/reducer.h``)
+and XLA goes on with what does not read it.
 
 pip builds sparktrain without jaxlib, so the handler is compiled here, when a rank's ``init()``
 starts the engine: with ``$CXX`` (default ``g++``) against jaxlib's FFI headers
@@ -31,8 +33,10 @@ from ..engine import kernel_cache
 #: ``SPARKTRAIN_JAX_FFI=0``: reduce through ``jax.pure_callback``, not the FFI handler.
 SWITCH_ENV = "SPARKTRAIN_JAX_FFI"
 SOURCE, HEADER = "jax_ffi.cc", "collective.h"
-#: The name the handler is registered under (``jax.ffi.register_ffi_target``).
-TARGET = "sparktrain_allreduce"
+#: Every file the library is built from (compiled: the ``.cc`` ones); all are in its hash.
+SOURCES = (SOURCE, "reducer.cc", "reducer.h", "engine_op.h", HEADER)
+#: The names the handlers are registered under (``jax.ffi.register_ffi_target``).
+TARGET, BUCKET_TARGET = "sparktrain_allreduce", "sparktrain_allreduce_bucket"
 #: Seconds one compile may take, and one rank may wait for another's.
 COMPILE_TIMEOUT = 120.0
 
@@ -42,10 +46,10 @@ _state: dict = {}  # "ready": True once registered; "failure": why not
 
 
 def source_dir() -> str | None:
-    """Where :data:`SOURCE` and :data:`HEADER` are: the package's copy (a wheel), else ``native/``."""
+    """Where :data:`SOURCES` are: the package's copy (a wheel), else ``native/``."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
     for d in (os.path.join(here, "_native"), os.path.join(os.path.dirname(here), "native")):
-        if all(os.path.exists(os.path.join(d, name)) for name in (SOURCE, HEADER)):
+        if all(os.path.exists(os.path.join(d, name)) for name in SOURCES):
             return d
     return None
 
@@ -57,7 +61,7 @@ def library_path(src: str, include: str, engine_path: str, cxx: str) -> str:
     from .. import engine
 
     h = hashlib.sha256()
-    for name in (SOURCE, HEADER):
+    for name in SOURCES:
         with open(os.path.join(src, name), "rb") as f:
             h.update(f.read())
     h.update(f"{engine._ABI_VERSION}|{os.path.realpath(engine_path)}|{cxx}|{include}".encode())
@@ -69,7 +73,7 @@ def _compile(cxx: str, src: str, include: str, engine_path: str, out: str) -> No
     with tempfile.TemporaryDirectory(prefix="sparktrain-jax-ffi-") as work:
         built = os.path.join(work, "jax_ffi.so")
         cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-w", "-I", include, "-I", src,
-               os.path.join(src, SOURCE), "-o", built, engine_path, "-Wl,-rpath," + os.path.dirname(engine_path)]
+               *[os.path.join(src, name) for name in SOURCES if name.endswith(".cc")], "-o", built, engine_path, "-Wl,-rpath," + os.path.dirname(engine_path)]
         try:
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=COMPILE_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -98,7 +102,7 @@ def build() -> str:
     engine_path = engine._library_path()
     cxx = os.environ.get(kernel_cache.CXX_ENV) or "g++"
     if src is None or engine_path is None:
-        raise OSError(f"the sources ({SOURCE}, {HEADER}) or the engine library are not installed")
+        raise OSError(f"the sources ({', '.join(SOURCES)}) or the engine library are not installed")
     if shutil.which(cxx) is None:
         raise OSError(f"no C++ compiler ({cxx}) on this host")
     include = jax.ffi.include_dir()
@@ -145,6 +149,7 @@ def ready() -> bool:
             if lib.sparktrain_jax_ffi_abi_version() != engine._ABI_VERSION:
                 raise OSError(f"{path} was built for engine ABI {lib.sparktrain_jax_ffi_abi_version()}")
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SparktrainJaxAllreduce), platform="cpu")
+            jax.ffi.register_ffi_target(BUCKET_TARGET, jax.ffi.pycapsule(lib.SparktrainJaxBucket), platform="cpu")
             _state["ready"], _state["lib"] = True, lib
         except Exception as e:  # noqa: BLE001 - any failure means the pure_callback path, said once
             _state["failure"] = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
@@ -171,3 +176,22 @@ def allreduce(flat, op_code: int):
 
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(flat.shape, flat.dtype),
                             input_output_aliases={0: 0})(flat, op=np.int32(op_code))
+
+
+def bucket(flat, op_code: int, after: list):
+    """``flat`` (a 1-d JAX array, one gradient bucket) reduced over every rank on the engine's thread
+    while the step goes on; ``after``: the arrays of the bucket before it (none for the first), which
+    the call waits for and does not read, so every rank hands the engine its buckets in this order."""
+    import jax
+    import numpy as np
+
+    return jax.ffi.ffi_call(BUCKET_TARGET, jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+                            input_output_aliases={0: 0})(flat, *after, op=np.int32(op_code))
+
+
+def stop() -> None:
+    """Fail the buckets waiting for the engine's thread and join it (``shutdown()``), where the
+    library is loaded; the next bucket starts the thread again."""
+    lib = _state.get("lib")
+    if lib is not None:
+        lib.sparktrain_jax_ffi_stop()

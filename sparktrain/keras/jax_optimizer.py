@@ -1,8 +1,8 @@
 """Horovod's ``DistributedOptimizer`` for Keras 3 on the JAX backend, through the native engine.
 
 The distributed optimizer is a subclass of the user's optimizer class, built from its config, that
-reduces the gradients over every rank inside the compiled train step (``jax.jit``), as one fused
-buffer per dtype (:func:`sparktrain.keras.jax_engine.fused_allreduce`), after Keras has
+reduces the gradients over every rank inside the compiled train step (``jax.jit``), in gradient
+buckets or one fused buffer per dtype (:func:`sparktrain.keras.jax_engine.fused_allreduce`), after Keras has
 accumulated them (``backward_passes_per_step``) and before clipping and the update: the place the
 TensorFlow wrapper reduces them too. No ``keras.distribution`` is needed (nor used): each rank
 trains its own replica on its own batches, as on TensorFlow. No TensorFlow is imported here.
@@ -65,12 +65,13 @@ def DistributedOptimizer(optimizer, name: str | None = None, device_dense: str =
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
                          process_set=None, scale_local_gradients: bool = True):
     """Wrap a Keras 3 optimizer on JAX so each update first reduces the gradients over all ranks,
-    through sparktrain's native engine, in one fused buffer per dtype.
+    through sparktrain's native engine, in gradient buckets (``SPARKTRAIN_BUCKET_BYTES``, on CPU) or one
+    fused buffer per dtype.
 
     Horovod's arguments, as on TensorFlow: ``compression`` (``Compression.none`` or
     ``Compression.fp16``), ``gradient_predivide_factor``, ``op`` (``Average`` or ``Sum``),
     ``backward_passes_per_step`` and ``average_aggregated_gradients``, ``name``. ``num_groups`` and
-    ``groups`` are accepted and change nothing (every dtype's gradients travel as one buffer);
+    ``groups`` are accepted and change nothing (the gradient buckets are ``SPARKTRAIN_BUCKET_BYTES``'s);
     ``sparse_as_dense`` is accepted (JAX's gradients are dense); ``device_dense`` and
     ``device_sparse`` are accepted and ignored; ``scale_local_gradients`` is accepted (no variable
     is local on JAX). ``process_set`` must be None: JAX ranks have no process sets.

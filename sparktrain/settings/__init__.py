@@ -143,9 +143,10 @@ SETTINGS = {
                 read_in="rank"),
         Setting("bucket_bytes", "SPARKTRAIN_BUCKET_BYTES", "spark.sparktrain.bucketBytes", 4 << 20, parse_bytes,
                 "bytes of gradients in one bucket of a compiled step (DistributedOptimizer, DistributedGradientTape "
-                "inside tf.function): buckets are filled in reverse order of the variables, as backprop makes "
-                "them, and each is reduced on the engine's thread as soon as its gradients exist, while backprop "
-                "goes on (docs/performance.md); 0: one collective per dtype once every gradient exists",
+                "inside tf.function; DistributedOptimizer in a jitted step of Keras 3 on JAX, on CPU: docs/jax.md): "
+                "buckets are filled in reverse order of the variables, as backprop makes them, and each is reduced "
+                "on the engine's thread as soon as its gradients exist, while backprop goes on (docs/performance.md); "
+                "0: one collective per dtype once every gradient exists",
                 read_in="rank"),
         Setting("timeline", "SPARKTRAIN_TIMELINE", "spark.sparktrain.timeline", None, parse_path,
                 "a file each rank writes a Chrome trace of its collectives to, from init() until shutdown() or its "

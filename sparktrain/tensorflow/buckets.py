@@ -5,7 +5,7 @@ Backprop makes the gradients of the last layers first. Inside a ``tf.function`` 
 are put, in reverse order of their variables, into buckets of about ``bucket_bytes`` (the
 setting ``SPARKTRAIN_BUCKET_BYTES``; a gradient larger than that is a bucket of its own), and
 each bucket is one reduction (one engine call per dtype, as a fused reduction is) that the native
-engine's TensorFlow kernels run on the engine's own thread (``native/tf_reducer.h``): the kernel
+engine's TensorFlow kernels run on the engine's own thread (``native/reducer.h``): the kernel
 returns at once, TensorFlow goes on computing, and only the ops that read a bucket's gradients
 (the optimizer's updates of its variables) wait for that bucket. Every collective of a
 ``tf.function`` is a stateful op, which TensorFlow runs in program order, each after the one
@@ -17,6 +17,7 @@ runs eagerly, in TensorFlow 1 graphs and where ``bucket_bytes`` is 0.
 """
 from __future__ import annotations
 
+from ..engine.topology import split_buckets as split
 from ..settings import rank as rank_settings
 
 
@@ -36,37 +37,6 @@ def nbytes(t) -> int | None:
     """The bytes of ``t`` when its shape is known where the step is built; None otherwise."""
     n = t.shape.num_elements()
     return None if n is None else n * t.dtype.size
-
-
-def split(sizes: list, limit: int) -> list[list[int]]:
-    """Positions ``0..len(sizes)-1`` (the gradients in their variables' order) in buckets, the last
-    positions first: each bucket takes positions from the end until it holds ``limit`` bytes or
-    more; a size None (unknown until the step runs) closes a bucket of its own.
-
-    >>> split([4, 4, 4, 4, 16], 8)
-    [[4], [2, 3], [0, 1]]
-    >>> split([4, None, 4], 100)
-    [[2], [1], [0]]
-    """
-    out: list[list[int]] = []
-    bucket: list[int] = []
-    held = 0
-    for i in reversed(range(len(sizes))):
-        size = sizes[i]
-        if size is None:
-            if bucket:
-                out.append(sorted(bucket))
-            out.append([i])
-            bucket, held = [], 0
-            continue
-        bucket.append(i)
-        held += size
-        if held >= limit:
-            out.append(sorted(bucket))
-            bucket, held = [], 0
-    if bucket:
-        out.append(sorted(bucket))
-    return out
 
 
 def enabled() -> bool:

@@ -161,7 +161,7 @@ class Kernels(Numpy):
     def grouped_allreduce(self, tensors, op, label=None, overlap=False):
         """One kernel (one engine call over one buffer) per dtype, the dtypes in name order, as
         ``hostops.grouped_allreduce`` does: the same calls, so ranks on either path agree.
-        ``overlap``: each kernel reduces on the engine's thread (``native/tf_reducer.h``) and
+        ``overlap``: each kernel reduces on the engine's thread (``native/reducer.h``) and
         TensorFlow's goes on at once."""
         if op not in OP_CODES:
             self._not_in_graph(f"grouped_allreduce(op={ops.name_of(op)})")

@@ -1,11 +1,11 @@
-// The reducer of tf_reducer.h: one background thread per process, started by the first
-// overlapping kernel, that runs the queued collectives one at a time in the order they came,
+// The reducer of reducer.h: one background thread per library that uses it, started by the first
+// bucket handed to it, that runs the queued collectives one at a time in the order they came,
 // holding the current communicator (stc_current_acquire) for each, as a kernel on the
 // executor's thread would. A collective's failure (a dead peer, a timeout, a mismatch) is its
 // own op's: the engine keeps the communicator's state for the next one, as it does for kernels
 // that run in place.
 
-#include "tf_reducer.h"
+#include "reducer.h"
 
 #include <pthread.h>
 
