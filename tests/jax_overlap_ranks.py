@@ -10,27 +10,13 @@ from __future__ import annotations
 import os
 import time
 
-from helpers import record_rank, weights_digest
-from overlap_ranks import FIT_VARIANTS, SMALL, _data, _mlp, _threads, _touch, _wait_for, bucket_bytes
+from helpers import record_rank
+from overlap_ranks import FIT_VARIANTS, SMALL, _threads, _touch, _wait_for, bucket_bytes
+from overlap_ranks import _fit as fit
 
 
 def _fit(variant: dict, limit: int) -> str:
-    import keras
-
-    import sparktrain.keras as hvd
-
-    options = dict(variant)
-    if options.pop("compression", None) == "fp16":
-        options["compression"] = hvd.Compression.fp16
-    if "op" in options:
-        options["op"] = getattr(hvd, options["op"])
-    x, y = _data(hvd.rank())
-    with bucket_bytes(limit):
-        model = _mlp()
-        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), **options),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # jitted: JAX's default
-        model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
-    return weights_digest(model.get_weights())
+    return fit(variant, limit, jit_compile="auto")  # jitted: JAX's default
 
 
 def fused_against_buckets(outdir: str) -> None:

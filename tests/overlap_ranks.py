@@ -56,7 +56,9 @@ FIT_VARIANTS = {
 }
 
 
-def _fit(variant: dict, limit: int) -> str:
+def _fit(variant: dict, limit: int, jit_compile=False) -> str:
+    """A fit of ``_mlp`` through ``DistributedOptimizer`` with ``variant``'s options under the bucket
+    size ``limit``; the weights' digest. ``jit_compile``: Keras' own ("auto" on JAX: jitted)."""
     import keras
 
     import sparktrain.keras as hvd
@@ -71,7 +73,7 @@ def _fit(variant: dict, limit: int) -> str:
         model = _mlp()
         opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), **options)
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      jit_compile=False)
+                      jit_compile=jit_compile)
         model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
     return weights_digest(model.get_weights())
 
