@@ -96,7 +96,7 @@ class HorovodRunner:
             raise InvalidArgumentError(
                 f"HorovodRunner.run needs the training function first, a callable, got {main!r} "
                 f"({type(main).__name__}): hr.run(main, **kwargs)")
-        from .driver.run import run
+        from .driver.face import run
 
         return run(main, kwargs=kwargs, num_proc=self.num_processor,
                    output_ranks=output_ranks_for(self.num_processor, self.driver_log_verbosity))

@@ -75,7 +75,7 @@ def _session(master: str | None, conf: list[tuple[str, str]], default_master: st
     chosen the master and conf; in a notebook that calls ``main`` the running session is used;
     otherwise an embedded session starts on ``master``.
     """
-    from ..driver.launch import cluster
+    from ..driver import face as cluster
 
     if remote:
         if master:
@@ -141,7 +141,7 @@ def _run(args: argparse.Namespace, script_args: list[str]) -> int:
         print(f"sparktrain run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - Spark failing to start, say; one line, not a JVM stack
-        from ..driver.launch.cluster import spark_error_reason
+        from ..driver.face import spark_error_reason
 
         print(f"sparktrain run: {spark_error_reason(e)}", file=sys.stderr)
         return 1

@@ -4,8 +4,8 @@ the compiler; with ``SPARKTRAIN_CACHE_DIR`` on a shared mount, one host's build 
 with the same installation."""
 from __future__ import annotations
 
-from ..driver.launch import probe
-from ..driver.show import spark_errors
+from ..driver import face
+from ..driver.face import probe
 from ..engine import kernel_cache
 
 #: Seconds the build stage may take on top of the check's timeout: one compile, and the import of TensorFlow.
@@ -54,7 +54,7 @@ def build(report, view, driver: dict, tasks: list[dict], local: bool, timeout: f
     found = probe.run(view, len(tasks), None, timeout=timeout + BUILD_SECONDS, task=task_function(),
                       description=f"sparktrain check --build: {len(tasks)} task(s) compile the TensorFlow kernels")
     if found.timed_out or found.error is not None:
-        why = "did not finish in time" if found.timed_out else spark_errors.spark_error_reason(found.error)
+        why = "did not finish in time" if found.timed_out else face.spark_error_reason(found.error)
         report.fail(f"the build stage of {len(tasks)} task(s) failed: {why}")
         return
     hosts: dict[str, list[dict]] = {}

@@ -20,8 +20,8 @@ from . import findings as capabilities
 from .findings import Report
 from ..host import nics
 from ..seam import versions
-from ..driver.launch import capacity, cluster, config, preflight, probe, views
-from ..driver.show import spark_errors
+from ..driver import face
+from ..driver.face import probe
 from ..errors import ClusterConfigError, InsufficientResourcesError, InvalidArgumentError
 
 #: Versions shown for the driver and every task; ``versions.PACKAGES`` must match for ``run`` to start.
@@ -58,7 +58,7 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
     try:
         spark, owned = start_session()
     except Exception as e:  # noqa: BLE001 - whatever stopped Spark from starting is the finding
-        report.fail(f"Spark did not start: {spark_errors.spark_error_reason(e)}")
+        report.fail(f"Spark did not start: {face.spark_error_reason(e)}")
         return report.finish()
     try:
         _check_session(report, spark, num_proc, wait, timeout, build)
@@ -69,7 +69,7 @@ def run_check(start_session: Callable[[], tuple[Any, bool]], num_proc: int | Non
 
 
 def _check_session(report: Report, spark, num_proc: int | None, wait: float, timeout: float, build: bool) -> None:
-    view = views.of(spark)
+    view = face.view_of(spark)
     conf = view.conf
     master = conf.get("spark.master", "?")
     report.field("master", master + (f" (through {view.name})" if view.here == "client" else ""))
@@ -79,13 +79,13 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
                     "new in Spark 3.5. Upgrade the cluster to Spark 3.5 or later")
 
     try:  # the settings as a run here would resolve them (without its arguments and env=)
-        values = config.settings_of(conf)
+        values = face.settings_of(conf)
     except InvalidArgumentError as e:
         report.fail(str(e))
-        values = config.settings_of({}, {})
+        values = face.settings_of({}, {})
     encrypted = settings.encrypts(values.encryption, conf)
     try:
-        preflight.check_cluster_conf(conf, values.allow_unencrypted, encrypted, values.cpu_collectives)
+        face.check_cluster_conf(conf, values.allow_unencrypted, encrypted, values.cpu_collectives)
         report.ok("barrier mode: dynamic allocation is off, so every rank can be gang-scheduled")
     except ClusterConfigError as e:
         report.fail(str(e))
@@ -104,9 +104,9 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
             report.field("executors", f"{cap.executors} (from the conf; a Connect client cannot list them)")
     else:
         # Executors register after the session starts; with the conf already broken, do not wait for them.
-        expected = cluster.expected_executors(master, conf)
+        expected = face.expected_executors(master, conf)
         cap = view.wait_for_executors(lambda c: c.executors >= (expected or 1), 0 if report.failures else wait)
-        if cluster.is_local(master):
+        if face.is_local(master):
             report.field("executors", "1 (local mode: the driver runs the tasks)")
         else:
             report.field("executors", f"{cap.executors} registered" + (f" of {expected} expected" if expected else ""))
@@ -125,7 +125,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
                         "executors that fail to start, or pass --wait to wait longer")
     else:
         try:
-            capacity.check_capacity(size, cap, use_gpu)
+            face.check_capacity(size, cap, use_gpu)
             report.ok(f"capacity: {size} rank(s) fit at once ({cap.slots(use_gpu)} {'GPU ' if use_gpu else ''}"
                       "task slot(s))")
         except InsufficientResourcesError as e:
@@ -138,7 +138,7 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     else:
         tasks = _probe(report, view, size, use_gpu, timeout, values.rendezvous)
         if build and not report.failures:
-            check_build.build(report, view, driver, tasks, cluster.is_local(master), timeout)
+            check_build.build(report, view, driver, tasks, face.is_local(master), timeout)
     _versions(report, driver, tasks)
     _hosts(report, driver, tasks, values.nics)
     capabilities.engines(report, driver, tasks)
@@ -147,30 +147,30 @@ def _check_session(report: Report, spark, num_proc: int | None, wait: float, tim
     _backends(report, driver, tasks)
 
 
-def _slots(report: Report, cap: capacity.Capacity, master: str, use_gpu: bool) -> None:
+def _slots(report: Report, cap: face.Capacity, master: str, use_gpu: bool) -> None:
     slots = f"{cap.cpu_slots}: {cap.executors} executor(s) x {cap.cores_per_executor} core(s) / " \
             f"spark.task.cpus={cap.task_cpus}"
     if cap.spark_slots is not None and cap.spark_slots != cap.cpu_slots:
         slots += f" (Spark counts {cap.spark_slots})"
     report.field("task slots", slots)
     if use_gpu:
-        offered = "spark.driver" if cluster.is_local(master) else "spark.executor"
+        offered = "spark.driver" if face.is_local(master) else "spark.executor"
         report.field("GPUs per executor", f"{cap.gpus_per_executor:g} ({offered}.resource.gpu.amount), "
                                           f"{cap.task_gpus:g} per task: {cap.gpu_slots} GPU slot(s)")
 
 
 def _check_gpu_conf(report: Report, master: str, conf: Mapping[str, str]) -> bool:
     """Whether runs will use GPUs, with a FAIL when GPUs are asked for but cannot be found."""
-    task = capacity.gpu_amount(conf)
+    task = face.gpu_amount(conf)
     if task <= 0:
         report.ok("GPU scheduling: off (spark.task.resource.gpu.amount is not set), so ranks train on CPU; "
                   "conf/spark-defaults.conf turns it on")
         return False
-    capacity.check_gpu_conf(conf, True)
+    face.check_gpu_conf(conf, True)
     # Who finds the GPUs: the driver in local mode, the workers on local-cluster (they read the
     # driver's conf), the executors under YARN and Kubernetes. A standalone cluster's workers
     # read their own conf, which the driver cannot see.
-    if cluster.is_local(master):
+    if face.is_local(master):
         component = "spark.driver"
     elif master.startswith("local-cluster"):
         component = "spark.worker"
@@ -217,7 +217,7 @@ def _probe(report: Report, view, size: int, use_gpu: bool, timeout: float, rende
                     "task slot at the same time. Look for pending tasks in the Spark UI, or pass --timeout")
         return []
     if found.error is not None:
-        report.fail(f"the barrier stage of {size} task(s) failed: {spark_errors.spark_error_reason(found.error)}")
+        report.fail(f"the barrier stage of {size} task(s) failed: {face.spark_error_reason(found.error)}")
         return []
     tasks = found.tasks
     report.ok(f"barrier mode: a barrier stage of {size} task(s) ran in {found.seconds:.1f} s")

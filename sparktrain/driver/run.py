@@ -1,8 +1,7 @@
-"""The public ``sparktrain.run`` and ``sparktrain.run_elastic``, as one pipeline (:func:`pipeline`):
-check the arguments, choose the cluster view, resolve the settings against its conf
-(``driver.launch.config``), size the ranks to its slots, build the ranks' spec, and hand over to the
-attempts (``driver.supervise.attempts``). What differs is a value, the run's plan: ``run``'s
-(``attempts.FixedPlan``, a fixed size policy) or ``run_elastic``'s (``elastic.ElasticPlan``).
+"""The public ``sparktrain.run`` and ``sparktrain.run_elastic``: each is
+``supervise(prepare(arguments), policy)``: the arguments checked (``launch.config``), the run
+prepared on its cluster view (``launch.prepare``: a ``Launch``), and supervised under a size
+policy (``supervise.attempts``): ``run``'s ``Fixed``, ``run_elastic``'s ``Elastic``.
 
 pyspark is imported inside the functions that need it, so ``import sparktrain`` stays fast
 and works where only the worker API is used. The flow of a run, and which module does what,
@@ -10,18 +9,15 @@ is drawn in docs/architecture.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import sys
 from typing import IO, Any, Callable, Iterable, Mapping
 
-from .launch import config, views
-from .launch.taskspec import task_spec
-from .supervise import resume
-from .supervise import supervision as core
-from .supervise.attempt import RunInfo
-from .supervise.attempts import FixedPlan, Plan, Sizer, run_attempts
+from .launch import config
+from .launch.prepare import prepare
+from .supervise.attempts import supervise
+from .supervise.policies import Fixed
 
 log = logging.getLogger("sparktrain")
 
@@ -104,7 +100,10 @@ def run(
     'rank 0 at 0.1'
     """
     given = dict(locals())  # every parameter, by its name
-    return pipeline(FixedPlan(), lambda: config.check_arguments(**given))
+    a = config.check_arguments(**given)
+    configure_logging(a.verbose)
+    launch = prepare(a)
+    return supervise(launch, Fixed(a.size, launch.cfg.settings.max_attempts, launch.cfg.capacity_wait))
 
 
 def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: Mapping[str, Any] | None = None,
@@ -129,35 +128,18 @@ def run_elastic(train_fn: Callable[..., Any], args: tuple | list = (), kwargs: M
     ``spark.sparktrain.elasticUrl``) says where the commits go: under ``run_id`` where it is given, so
     that a later job with that ``run_id`` resumes from them (docs/elastic.md, "Resuming in a new job").
     """
+    from .launch import views
     from .supervise import elastic
 
-    plan = elastic.plan(num_proc, min_num_proc, max_num_proc, elastic_timeout, reset_limit, run_kwargs)
-    return pipeline(plan, lambda: arguments(train_fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr,
-                                            verbose, prefix_output_with_timestamp, **run_kwargs))
-
-
-def pipeline(plan: Plan, check: Callable[[], config.Arguments]) -> Any:
-    """``run``'s and ``run_elastic``'s steps, in this order, what differs between them asked of
-    ``plan`` (``attempts.Plan``): its view, where it is found before the arguments (``run_elastic``
-    needs a classic session); the arguments, checked by ``check``; the view chosen from them
-    otherwise; the settings resolved against its conf; what the plan checks before the run's lease
-    (``run_elastic``: the ``elastic_url`` setting, and its sizes from the slots); then, under the
-    lease of a named run (``resume.run_named``), the plan's sizes, the ranks' spec, and the attempts."""
-    view = plan.session()
-    a = check()
+    timeout, reset_limit = elastic.check_arguments(num_proc, min_num_proc, max_num_proc, elastic_timeout,
+                                                   reset_limit, run_kwargs)
+    view = views.active()  # a classic session's, found before the arguments are checked
+    elastic.check_view(view is not None and view.lists_executors)
+    a = arguments(train_fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose,
+                  prefix_output_with_timestamp, **run_kwargs)
     configure_logging(a.verbose)
-    if view is None:
-        view = views.choose(a.local, a.size, a.use_gpu)
-    cfg = config.resolve(a, view)
-    sized = plan.checked(cfg, view)
-
-    def launch() -> Any:
-        s = sized()
-        spec = task_spec(cfg, s.most, view.max_result_bytes(), view.tails_without_channel)
-        spec = dataclasses.replace(spec, user_env={**spec.user_env, **s.env})
-        return attempts(cfg, view, s.profile, spec, s.policy, s.sizer)
-
-    return resume.run_named(cfg, launch)
+    launch = prepare(a, view)
+    return supervise(launch, elastic.policy(launch, num_proc, min_num_proc, max_num_proc, timeout, reset_limit))
 
 
 def arguments(*args: Any, **kwargs: Any) -> config.Arguments:
@@ -165,39 +147,3 @@ def arguments(*args: Any, **kwargs: Any) -> config.Arguments:
     bound = inspect.signature(run).bind(*args, **kwargs)
     bound.apply_defaults()
     return config.check_arguments(**bound.arguments)
-
-
-def attempts(cfg: config.RunConfig, view: views.ClusterView, profile, spec, policy: core.Policy, sizer: Sizer) -> Any:
-    """The pipeline's last step, ``run``'s and ``run_elastic``'s: the run's display, then its
-    attempts, each a job of the view's with the stage's input for its size."""
-    a = cfg.args
-    # A fixed run's stage input is built before anything launches; an elastic one's for each size it takes.
-    spec = dataclasses.replace(spec, user_env={**spec.user_env, **resume.env(cfg)})
-    frames = a.frames
-    if frames:  # the DataFrames the ranks read from their files leave the stage
-        from .launch.scans import file_scans
-
-        scans = file_scans(frames, spec.size)
-        frames = {n: df for n, df in frames.items() if n not in scans}
-        spec = dataclasses.replace(spec, feed=tuple(frames), scans=tuple(scans.items()))
-    known = policy.known_size
-    sources: dict[int, Any] = {} if known is None else {known: _stage_input(frames, known)}
-    info = RunInfo(run_id=a.run_id, fn_name=a.fn_name, stdout=a.stdout, stderr=a.stderr, timestamps=a.timestamps,
-                   timeout=a.timeout, verbose=a.verbose)
-    info.display.attach(log)
-
-    def make_job(s, on_done):
-        if s.size not in sources:
-            sources[s.size] = _stage_input(frames, s.size)
-        return view.job(s, a.fn_name, on_done, sources[s.size], profile)
-
-    return run_attempts(info, spec, make_job, cfg.driver_host, policy, sizer)
-
-
-def _stage_input(frames, size: int):
-    """The barrier stage's input, carrying the fed DataFrames to the ranks; None without data."""
-    if not frames:
-        return None
-    from .launch import feed
-
-    return feed.stage_input(frames, size)

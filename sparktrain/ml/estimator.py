@@ -243,11 +243,11 @@ def _has_elastic_url(env: dict) -> bool:
     """Whether the elastic_url setting is there (run's env, the driver's environment, the conf): a
     run_id is then a named run of ``sparktrain.run``; without it, Horovod's name of the run's folder
     in the store, as in Horovod."""
-    from ..driver.launch import cluster, config, views
+    from ..driver import face
 
-    spark = cluster.active_session()
-    conf = views.of(spark).conf if spark is not None else {}
-    return bool(config.settings_of(conf, {**os.environ, **env}).elastic_url)
+    spark = face.active_session()
+    conf = face.view_of(spark).conf if spark is not None else {}
+    return bool(face.settings_of(conf, {**os.environ, **env}).elastic_url)
 
 
 def _fit_result(value, run_id: str | None) -> tuple[dict, str]:

@@ -17,7 +17,7 @@ from pyspark import keyword_only
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
-from ..driver.launch.cluster import without_pyspark_warnings
+from ..driver.face import without_pyspark_warnings
 from . import columns
 from .params import MODEL, set_defaults, with_params
 from .persistence import StageReader, StageWriter

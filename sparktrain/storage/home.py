@@ -134,6 +134,12 @@ class Home:
             if name.rstrip("/").rsplit("/", 1)[-1].startswith("resize-"):
                 self._remove(name.rstrip("/").rsplit("/", 1)[-1])
 
+    def mark_resize(self, attempt: int, why: str) -> None:
+        """Leave attempt ``attempt``'s resize marker, where its rank 0 looks at its next commit."""
+        from .. import storage
+
+        storage.put_bytes(self.file(f"resize-{attempt}"), why.encode(), self.options)
+
     def _remove(self, name: str) -> None:
         fs, path = filesystem(self.file(name), self.options)
         try:

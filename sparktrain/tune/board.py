@@ -17,7 +17,7 @@ import threading
 import time
 from typing import IO, Any
 
-from ..driver.show.display import sink_kind
+from ..driver.face import sink_kind
 
 #: Seconds between two redraws of the Jupyter table for reports alone (a state change redraws at once).
 REDRAW_SECONDS = 1.0

@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Any, Callable, Mapping
 
-from ..driver.supervise.interrupts import Cancellation
+from ..driver.face import Cancellation
 from ..errors import RunCancelledError, SparkTrainError
 from . import ERROR_ATTR, slots
 from .board import Board

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from ..driver.supervise.ranklinks import RankLink
+from ..driver.face import RankLink
 from ..seam import channel, protocol, session
 
 log = logging.getLogger("sparktrain")

@@ -74,8 +74,7 @@ def optimize(study, objective: Callable[[Any], Any], n_trials: int | None = None
     """
     import optuna
 
-    from ..driver.launch import config
-    from ..driver import run as runs
+    from ..driver import face
 
     if not isinstance(study, optuna.Study):
         raise InvalidArgumentError(f"study must be an optuna.Study (optuna.create_study(...)); got "
@@ -88,17 +87,17 @@ def optimize(study, objective: Callable[[Any], Any], n_trials: int | None = None
     catch = tuple(catch) if isinstance(catch, (list, tuple, set, frozenset)) else (catch,)
     # run's own checks, once, before any trial: a bad keyword, an objective that cannot be pickled.
     try:
-        a = runs.arguments(_objective_shape, args=(objective,), num_proc=num_proc, **run_kwargs)
+        a = face.arguments(_objective_shape, args=(objective,), num_proc=num_proc, **run_kwargs)
     except TypeError as e:
         raise InvalidArgumentError(f"tune.optimize passes its other keywords to sparktrain.run: {e}") from None
-    view = _view(a, concurrent_trials)
-    cfg = config.resolve(a, view)
-    gangs = slots.concurrent_gangs(concurrent_trials, abs(a.size or num_proc), _slots(view, cfg, a))
+    launch = face.prepare(a, _view(a, concurrent_trials))
+    cfg = launch.cfg
+    gangs = slots.concurrent_gangs(concurrent_trials, abs(a.size or num_proc), launch.slots())
     _warn_without_heartbeat(study)
     board = Board(stdout, study.study_name, ", ".join(d.name.lower() for d in study.directions))
     server = TrialServer(cfg.driver_host, cfg.encrypted)
     run_kwargs = {"verbose": 0, **run_kwargs}
-    trials = Gangs(objective, num_proc, run_kwargs, server, board, StudyRuns.active(), runs.run)
+    trials = Gangs(objective, num_proc, run_kwargs, server, board, StudyRuns.active(), face.run)
     log.info("sparktrain: tune: study %s, %s trial(s) of %d rank(s), %d at once", study.study_name,
              "unbounded" if n_trials is None else n_trials, abs(num_proc), gangs)
     try:
@@ -116,20 +115,13 @@ def _objective_shape(objective):  # what run's checks pickle: the objective, as 
 def _view(a, concurrent_trials: int | None):
     """The cluster the trials run on. Without an active session, an embedded local session wide
     enough for the gangs (``run`` alone would start one as wide as one gang)."""
-    from ..driver.launch import cluster, views
+    from ..driver import face
 
-    if not a.local and cluster.active_session() is None:
+    if not a.local and face.active_session() is None:
         width = max(os.cpu_count() or 1, (concurrent_trials or 1) * (a.size or 1))
-        cluster.start_session(f"local[{width}]")
+        face.start_session(f"local[{width}]")
         log.info("sparktrain: tune: no active SparkSession; started an embedded local[%d] session", width)
-    return views.choose(a.local, a.size, a.use_gpu)
-
-
-def _slots(view, cfg, a) -> int:
-    if a.local:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    profile = view.profile(cfg.stage) if cfg.stage is not None else None
-    return view.slots(cfg.use_gpu, cfg.stage, profile)
+    return face.choose_view(a.local, a.size, a.use_gpu)
 
 
 def _warn_without_heartbeat(study) -> None:

@@ -145,13 +145,30 @@ def settings_of(conf: Mapping[str, str], environ: Mapping[str, str] | None = Non
     return settings.resolve_all(arguments, conf=conf, environ=os.environ if environ is None else environ)
 
 
-def resolve(a: Arguments, view) -> RunConfig:
-    """The run's settings against ``view``'s conf (``views.ClusterView``); refuses, before launch,
-    what the cluster cannot do, and any bad value of a setting the ranks read."""
-    conf = view.conf
+def settings_for(a: Arguments, conf: Mapping[str, str]) -> settings.Settings:
+    """The run's settings against ``conf``; refuses, before any probe, a bad value of a setting
+    and a conf the run cannot work with."""
     environ = {**os.environ, **a.env}
     values = settings_of(conf, environ, a.settings)
     settings.warn_retired(conf, environ)
+    if not a.local:
+        encrypted = settings.encrypts(values.encryption, conf)
+        preflight.check_cluster_conf(conf, values.allow_unencrypted, encrypted, values.cpu_collectives)
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class Met:
+    """What the view's probes found for a run (``views.ClusterView.meet``): where the ranks reach
+    this process, and how they meet ("driver": its channel; "barrier": Spark's allGather)."""
+
+    driver_host: str = "127.0.0.1"
+    rendezvous: str = "driver"
+
+
+def resolve(a: Arguments, conf: Mapping[str, str], values: settings.Settings, met: Met) -> RunConfig:
+    """The run's config from its arguments, the view's ``conf``, its settings (:func:`settings_for`)
+    and what the view's probes found; reads nothing else."""
     encrypted = settings.encrypts(values.encryption, conf)
     common = dict(settings=values, encrypted=encrypted, versions=versions.collect(),
                   mlflow=_mlflow_handoff(a.run_id, a.env),
@@ -160,19 +177,12 @@ def resolve(a: Arguments, view) -> RunConfig:
         return RunConfig(args=a, conf=conf, driver_host="127.0.0.1", rendezvous="driver", use_gpu=bool(a.use_gpu),
                          stage=None, task_cpus=a.asked.cpus if a.asked is not None else None, log_target=None,
                          spill_url=None, **common)
-    preflight.check_cluster_conf(conf, values.allow_unencrypted, encrypted, values.cpu_collectives)
-    view.check_python(values.rendezvous)
-    driver_host = view.driver_host()
-    if values.nics:
-        from ...host import nics as networks
-
-        driver_host = networks.own_address(values.nics, "the driver")
-        log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(values.nics), driver_host)
     use_gpu = a.use_gpu
     if use_gpu is None:
         use_gpu = bool(a.asked.gpus) if a.asked is not None and a.asked.gpus is not None \
             else capacity.gpu_amount(conf) > 0
-    local_master = cluster.is_local(view.master)
+    master = conf.get("spark.master", "")
+    local_master = cluster.is_local(master)
     stage = capacity.stage_resources(conf, a.asked, use_gpu, local_master)
     if stage is None:
         capacity.check_gpu_conf(conf, use_gpu)
@@ -180,10 +190,9 @@ def resolve(a: Arguments, view) -> RunConfig:
     task_cpus = stage.cpus if stage is not None else \
         None if local_master else capacity.default_task_resources(conf).cpus
     return RunConfig(
-        args=a, conf=conf, driver_host=driver_host,
-        rendezvous=view.default_rendezvous(values.rendezvous, driver_host, a.run_id), use_gpu=use_gpu, stage=stage,
+        args=a, conf=conf, driver_host=met.driver_host, rendezvous=met.rendezvous, use_gpu=use_gpu, stage=stage,
         task_cpus=task_cpus, log_target=_log_target(values.log_url, a.storage_options),
-        spill_url=_spill_url(view.master, values.spill_url), **common)
+        spill_url=_spill_url(master, values.spill_url), **common)
 
 
 def _mlflow_handoff(run_id: str, env: Mapping[str, str]) -> dict[str, str] | None:

@@ -55,6 +55,23 @@ class ClusterView:
         """How ranks meet, for the ``rendezvous`` setting (``auto``, ``driver`` or ``barrier``)."""
         return "driver" if setting == "auto" else setting
 
+    def meet(self, values, run_id: str, local: bool = False):
+        """What a run needs the cluster to say before it resolves (``config.Met``), asked once: the
+        executors' Python checked, where the ranks reach this process (the ``nics`` setting's
+        address where one is set), and how they meet, for the ``rendezvous`` setting."""
+        from .config import Met
+
+        if local:
+            return Met()
+        self.check_python(values.rendezvous)
+        host = self.driver_host()
+        if values.nics:
+            from ...host import nics as networks
+
+            host = networks.own_address(values.nics, "the driver")
+            log.info("sparktrain: nics=%s: the ranks reach this driver at %s", ",".join(values.nics), host)
+        return Met(host, self.default_rendezvous(values.rendezvous, host, run_id))
+
     def profile(self, stage: TaskResources):
         raise UnsupportedError(f"{self.name} has no stage-level resource profiles")
 
@@ -311,6 +328,12 @@ def _check_profile_support(spark, stage: TaskResources) -> None:
 def of(spark) -> ClusterView:
     """The view of a SparkSession: the one place that tells Spark Connect from classic Spark."""
     return ConnectView(spark) if cluster.is_connect(spark) else SparkView(spark)
+
+
+def active() -> ClusterView | None:
+    """The active session's view, or None where there is no active session."""
+    spark = cluster.active_session()
+    return of(spark) if spark is not None else None
 
 
 def choose(local: bool, size: int | None, use_gpu: bool | None) -> ClusterView:

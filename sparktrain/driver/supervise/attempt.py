@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import queue
 import time
-from typing import IO, Any, Callable
+from typing import TYPE_CHECKING, IO, Any, Callable
 
 from ...seam import channel
 from ...errors import RankFailedError, RankFailure, RunCancelledError, RunTimeoutError, SparkTrainError
@@ -22,12 +22,14 @@ from ...seam.protocol import failures_in
 from ...seam.spec import SPILLED, TaskSpec
 from ..show.display import Display
 from ..show.spark_errors import read_spark_failure
-from ..launch.jobs import Job, JobFactory
 from ..show.results import byte_size, load_result, placement
 from .interrupts import Interrupts
 from .server import Closed, DriverServer, Event, Interrupted, JobDone, Output, Progress, Refused, Rejoined, Stacks
 from .stalls import StallWatch, collect_stacks, user_frames
 from . import supervision as core
+
+if TYPE_CHECKING:
+    from ..launch.jobs import Job, JobFactory
 
 log = logging.getLogger("sparktrain")
 
@@ -103,7 +105,7 @@ class Attempt:
     at, called on each turn of the loop (it keeps its own interval: an elastic run's slots, once a
     second)."""
 
-    def __init__(self, info: RunInfo, spec: TaskSpec, max_attempts: int, make_job: JobFactory, host: str,
+    def __init__(self, info: RunInfo, spec: TaskSpec, max_attempts: int, make_job: "JobFactory", host: str,
                  look: Callable[[], None] = lambda: None):
         self.info = info
         self.max_attempts = max_attempts
@@ -128,7 +130,7 @@ class Attempt:
         #: channel), the job's end and interrupts.
         self.events: queue.SimpleQueue[Event] = self.server.events
         try:
-            self.job: Job = make_job(spec, lambda: self.events.put(JobDone()))
+            self.job: "Job" = make_job(spec, lambda: self.events.put(JobDone()))
         except BaseException:
             self.server.close()
             raise
