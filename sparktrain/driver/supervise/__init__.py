@@ -1,4 +1,5 @@
-"""How a run is supervised: the pure core (``supervision``), one attempt carrying out its decisions
-(``attempt``), the run's attempts at the size a policy gives (``attempts``, ``elastic``), the
-channel's driver end (``server``, ``connections``), stall reports (``stalls``), Ctrl-C and
-cancellation (``interrupts``), and a named run's home before and after (``resume``)."""
+"""How a run is supervised: ``attempts.supervise(launch, policy)``, the one loop; the size policies
+(``policies``), the pure core of one attempt (``supervision``) and the attempt carrying out its
+decisions (``attempt``); an elastic run's I/O (``elastic``) and a named run's home before and after
+(``resume``); the channel's driver end (``server``, ``connections``, ``ranklinks``), stall reports
+(``stalls``), Ctrl-C and cancellation (``interrupts``)."""
