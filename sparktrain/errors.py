@@ -6,6 +6,7 @@ boundaries (for example a notebook kernel that pickles exceptions, or a job sche
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 from typing import Mapping, Sequence
 
@@ -201,17 +202,37 @@ class RankFailure:
         return cls(**kw)
 
 
+#: How the native engine names a peer that died under a collective (``native/shm.c``, ``link.c``).
+_DEAD_PEER = re.compile(r"rank (\d+)(?: \(pid \d+[^)]*\))? (?:died|closed its connection)|sending to rank (\d+) failed")
+
+
+def _dead_peer_first(items: list) -> list:
+    """``items`` (failures in time order) with the peer the first one blames first, where that peer failed too."""
+    if len(items) < 2:
+        return items
+    first = items[0]
+    found = _DEAD_PEER.search(f"{first.message}\n{first.traceback}")
+    if found is None:
+        return items
+    dead = int(found.group(1) or found.group(2))
+    blamed = [f for f in items if f.rank == dead and f.rank != first.rank]
+    return blamed + [f for f in items if f not in blamed] if blamed else items
+
+
 class RankFailedError(SparkTrainError):
     """One or more ranks failed. ``failures`` maps rank to :class:`RankFailure`, root cause first.
 
-    The message leads with the root cause (the first failure in time) and carries its remote
-    traceback and output tail; the other failed ranks follow in time order.
+    The message leads with the root cause and carries its remote traceback and output tail; the
+    other failed ranks follow in time order. The root cause is the first failure in time, unless
+    that failure says a peer died under its collective (the native engine's words) and the peer's
+    own failure is there too: then the peer's.
     """
 
     def __init__(self, failures: Sequence[RankFailure] | Mapping[int, RankFailure], attempts: int = 1,
                  earlier: Sequence[str] = (), stall: str = ""):
         items = list(failures.values()) if isinstance(failures, Mapping) else list(failures)
         items.sort(key=lambda f: f.time)
+        items = _dead_peer_first(items)
         self.failures: dict[int, RankFailure] = {f.rank: f for f in items}
         #: How many attempts were made (``run(..., max_attempts=N)``), and why the earlier ones failed.
         self.attempts = attempts

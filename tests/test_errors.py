@@ -48,3 +48,21 @@ def test_every_exception_sparktrain_defines_is_a_sparktrainerror():
                     and not issubclass(obj, SparkTrainError)):
                 outside.append(f"{info.name}.{name}")
     assert outside == []
+
+
+def test_a_rank_that_blames_a_dead_peer_is_not_the_root_cause_when_the_peer_failed_too():
+    """Rank 0 heard first that rank 1 died under the collective; rank 1's own exit is the cause."""
+    blamer = _failure(0, 10.0, exc_type="sparktrain.engine.CollectiveError",
+                      message="allreduce: rank 1 (pid 4242, on this host) died during the collective")
+    dead = _failure(1, 10.5, exitcode=17)
+    err = sparktrain.RankFailedError([blamer, dead])
+    assert err.root_cause.rank == 1 and list(err.failures) == [1, 0]
+    assert str(err).startswith("2 ranks failed; root cause: rank 1 ")
+    # Across hosts the ring's words name the peer too; a peer that did not fail leaves the order alone.
+    ring = _failure(0, 10.0, exc_type="sparktrain.engine.CollectiveError",
+                    message="allreduce: rank 2 closed its connection (reset): it died or failed")
+    assert sparktrain.RankFailedError([ring, _failure(2, 11.0, exitcode=-9)]).root_cause.rank == 2
+    assert sparktrain.RankFailedError([ring, _failure(1, 11.0, exitcode=-9)]).root_cause.rank == 0
+    # A rank's own error that merely mentions a rank keeps the time order.
+    own = _failure(0, 10.0, exc_type="ValueError", message="bad shard")
+    assert sparktrain.RankFailedError([own, dead]).root_cause.rank == 0
