@@ -46,6 +46,14 @@ def allreduce_through(outdir, more):
     """Allreduces across the hosts, each checked, until ``more`` rounds after rank 0 has seen the
     file ``healed`` (the last element carries its word to everyone, so all stop alike); says when it
     is under way. Returns the rounds it made."""
+    return _rounds_through(outdir, more, 250_001, printing=False)
+
+
+def _rounds_through(outdir, more, width, printing):
+    """``allreduce_through``'s rounds of ``width`` float64 each; ``printing``: a line each round, and
+    each rank's host written beside its mark."""
+    import socket
+
     import numpy as np
 
     from helpers import mark_time
@@ -55,12 +63,116 @@ def allreduce_through(outdir, more):
     n, r = comm.size, comm.rank
     i = after = 0
     while True:
-        x = np.full(250_001, r + i, np.float64)
+        x = np.full(width, r + i, np.float64)
         x[-1] = float(r == 0 and os.path.exists(os.path.join(outdir, "healed")))
         got = comm.allreduce(x, "sum")
         if not (got[:-1] == sum(k + i for k in range(n))).all():
             raise AssertionError(f"round {i}: wrong sum {got[:3]}")
+        if printing:
+            print(f"rank {r} round {i}", flush=True)
         if i == 1:
+            if printing:
+                with open(os.path.join(outdir, f"host-{r}"), "w") as f:
+                    f.write(socket.gethostname())
+            mark_time(outdir, f"running-{r}")
+        i += 1
+        if got[-1] > 0:
+            after += 1
+            if after >= more:
+                return i
+
+
+@pytest.mark.timeout(240)
+def test_a_link_that_flaps_or_is_slow_does_not_fail_the_run(cluster, tmp_path):
+    """A host's link down for 2 s, then up, while the ranks allreduce across hosts: shorter than
+    heartbeat_timeout, so the run goes on and every sum is right. Then every link shaped to
+    100 Mbit/s: the run is slower, and right."""
+    hosts, _, _ = cluster
+    n = HOSTS * PER_HOST
+
+    def flap():
+        hosts.cut(1)
+        time.sleep(2.0)  # the outage itself: a link down for 2 s
+        hosts.heal(1)
+        (tmp_path / "healed").touch()
+
+    flapper, _ = when_running(tmp_path, n, flap)
+    try:
+        rounds = sparktrain.run(allreduce_through, args=(str(tmp_path), 20), num_proc=n, timeout=120, verbose=0)
+        assert rounds > 20 and (tmp_path / "healed").exists()
+    finally:
+        flapper.join(10)
+        hosts.heal(1)
+    try:
+        hosts.shape_all("100mbit")
+        assert sparktrain.run(allreduce_through, args=(str(tmp_path), 10), num_proc=n, timeout=120, verbose=0) >= 10
+    finally:
+        hosts.shape_all("none")
+
+
+def print_rounds_through(outdir, more):
+    """Allreduces across the hosts as ``allreduce_through`` does, and prints a line each round;
+    returns the rounds it made (every rank makes as many)."""
+    return _rounds_through(outdir, more, 1001, printing=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_silent_partition_fails_the_run_naming_the_host_and_its_ranks_stop(cluster, tmp_path):
+    """One host's link goes down for good while the ranks allreduce across hosts: no reset reaches
+    anyone. The driver fails the run naming that host as unreachable (not the run's 90 s timeout,
+    nor Spark's executor heartbeat, which is 120 s), and the cut-off host's ranks stop by
+    themselves. Then the link comes back, and nothing of the run is left on any host."""
+    from helpers import fault_time
+
+    hosts, standalone, _ = cluster
+    n = HOSTS * PER_HOST
+    try:
+        error, cut_at, failed_at = fail_by(tmp_path, n, lambda: hosts.cut(1))
+        root = error.root_cause
+        assert root.exc_type == "HostUnreachable", error
+        assert f"host {hosts.ips[1]} became unreachable" in root.message, root
+        assert root.host == hosts.ips[1] and root.rank in ranks_on(tmp_path, hosts.names[1]), root
+        fault_time("silent partition", 15.0, failed_at - cut_at)
+        # The cut-off host's ranks stop by themselves: nobody can reach them to tell them.
+        assert rank_processes(f"sparktrain-{run_id_of(tmp_path)}-", timeout=60) == []
+    finally:
+        hosts.heal(1)
+    for i in range(HOSTS):
+        assert [name for name in hosts.shm(i, standalone.workers[i].pid) if name.startswith("sparktrain-")] == []
+
+
+def allreduce_through(outdir, more):
+    """Allreduces across the hosts, each checked, until ``more`` rounds after rank 0 has seen the
+    file ``healed`` (the last element carries its word to everyone, so all stop alike); says when it
+    is under way. Returns the rounds it made."""
+    return _rounds_through(outdir, more, 250_001, printing=False)
+
+
+def _rounds_through(outdir, more, width, printing):
+    """``allreduce_through``'s rounds of ``width`` float64 each; ``printing``: a line each round, and
+    each rank's host written beside its mark."""
+    import socket
+
+    import numpy as np
+
+    from helpers import mark_time
+    from sparktrain import engine
+
+    comm = engine.from_env()
+    n, r = comm.size, comm.rank
+    i = after = 0
+    while True:
+        x = np.full(width, r + i, np.float64)
+        x[-1] = float(r == 0 and os.path.exists(os.path.join(outdir, "healed")))
+        got = comm.allreduce(x, "sum")
+        if not (got[:-1] == sum(k + i for k in range(n))).all():
+            raise AssertionError(f"round {i}: wrong sum {got[:3]}")
+        if printing:
+            print(f"rank {r} round {i}", flush=True)
+        if i == 1:
+            if printing:
+                with open(os.path.join(outdir, f"host-{r}"), "w") as f:
+                    f.write(socket.gethostname())
             mark_time(outdir, f"running-{r}")
         i += 1
         if got[-1] > 0:
