@@ -177,7 +177,7 @@ def attempts(cfg: config.RunConfig, view: views.ClusterView, profile, spec, poli
     if frames:  # the DataFrames the ranks read from their files leave the stage
         from .launch.scans import file_scans
 
-        scans = file_scans(frames, spec.size)
+        scans = file_scans(frames, spec.size, a.storage_options)
         frames = {n: df for n, df in frames.items() if n not in scans}
         spec = dataclasses.replace(spec, feed=tuple(frames), scans=tuple(scans.items()))
     known = policy.known_size

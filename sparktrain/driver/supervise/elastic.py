@@ -169,12 +169,11 @@ class ElasticSize:
 
     def _last_commit(self) -> str:
         """Where the next attempt resumes, as the commit's manifest tells it."""
-        from ... import storage
-
-        url = worker_env.elastic_file(self.url, self.run_id, worker_env.ELASTIC_STATE)
         try:
-            meta = storage.read_manifest(url, self.storage_options).get("metadata", {})
-        except Exception:  # noqa: BLE001 - no commit yet, or the store is unreachable from here
+            meta = self._home().last_commit()
+        except Exception:  # noqa: BLE001 - the store is unreachable from here
+            meta = None
+        if meta is None:
             return "; no commit yet: the next attempt starts from the beginning"
         epoch, batch = meta.get("epoch"), meta.get("batch")
         where = f", at epoch {epoch}" if epoch is not None else ""
@@ -186,15 +185,17 @@ class ElasticSize:
 
     def _mark(self, number: int, resize: core.Resize) -> None:
         """Leave attempt ``number``'s resize marker, where its rank 0 looks (``tensorflow.resize``)."""
-        from ... import storage
-
-        storage.put_bytes(worker_env.elastic_file(self.url, self.run_id, f"resize-{number}"), resize.why.encode(),
-                          self.storage_options)
+        self._home().mark_resize(number, resize.why)
         log.info("sparktrain: %s: the ranks end this attempt at their next commit, and the next one starts with "
                  "%d rank(s)", resize.why, resize.size)
 
     def env(self, number: int) -> Mapping[str, str]:
         return {worker_env.ELASTIC_ATTEMPT: str(number)}
+
+    def _home(self):
+        from ...storage.home import Home
+
+        return Home(self.url, self.run_id, self.storage_options)
 
 
 class Lookout:
