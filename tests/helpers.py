@@ -227,3 +227,11 @@ def handed_env(env: dict, conf: dict, environ: dict | None = None) -> dict:
     cfg = SimpleNamespace(args=SimpleNamespace(env=env), settings=values,
                           encrypted=settings.encrypts(values.encryption, conf))
     return taskspec.settings_env(cfg)
+
+
+def committed_alone(path: str) -> bool:
+    """Whether the local object ``path`` and its manifest are all its folder holds: no partial write is left."""
+    from sparktrain import storage
+
+    name = os.path.basename(path)
+    return sorted(os.listdir(os.path.dirname(path))) == [name, name + storage.MANIFEST_SUFFIX]

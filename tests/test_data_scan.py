@@ -329,3 +329,75 @@ def test_a_scan_with_nulls_or_no_rows_is_refused_before_any_spark_job(spark, tmp
     with pytest.raises(sparktrain.InvalidArgumentError, match=r"data\['train'\] has no rows"):
         sparktrain.run(lambda: 0, num_proc=2, data=without_rows, verbose=0)
     assert spark.sparkContext._jsc.sc().dagScheduler().numTotalJobs() == jobs
+
+
+#: What the environment says of S3 in this test: no credentials, and an endpoint where nothing
+#: listens, so that a read without the run's storage_options fails here, never reaching elsewhere.
+NO_S3 = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+
+
+def shard_of_a_scan_on_s3(outdir):
+    # No credentials, nor the server's address, in the rank's environment: run()'s storage_options alone.
+    assert {k for k in os.environ if k.startswith("AWS_")} == set(NO_S3), sorted(os.environ)
+    shard_kind_and_ids(outdir)
+
+
+@pytest.fixture
+def s3_table(spark, moto_s3, tmp_path, monkeypatch):
+    """A Parquet table in a new bucket of moto's S3, as Spark plans it: ``s3a://<bucket>/table``.
+
+    This suite has no S3A connector for Spark, so Spark plans the scan through a Hadoop mount of the
+    bucket's path onto a local copy of the same files (``ViewFileSystemOverloadScheme``); sparktrain
+    reads the files the plan names, ``s3a://...``, from moto's S3 with fsspec. The environment has no
+    AWS credentials (``NO_S3``): the store is reached only with the run's storage_options."""
+    import uuid
+
+    from sparktrain import storage
+
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name, value in NO_S3.items():
+        monkeypatch.setenv(name, value)
+    local = str(tmp_path / "local-table")
+    spark.range(0, 4000, 1, 2).write.option("parquet.block.size", 16 << 10).parquet(local)
+    bucket = f"scan-{uuid.uuid4().hex[:8]}"
+    fs, _ = storage.filesystem("s3://x", moto_s3)
+    fs.mkdir(bucket)
+    for name in os.listdir(local):
+        if name.endswith(".parquet"):
+            fs.put_file(os.path.join(local, name), f"{bucket}/table/{name}")
+    hadoop = spark._jsc.hadoopConfiguration()
+    mount = {"fs.s3a.impl": "org.apache.hadoop.fs.viewfs.ViewFileSystemOverloadScheme",
+             "fs.s3a.impl.disable.cache": "true",
+             "fs.viewfs.overload.scheme.target.file.impl": "org.apache.hadoop.fs.LocalFileSystem",
+             f"fs.viewfs.mounttable.{bucket}.link./table": f"file://{local}"}
+    for key, value in mount.items():
+        hadoop.set(key, value)
+    try:
+        yield f"s3a://{bucket}/table"
+    finally:
+        for key in mount:
+            hadoop.unset(key)
+
+
+def test_a_scan_on_s3_is_read_by_the_ranks_with_the_runs_storage_options(spark, s3_table, moto_s3, tmp_path, caplog):
+    """The driver reads the footers, one Spark job counts the filter's rows, and 2 ranks read their row
+    groups, all from S3 with ``run(storage_options=)``; without them the same DataFrame goes through
+    the Spark stage, since nothing else here can reach the store."""
+    df = spark.read.parquet(s3_table).where("id >= 100")
+    assert all(f.startswith("s3a://") for f in df.inputFiles())
+    with caplog.at_level("INFO", logger="sparktrain"):
+        sparktrain.run(shard_of_a_scan_on_s3, args=(str(tmp_path),), num_proc=2, data=df, env={**ENV, **NO_S3},
+                       verbose=0, storage_options=moto_s3)
+    got = [json.load(open(tmp_path / f"rank-{r}.json")) for r in range(2)]
+    assert {g["kind"] for g in got} == {"StreamShard"}, caplog.text
+    assert sorted(got[0]["ids"] + got[1]["ids"]) == list(range(100, 4000))
+    assert sum(got[0]["rows"]) == 3900 and all(got[0]["rows"])
+    assert "is read by the ranks from its files" in caplog.text
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="sparktrain"):
+        sparktrain.run(shard_kind_and_ids, args=(str(tmp_path),), num_proc=2, data=df, env={**ENV, **NO_S3},
+                       verbose=0)
+    assert {json.load(open(tmp_path / f"rank-{r}.json"))["kind"] for r in range(2)} == {"Shard"}
+    assert "could not read its files' footers" in caplog.text, caplog.text

@@ -14,6 +14,7 @@ import pytest
 
 import sparktrain
 from conftest import module_spark
+import helpers
 from helpers import wait_for_file
 from sparktrain.storage import home as homes
 
@@ -97,7 +98,7 @@ def test_a_failed_fit_resumes_from_its_backup_in_a_new_fit_and_a_finished_one_re
     home = homes.Home(str(tmp_path / "runs"), "victim")
     assert home.result() == (False, None) and "rank 1 lost" in home.failure()["why"]
     assert home.state() == "failed"
-    assert sorted(os.listdir(os.path.join(home.url, "backup"))) == ["backup.pkl", "backup.pkl.sparktrain.json"]
+    assert helpers.committed_alone(home.backup_url())
 
     # The second fit resumes; while it runs, another fit on the same run_id is refused, naming this driver.
     resumed = []

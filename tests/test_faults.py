@@ -331,8 +331,9 @@ def test_twenty_runs_in_a_row_leak_nothing(spark):
 
 
 def test_storage_options_the_executor_cannot_unpickle_are_reported_as_such(spark, tmp_path):
-    """The run's home options hold an object of a module only the driver can import: the rank
-    reports it as it reports a train_fn it cannot unpickle, naming the options and the fix."""
+    """The run's storage_options hold an object of a module only the driver can import: the rank
+    reports it as it reports a train_fn it cannot unpickle, naming the options and the fix. The
+    options reach every rank whether or not the run has a home (no elastic_url here)."""
     import sys
 
     module = tmp_path / "driver_only_module.py"
@@ -342,8 +343,7 @@ def test_storage_options_the_executor_cannot_unpickle_are_reported_as_such(spark
         import driver_only_module
 
         with pytest.raises(sparktrain.RankFailedError) as e:
-            sparktrain.run(lambda: 0, num_proc=2, verbose=0, storage_options={"token": driver_only_module.Token()},
-                           env={"SPARKTRAIN_ELASTIC_URL": f"file://{tmp_path}/home"})
+            sparktrain.run(lambda: 0, num_proc=2, verbose=0, storage_options={"token": driver_only_module.Token()})
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("driver_only_module", None)

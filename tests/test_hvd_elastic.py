@@ -7,6 +7,7 @@ import pytest
 
 import sparktrain
 from helpers import digits, read_ranks, record_rank, weights_digest
+from sparktrain.storage import home as homes
 
 pytest.importorskip("tensorflow")
 
@@ -79,7 +80,7 @@ def test_a_retried_attempt_resumes_from_the_committed_epoch_and_weights(tmp_path
     assert sorted(final[0]["committed"]) == ["3", "4"]  # only the epochs left were trained
     assert len({info["committed"]["4"][0] for info in final.values()}) == 1
     run_dirs = os.listdir(url)
-    assert len(run_dirs) == 1 and "elastic-state.pkl" in os.listdir(os.path.join(url, run_dirs[0]))
+    assert len(run_dirs) == 1 and os.path.exists(homes.Home(url, run_dirs[0]).state_url())
 
 
 def in_memory(outdir):

@@ -13,6 +13,7 @@ from helpers import fault_time
 from multihost_cluster import HOSTS, MARKS, PER_HOST, when_running, work_dirs
 
 import sparktrain
+from sparktrain.storage import home as homes
 
 pytestmark = MARKS
 
@@ -241,7 +242,7 @@ def test_a_decommissioned_worker_shrinks_an_elastic_fit_at_a_step(cluster, tmp_p
         lines = [r.getMessage() for r in caplog.records if "continuing with 2 rank(s)" in r.getMessage()]
         assert len(lines) == 1 and f"host {hosts.ips[1]} is being decommissioned" in lines[0], lines
         assert f"from the last commit, at epoch {epoch}, batch {batch};" in lines[0], lines
-        marker = glob.glob(str(tmp_path / "elastic" / "*" / "resize-1"))
+        marker = glob.glob(homes.Home(str(tmp_path / "elastic"), "*").resize_marker(1))
         seconds = os.path.getmtime(marker[0]) - told[0]
         fault_time("decommission notice (SIGPWR) to the resize marker", 10, seconds)
         print(f"resize marker {seconds:.1f} s after the worker was told to leave")

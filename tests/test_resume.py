@@ -10,6 +10,7 @@ import threading
 import pytest
 
 import sparktrain
+import helpers
 from helpers import wait_for_file
 from sparktrain.storage import home as homes
 
@@ -98,9 +99,9 @@ def commits_with_the_runs_options(expected):
     # No credentials in the rank's environment: its commits and reads use run()'s storage_options.
     assert not any(k.startswith(("AWS_", "AZURE_STORAGE")) for k in os.environ), sorted(os.environ)
     if context.rank() != 0:  # every rank holds them (and imports no TensorFlow here)
-        from sparktrain.seam import home
+        from sparktrain.storage import rank as rank_storage
 
-        assert home.options() == expected, home.options()
+        assert rank_storage.options() == expected, rank_storage.options()
         return None
     from sparktrain.tensorflow.elastic import ObjectState
 
@@ -179,7 +180,7 @@ def test_backup_and_restore_resumes_fit_in_a_new_job_from_the_runs_home(tmp_path
         sparktrain.run(backed_up, args=(out, 1), num_proc=-2, run_id="keras-only", env=env, verbose=0)
     home = homes.Home(url, "keras-only")
     assert home.failure() is not None and home.result() == (False, None)
-    assert sorted(os.listdir(os.path.join(home.url, "backup"))) == ["backup.pkl", "backup.pkl.sparktrain.json"]
+    assert helpers.committed_alone(home.backup_url())
     weights = sparktrain.run(backed_up, args=(out, 2), num_proc=-2, run_id="keras-only", env=env, verbose=0)
     for r in (0, 1):  # every rank read the backup of epoch 1 and went on from epoch 2
         assert _read(out, f"backup-2-{r}") == f"{line} 2 2 3"

@@ -26,7 +26,7 @@ def base(request, tmp_path):
 
 def test_conditional_writes_create_once_and_replace_only_the_version_read(base):
     url, options = base
-    target = f"{url}/r/lease.json"
+    target = homes.Home(url, "r").file(homes.LEASE)
     assert conditional.atomic(target, options)
     assert conditional.read(target, options) is None
     assert conditional.create(target, b"one", options)
@@ -89,11 +89,35 @@ def test_a_live_lease_is_refused_naming_its_holder_and_an_expired_one_is_taken_o
     third.acquire("held")  # a released lease is taken at once
 
 
-def test_the_home_names_the_files_the_ranks_write():
-    from sparktrain.seam import worker_env
+def test_a_rank_reaches_the_home_the_driver_keeps(monkeypatch):
+    """A rank's home (its elastic_url setting and elastic id, the run's storage options) is the
+    driver's Home of the run: commits, backups and resize markers are where the driver looks."""
+    from sparktrain.storage import rank as rank_storage
 
-    home = homes.Home("s3://b/runs/", "r")
-    assert home.file(homes.STATE) == worker_env.elastic_file("s3://b/runs", "r", worker_env.ELASTIC_STATE)
+    monkeypatch.setenv("SPARKTRAIN_ELASTIC_URL", "s3://b/runs/")
+    monkeypatch.setenv("SPARKTRAIN_ELASTIC_ID", "r")
+    monkeypatch.setenv("SPARKTRAIN_ELASTIC_ATTEMPT", "3")
+    mine, drivers = rank_storage.home(), homes.Home("s3://b/runs", "r")
+    assert mine.url == drivers.url == "s3://b/runs/r"
+    assert mine.state_url() == drivers.state_url() and mine.backup_url() == drivers.backup_url()
+    assert mine.resize_marker(rank_storage.attempt()) == drivers.resize_marker(3) != drivers.resize_marker(4)
+    assert len({mine.url, mine.state_url(), mine.backup_url(), mine.resize_marker(3),
+                mine.file(homes.LEASE), mine.file(homes.RESULT)}) == 6
+    monkeypatch.delenv("SPARKTRAIN_ELASTIC_URL")
+    assert rank_storage.home() is None
+
+
+def test_a_resize_marker_is_seen_with_its_reason_and_cleared_by_the_next_job(base):
+    url, options = base
+    home = homes.Home(url, "sized", options)
+    assert home.resize_asked(1) is None
+    home.commit(b"state", epoch=2, batch=5)
+    home.mark_resize(1, "slots for 3 ranks for 60 s")
+    assert homes.Home(url, "sized", options).resize_asked(1) == "slots for 3 ranks for 60 s"
+    assert home.resize_asked(2) is None
+    home.clear_markers()  # a new job numbers its attempts from 1 again
+    assert home.resize_asked(1) is None
+    assert home.committed() == b"state" and (home.last_commit()["epoch"], home.last_commit()["batch"]) == (2, 5)
 
 
 def test_a_result_is_recorded_whole_and_the_home_tells_its_state(base):
@@ -123,7 +147,7 @@ def test_a_result_recorded_by_another_process_is_seen_after_this_one_listed_the_
     listings, and answered "not found" from them)."""
     url, options = base
     home = homes.Home(url, "elsewhere", options)
-    storage.put_bytes(home.file(homes.STATE), b"commit", options, metadata={"epoch": 1, "batch": 0})
+    home.commit(b"commit", epoch=1, batch=0)
     home.clear_markers()  # lists the home, as a named run's driver does at its start
     assert home.result() == (False, None) and home.state() == "failed"
     subprocess.run([sys.executable, "-c", RECORD_ELSEWHERE, url, json.dumps(options)], check=True, timeout=120)
@@ -144,7 +168,7 @@ def test_sparktrain_runs_lists_each_run_with_its_state_commit_and_lease(tmp_path
     done = homes.Home(url, "done")
     done.record_result(1)
     live = homes.Home(url, "live")
-    storage.put_bytes(live.file("elastic-state.pkl"), b"x", metadata={"epoch": 3, "batch": 0})
+    live.commit(b"x", epoch=3, batch=0)
     lease = live.lease(60)
     lease.acquire("live")
     assert main(["runs", url]) == 0

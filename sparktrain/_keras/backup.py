@@ -9,25 +9,15 @@ On Keras 3 and on tf_keras (``TF_USE_LEGACY_KERAS=1``), on TensorFlow.
 """
 from __future__ import annotations
 
-import os
 import pickle
 from typing import Any, Mapping
 
 from .. import context as _ctx
 from ..errors import InvalidArgumentError, NotFoundError, SparkTrainError
-from ..settings import rank as rank_settings
-from ..seam import home, worker_env
+from ..storage import rank as rank_storage
 from .backend import optimizer_variables as _optimizer_variables
 
 _FORMAT = "sparktrain-backup/1"
-
-
-def home_backup_url() -> str | None:
-    """``<elastic_url>/<run's name or id>/backup/backup.pkl``, or None without the ``elastic_url`` setting."""
-    prefix = rank_settings.current().elastic_url
-    if not prefix:
-        return None
-    return worker_env.elastic_file(prefix, worker_env.elastic_id(os.environ), "backup/backup.pkl")
 
 
 class BackupAndRestoreImpl:
@@ -35,8 +25,8 @@ class BackupAndRestoreImpl:
 
     Parameters
     ----------
-    backup_url : an fsspec URL of the backup object; None (the default): ``backup/backup.pkl`` in
-        the run's home, ``<elastic_url>/<run_id>/``, which needs the ``elastic_url`` setting.
+    backup_url : an fsspec URL of the backup object; None (the default): the backup's place in the
+        run's home, ``<elastic_url>/<run_id>/`` (``Home.backup_url``), which needs the ``elastic_url`` setting.
     delete_checkpoint : delete the backup when ``fit`` ends without an error, as Keras does.
     storage_options : credentials for the URL's store; None: for the run's home, those
         ``run(..., storage_options=)`` was given, else the store's credentials from the environment.
@@ -46,14 +36,15 @@ class BackupAndRestoreImpl:
                  storage_options: Mapping[str, Any] | None = None):
         super().__init__()
         self.backend.refuse("callbacks.BackupAndRestore")
-        url = backup_url or home_backup_url()
+        home = rank_storage.home()
+        url = backup_url or (home.backup_url() if home is not None else None)
         if not url:
             raise InvalidArgumentError(
-                "BackupAndRestore keeps its backups in the run's home, <elastic_url>/<run_id>/backup/, and no "
+                "BackupAndRestore keeps its backups in the run's home, <elastic_url>/<run_id>/, and no "
                 "elastic_url setting reached this rank: give run(..., env={'SPARKTRAIN_ELASTIC_URL': 'abfss://...'}, "
                 "run_id='name'), or pass backup_url=")
         if storage_options is None and not backup_url:  # the run's home: run(..., storage_options=)'s
-            storage_options = home.options()
+            storage_options = home.options
         self.url, self.delete_checkpoint, self.storage_options = url, delete_checkpoint, storage_options
         self.restored_epoch: int | None = None
 

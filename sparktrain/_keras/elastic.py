@@ -31,7 +31,7 @@ class CommitStateCallbackImpl:
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches_remaining -= 1
-        if self.batches_remaining == 0 or resize.requested(self.state._storage_options):
+        if self.batches_remaining == 0 or resize.requested():
             self.state.commit()  # raises HostsUpdatedInterrupt when a new size was asked for
             self.batches_remaining = self.batches_per_commit
 

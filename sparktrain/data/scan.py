@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 
 #: Bytes a Parquet column is read ahead by, as its batches are decoded.
@@ -73,9 +73,11 @@ def split(pieces: Sequence[Piece], size: int) -> list[list[int]]:
     return shares
 
 
-def filesystem(url: str):
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None):
     """``(fsspec filesystem, path)`` for a file Spark names: ``file:`` and plain paths are local,
-    ``s3a://``/``s3n://`` are ``s3://``, ``dbfs:/`` is the ``/dbfs`` mount where it exists."""
+    ``s3a://``/``s3n://`` are ``s3://``, ``dbfs:/`` is the ``/dbfs`` mount where it exists. A file on
+    a store is opened with ``storage_options`` (the run's: ``run(..., storage_options=)``); a local
+    one needs none."""
     import fsspec
 
     if url.startswith(("s3a://", "s3n://")):
@@ -86,16 +88,20 @@ def filesystem(url: str):
         from urllib.parse import unquote, urlparse
 
         url = unquote(urlparse(url).path)
-    return fsspec.core.url_to_fs(url)
+    if "://" not in url:
+        return fsspec.core.url_to_fs(url)
+    return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
 
 
-def open_piece(piece: Piece, columns: list[str], fmt: str, rows: int):
-    """The batches of ``piece`` (at most ``rows`` each, ``columns`` only), from a file opened now:
-    an error opening it is raised here, one reading it as the batches are taken."""
+def open_piece(piece: Piece, columns: list[str], fmt: str, rows: int,
+               storage_options: Mapping[str, Any] | None = None):
+    """The batches of ``piece`` (at most ``rows`` each, ``columns`` only), from a file opened now
+    (with ``storage_options``): an error opening it is raised here, one reading it as the batches
+    are taken."""
     if fmt == "orc":
         import pyarrow.orc
 
-        fs, path = filesystem(piece.path)
+        fs, path = filesystem(piece.path, storage_options)
         f = fs.open(path, "rb")
         try:
             orc = pyarrow.orc.ORCFile(f)
@@ -103,7 +109,7 @@ def open_piece(piece: Piece, columns: list[str], fmt: str, rows: int):
             f.close()
             raise
         return _orc_batches(orc, f, columns, rows)
-    parquet, f = open_parquet(piece.path)
+    parquet, f = open_parquet(piece.path, storage_options)
     return _parquet_batches(parquet, f, piece.row_group, columns, rows)
 
 
@@ -126,7 +132,8 @@ def _parquet_batches(parquet, f, row_group: int, columns: list[str], rows: int):
             f.close()
 
 
-def count_kept(tree, pieces: Sequence[Piece], columns: list[str], fmt: str = "parquet") -> list[int]:
+def count_kept(tree, pieces: Sequence[Piece], columns: list[str], fmt: str = "parquet",
+               storage_options: Mapping[str, Any] | None = None) -> list[int]:
     """The rows the filter ``tree`` (``rowfilter``) keeps in each of ``pieces``: the counts the
     driver asks the cluster for when a scan has a filter, reading only the filter's columns."""
     import pyarrow.compute as pc
@@ -136,17 +143,17 @@ def count_kept(tree, pieces: Sequence[Piece], columns: list[str], fmt: str = "pa
     out = []
     for piece in pieces:
         kept = 0
-        for batch in open_piece(piece, columns, fmt, 1 << 16):
+        for batch in open_piece(piece, columns, fmt, 1 << 16, storage_options):
             kept += pc.sum(mask(tree, batch).cast("int64")).as_py() or 0
         out.append(kept)
     return out
 
 
-def open_parquet(url: str):
+def open_parquet(url: str, storage_options: Mapping[str, Any] | None = None):
     """A ``pyarrow.parquet.ParquetFile`` over ``url`` and the file object under it (close both)."""
     import pyarrow.parquet as pq
 
-    fs, path = filesystem(url)
+    fs, path = filesystem(url, storage_options)
     # Buffered reads: a batch decodes from the pages it needs, not from its whole column chunk.
     if type(fs).__name__ == "LocalFileSystem":
         return pq.ParquetFile(path, memory_map=False, buffer_size=BUFFER_BYTES), None

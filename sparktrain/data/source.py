@@ -6,6 +6,7 @@ import os
 
 from ..errors import SparkTrainError
 from ..seam import worker_env
+from ..storage import rank as rank_storage
 from .shard import Shard, read_manifest
 from .stream import StreamShard
 
@@ -21,5 +22,5 @@ def open_shard(name: str):
             "feeds each rank, inside train_fn")
     manifest = read_manifest(directory, name)
     if name in manifest.get("scans", {}):
-        return StreamShard(directory, name, manifest)
+        return StreamShard(directory, name, manifest, rank_storage.options())
     return Shard(directory, name, manifest)

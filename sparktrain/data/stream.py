@@ -125,9 +125,10 @@ class _CacheWriter:
 
 
 class StreamShard(Counts):
-    """This rank's row groups of one scanned DataFrame (the manifest's ``scans[name]``)."""
+    """This rank's row groups of one scanned DataFrame (the manifest's ``scans[name]``), read from
+    their files with ``storage_options`` (the run's, ``sparktrain.storage.rank.options()``)."""
 
-    def __init__(self, directory: str, name: str, manifest: dict):
+    def __init__(self, directory: str, name: str, manifest: dict, storage_options=None):
         from ..settings import rank as rank_settings
         from ..seam import worker_env
 
@@ -138,6 +139,7 @@ class StreamShard(Counts):
         self._filter = _tree(entry.get("filter"))
         self._read_columns = list(entry.get("read") or self.columns)
         self._format = entry.get("format", "parquet")
+        self._options = storage_options
         local_size = int(os.environ.get(worker_env.LOCAL_SIZE, "1"))
         limit = cache_limit(directory, local_size, rank_settings.current().data_cache_limit)
         self.cache = Cache(os.path.join(directory, f"{name}.cache"), limit)
@@ -223,7 +225,7 @@ class StreamShard(Counts):
     def _from_file(self, piece: Piece) -> Iterator:
         where = f"{piece.path}" + (f" row group {piece.row_group}" if piece.row_group >= 0 else "")
         try:
-            reads = open_piece(piece, self._read_columns, self._format, READ_ROWS)
+            reads = open_piece(piece, self._read_columns, self._format, READ_ROWS, self._options)
         except (OSError, ValueError) as e:
             raise SparkTrainError(f"sparktrain.data: could not open {piece.path} of the DataFrame fed as "
                                   f"{self.name!r}: {e}") from e

@@ -1,8 +1,9 @@
 """Entry point of one rank's process: ``python -m sparktrain.executor.child WORKDIR PARENT_PID [--go FD] [--stacks FD]``.
 
-It loads ``WORKDIR/payload.pkl`` (cloudpickled ``(train_fn, args, kwargs)``), calls the
-function, and leaves behind either ``result.pkl`` (rank 0 only) or ``error.json``. Both are
-written under a temporary name and renamed, so the parent never reads half a file.
+It loads the run's storage options (``sparktrain.storage.rank``) and ``WORKDIR/payload.pkl``
+(cloudpickled ``(train_fn, args, kwargs)``), calls the function, and leaves behind either rank 0's
+value (``value.pkl``) or ``error.json`` (``workdirs`` names them). Both are written under a temporary
+name and renamed, so the parent never reads half a file.
 
 Held (``--go FD``), it waits before it reads anything of the user's until the task writes the
 rank's whole environment down that pipe (see ``ChildProcess.go``), and takes it as its own.
@@ -31,9 +32,11 @@ import traceback
 from typing import Any, Mapping
 
 from ..settings import rank as rank_settings
-from ..seam import home, tracking, worker_env
+from ..seam import tracking, worker_env
 from ..errors import InvalidArgumentError, type_name
 from ..host.localfiles import replaced_atomically, write_atomically
+from ..storage import rank as rank_storage
+from . import workdirs
 
 _PR_SET_PDEATHSIG = 1
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -78,7 +81,7 @@ def _report_error(workdir: str, exc: BaseException, message: str | None = None) 
         # because of it may report sooner than this rank's exit is noticed.
         "time": time.time(),
     }
-    write_atomically(os.path.join(workdir, "error.json"), json.dumps(info).encode(), durable=True)
+    write_atomically(os.path.join(workdir, workdirs.ERROR), json.dumps(info).encode(), durable=True)
 
 
 def _upload(result: Any, url: str, storage_options: Mapping[str, Any] | None) -> str:
@@ -156,9 +159,9 @@ def main(argv: list[str]) -> int:
 
     what = "the run's storage_options"
     try:
-        home.load(workdir)  # the storage options of the run's home, where run() was given them
+        rank_storage.load(workdir)  # run(storage_options=), once, for everything of the run's on storage
         what = "train_fn"
-        with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
+        with open(os.path.join(workdir, workdirs.PAYLOAD), "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
     except BaseException as e:  # noqa: BLE001 - report whatever stopped the unpickling
         _report_error(workdir, e, f"could not unpickle {what} on this executor: {e}. "
@@ -181,18 +184,18 @@ def main(argv: list[str]) -> int:
         return 1
 
     if os.environ.get(worker_env.RANK) == "0":
-        target = os.path.join(workdir, "checkpoint.pkl")
+        target = os.path.join(workdir, workdirs.CHECKPOINT_URL)
         if os.path.exists(target):
             try:
-                with open(target, "rb") as f:
-                    url, storage_options = cloudpickle.load(f)
-                result = _upload(result, url, storage_options)
+                with open(target) as f:
+                    url = f.read()
+                result = _upload(result, url, rank_storage.options())
             except BaseException as e:  # noqa: BLE001
                 _report_error(workdir, e)
                 return 1
         try:
             # Straight to disk: a large result is not held twice in memory.
-            with replaced_atomically(os.path.join(workdir, "result.pkl")) as tmp, open(tmp, "wb") as f:
+            with replaced_atomically(os.path.join(workdir, workdirs.VALUE)) as tmp, open(tmp, "wb") as f:
                 cloudpickle.dump(result, f)
         except BaseException as e:  # noqa: BLE001
             _report_error(

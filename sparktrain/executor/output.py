@@ -73,8 +73,9 @@ class RankIO:
 
         from ..storage.outputlog import RankLog
 
-        url, options = cloudpickle.loads(self.spec.log_target)
+        url = self.spec.log_target
         try:
+            options = cloudpickle.loads(self.spec.storage_options) if self.spec.storage_options else None
             self.log = RankLog(url, options, self.spec.run_id, self.rank)
         except Exception as e:  # noqa: BLE001 - the output's copy must never stop training
             print(f"sparktrain rank {self.rank}: cannot write output under {url}: {e}", file=sys.stderr)

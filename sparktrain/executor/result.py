@@ -14,6 +14,7 @@ from ..seam.protocol import RankError
 from ..seam.spec import SPILLED
 from .child import EXIT_NOT_LET_GO
 from .output import RankIO
+from . import workdirs
 
 #: Size of the pieces rank 0's pickled result travels in: well inside the 4 MiB Arrow batches
 #: a Spark Connect server sends (``spark.connect.grpc.arrow.maxBatchSize``).
@@ -23,9 +24,9 @@ RESULT_CHUNK = 1024 * 1024
 
 def outcome(state: RankIO, code: int, workdir: str) -> RankError | None:
     """The failure a rank's exit shows, or None when it succeeded."""
-    error_path = os.path.join(workdir, "error.json")
+    error_path = os.path.join(workdir, workdirs.ERROR)
     if code == 0 and not os.path.exists(error_path):
-        if state.rank == 0 and not os.path.exists(os.path.join(workdir, "result.pkl")):
+        if state.rank == 0 and not os.path.exists(os.path.join(workdir, workdirs.VALUE)):
             try:
                 held = "which holds " + ", ".join(sorted(os.listdir(workdir)))
             except OSError:
@@ -73,7 +74,7 @@ def result_chunks(state: RankIO, path: str) -> Iterator[bytes]:
         if state.spec.spill_url:
             from .. import storage
 
-            url = f"{state.spec.spill_url.rstrip('/')}/sparktrain-{state.spec.run_id}/result.pkl"
+            url = f"{state.spec.spill_url.rstrip('/')}/sparktrain-{state.spec.run_id}/value.pkl"
             try:
                 storage.put_file(path, url)
             except Exception as e:  # noqa: BLE001

@@ -23,11 +23,12 @@ import os
 from typing import Iterator, Sequence
 
 from ..host import nics, tflog
-from ..seam import home, worker_env
+from ..seam import worker_env
 from ..data import layout
 from ..errors import InvalidArgumentError, SparkTrainError
+from ..storage import rank as rank_storage
 from ..seam.spec import OUTPUT_SEQ, RESULT_FIELDS, TaskSpec
-from . import rankenv
+from . import rankenv, workdirs
 from .output import RankIO
 from .rendezvous import rendezvous, reserve_port
 from .result import outcome, result_chunks, start_failure
@@ -99,7 +100,7 @@ def run_rank(spec: TaskSpec, rank: int, host: str, gpu_addresses: Sequence[str] 
         child.close_pipes()
         _raise_failure(state, code, workdir, child.killed_elsewhere)
         if rank == 0:
-            yield from result_chunks(state, os.path.join(workdir, "result.pkl"))
+            yield from result_chunks(state, os.path.join(workdir, workdirs.VALUE))
         if output is not None:
             output.extend(state.tail)
     finally:
@@ -133,14 +134,12 @@ def _prepare(state: RankIO, met, gpu_addresses: Sequence[str] | None, workdir: s
         rows = {n: [int(s.get(n, 0)) for s in shards] for n in spec.feed}
         layout.write_manifest(data_dir, rank, rows, layout.scan_shares(spec.scans, spec.size, rank, rows))
     state.startup = tflog.StartupFilter(tflog.level_from_env(env), no_gpu=not spec.use_gpu)
-    with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
+    with open(os.path.join(workdir, workdirs.PAYLOAD), "wb") as f:
         f.write(spec.payload)
     if spec.checkpoint is not None and rank == 0:
-        with open(os.path.join(workdir, "checkpoint.pkl"), "wb") as f:
+        with open(os.path.join(workdir, workdirs.CHECKPOINT_URL), "w") as f:
             f.write(spec.checkpoint)
-    if spec.home_options is not None:
-        with open(os.path.join(workdir, home.FILE), "wb") as f:
-            f.write(spec.home_options)
+    rank_storage.write(workdir, spec.storage_options)
     return env
 
 
@@ -167,7 +166,7 @@ def _failed_before(workdir: str, when: float) -> bool:
     import json
 
     try:
-        with open(os.path.join(workdir, "error.json")) as f:
+        with open(os.path.join(workdir, workdirs.ERROR)) as f:
             return float(json.load(f).get("time", when)) < when
     except (OSError, ValueError):
         return False

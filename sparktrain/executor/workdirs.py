@@ -23,6 +23,13 @@ from typing import Iterable
 
 #: The lock file in each directory a task makes.
 OWNER = ".owner"
+#: What a rank's work directory holds besides: the task writes the payload (cloudpickled
+#: ``(train_fn, args, kwargs)``) and, for rank 0 with ``checkpoint_url``, that URL; the rank's process
+#: leaves rank 0's pickled value or its failure (``sparktrain.storage.rank`` names the options' file).
+PAYLOAD = "payload.pkl"
+CHECKPOINT_URL = "checkpoint-url"
+VALUE = "value.pkl"
+ERROR = "error.json"
 #: The names of rank directories: ``sparktrain-<run id>-r<rank>-...`` (the spool's too).
 _NAME = re.compile(r"sparktrain-.+-r\d+-")
 

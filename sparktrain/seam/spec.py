@@ -27,8 +27,8 @@ class TaskSpec:
     grace_period: float
     #: Not in the repr: it may hold tokens.
     user_env: dict[str, str] = dataclasses.field(repr=False)
-    #: cloudpickled ``(checkpoint_url, storage_options)`` when rank 0's value goes to storage.
-    checkpoint: bytes | None = None
+    #: ``checkpoint_url`` when rank 0's value goes to storage (with :attr:`storage_options`).
+    checkpoint: str | None = None
     #: Where rank 0 spills a value too large for Spark's result path (``spill_url`` setting).
     spill_url: str | None = None
     #: Which attempt of the run this is, 1-based.
@@ -48,12 +48,14 @@ class TaskSpec:
     #: Send each rank's output tail back with the result: the client cannot be reached for live
     #: output (Spark Connect, ranks meeting through the barrier allGather).
     return_output: bool = False
-    #: cloudpickled ``(log_url, storage_options)`` when ranks write their output to storage too
-    #: (``sparktrain.storage.outputlog``).
-    log_target: bytes | None = dataclasses.field(default=None, repr=False)
-    #: cloudpickled ``storage_options`` for the run's home (``<elastic_url>/<run id>/``): every rank's
-    #: commits, backups and resize markers use them (``sparktrain.seam.home``). Not in the repr.
-    home_options: bytes | None = dataclasses.field(default=None, repr=False)
+    #: ``log_url`` when ranks write their output to storage too (``sparktrain.storage.outputlog``,
+    #: with :attr:`storage_options`).
+    log_target: str | None = None
+    #: ``run(..., storage_options=)`` cloudpickled, the one copy the ranks get: the run's home, rank
+    #: 0's ``checkpoint_url``, the ``log_url`` and the files of a fed scan all use it
+    #: (``sparktrain.storage.rank``). None: the store's credentials from each process's environment.
+    #: Not in the repr: it may hold credentials.
+    storage_options: bytes | None = dataclasses.field(default=None, repr=False)
     #: The CPU cores each rank's task holds (its resource profile's, or ``spark.task.cpus``); the rank's
     #: compute threads follow it (``worker_env.rank_threads``). None: this host's cores shared among its ranks.
     task_cpus: int | None = None

@@ -18,19 +18,13 @@ RUN_ID = "SPARKTRAIN_RUN_ID"
 #: Where ``hvd.elastic`` commits: a named run's name (``run_id=``), else ``run_elastic``'s run id
 #: (without it, the run id too).
 ELASTIC_ID = "SPARKTRAIN_ELASTIC_ID"
-#: ``run_elastic``'s attempt number (1, 2, ...): names the attempt's resize marker, ``resize-<n>``.
+#: ``run_elastic``'s attempt number (1, 2, ...): names the attempt's resize marker in the run's home
+#: (``sparktrain.storage.home``).
 ELASTIC_ATTEMPT = "SPARKTRAIN_ELASTIC_ATTEMPT"
-#: The file of the committed state under ``<elastic_url>/<elastic id or run id>/``.
-ELASTIC_STATE = "elastic-state.pkl"
-
-
-def elastic_file(elastic_url: str, elastic_id: str, name: str) -> str:
-    """A file of one elastic run's under the ``elastic_url`` setting: its state, or a resize marker."""
-    return f"{elastic_url.rstrip('/')}/{elastic_id}/{name}"
 
 
 def elastic_id(environ) -> str:
-    """In a rank: the id its elastic files are under (``run_elastic``'s, else the run's)."""
+    """In a rank: the id of the run's home, ``<elastic_url>/<id>/`` (``run_elastic``'s, else the run's)."""
     return environ.get(ELASTIC_ID) or environ.get(RUN_ID) or "standalone"
 
 
@@ -93,8 +87,8 @@ CONTRACT: tuple[tuple[tuple[str, ...], str], ...] = (
     ((ELASTIC_ID,), "under ``run_elastic``, and under ``run`` with ``run_id=``: the id ``hvd.elastic`` commits "
                     "under, the run's name (``run_id=``) where it has one, else its id (the same for every attempt "
                     "and size, and for every job of a named run)"),
-    ((ELASTIC_ATTEMPT,), "only under ``run_elastic``: the attempt's number; rank 0 watches for the driver's "
-                         "``resize-<n>`` marker beside the state, and the ranks end the attempt at a commit when "
+    ((ELASTIC_ATTEMPT,), "only under ``run_elastic``: the attempt's number; rank 0 watches the run's home for "
+                         "the driver's resize marker of this attempt, and the ranks end the attempt at a commit when "
                          "it is there"),
     ((ATTEMPT,), "which attempt this is, 1-based (``run(..., max_attempts=N)``)"),
     ((MAX_ATTEMPTS,), "how many attempts the run may have in all (under ``run_elastic``, ``reset_limit`` + 1; 0 "

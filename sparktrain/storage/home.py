@@ -1,12 +1,17 @@
-"""A run's home: ``<elastic_url>/<run_id>/``, where a named run keeps what outlives its job.
+"""A run's home: ``<elastic_url>/<run id>/``, where a run keeps what outlives its attempt or its job.
 
 - ``elastic-state.pkl`` (and its manifest): the last ``state.commit()`` of ``hvd.elastic``;
-- ``result.pkl``: rank 0's value, recorded when the run finished (written whole or not at all);
+- ``resize-<attempt>``: ``run_elastic``'s driver asks attempt ``<attempt>`` to end at its next
+  commit, the reason inside (``sparktrain.tensorflow.resize``);
+- ``backup/backup.pkl`` (and its manifest): the Keras-only path's backups
+  (``sparktrain.keras.callbacks.BackupAndRestore``);
+- ``result.pkl``: rank 0's value, recorded when a named run finished (written whole or not at all);
 - ``failed.json``: the last failure's first line, while the run has not finished;
-- ``lease.json``: which driver trains the run now (``sparktrain.storage.lease``);
-- ``backup/``: the Keras-only path's backups (``sparktrain.keras.callbacks.BackupAndRestore``).
+- ``lease.json``: which driver trains the run now (``sparktrain.storage.lease``).
 
-``run``, ``run_elastic`` and ``sparktrain runs`` share this one layout.
+This module alone names these files: the driver (``run``, ``run_elastic``, ``sparktrain runs``) and
+the ranks (``sparktrain.storage.rank.home()``) reach them through :class:`Home`. The ``<run id>`` is
+the run's name (``run_id=``) where it has one, else its drawn id (``SPARKTRAIN_ELASTIC_ID`` in a rank).
 """
 from __future__ import annotations
 
@@ -19,13 +24,13 @@ from ..errors import InvalidArgumentError, NotFoundError
 from . import conditional, lease
 from .backends import StorageOptions, filesystem, retry
 
-#: The last commit's file: ``sparktrain.seam.worker_env.ELASTIC_STATE``, named here too so that
-#: storage, below the seam's users, does not import it.
 STATE = "elastic-state.pkl"
+#: A resize marker's name, before the attempt's number.
+RESIZE = "resize-"
+BACKUP = "backup/backup.pkl"
 RESULT = "result.pkl"
 FAILED = "failed.json"
 LEASE = "lease.json"
-BACKUP = "backup"
 _RESULT_FORMAT = "sparktrain-result/1"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -52,6 +57,18 @@ class Home:
 
     def file(self, name: str) -> str:
         return f"{self.url}/{name}"
+
+    def state_url(self) -> str:
+        """Where ``hvd.elastic``'s rank 0 writes the state at each ``state.commit()``."""
+        return self.file(STATE)
+
+    def backup_url(self) -> str:
+        """Where ``BackupAndRestore``'s rank 0 writes its backup at the end of each epoch."""
+        return self.file(BACKUP)
+
+    def resize_marker(self, attempt: int | str) -> str:
+        """Where ``run_elastic``'s driver asks attempt ``attempt`` to end at its next commit."""
+        return self.file(f"{RESIZE}{attempt}")
 
     # -- the result -------------------------------------------------------------------------------
 
@@ -102,14 +119,32 @@ class Home:
         except (NotFoundError, ValueError):
             return None
 
-    # -- the last commit, the lease, the markers --------------------------------------------------
+    # -- the last commit, the lease, the resize markers -------------------------------------------
+
+    def commit(self, data: bytes, epoch: Any = None, batch: Any = None) -> None:
+        """Write a ``state.commit()``'s pickled state, atomically; its manifest keeps the epoch and
+        batch (integers, else None) for the driver's line about where a next attempt resumes."""
+        from .. import storage
+
+        storage.put_bytes(self.state_url(), data, self.options,
+                          metadata={"epoch": epoch if isinstance(epoch, int) else None,
+                                    "batch": batch if isinstance(batch, int) else None})
+
+    def committed(self) -> bytes | None:
+        """The last commit's pickled state, checked against its manifest; None before any commit."""
+        from .. import storage
+
+        try:
+            return storage.get_bytes(self.state_url(), self.options)
+        except NotFoundError:
+            return None
 
     def last_commit(self) -> dict | None:
         """``{"epoch", "batch", "written"}`` of the last ``state.commit()``, or None."""
         from .. import storage
 
         try:
-            manifest = storage.read_manifest(self.file(STATE), self.options)
+            manifest = storage.read_manifest(self.state_url(), self.options)
         except NotFoundError:
             return None
         meta = manifest.get("metadata") or {}
@@ -122,8 +157,24 @@ class Home:
         found = conditional.read(self.file(LEASE), self.options)
         return lease.parse(found[0]) if found is not None else None
 
+    def mark_resize(self, attempt: int, why: str) -> None:
+        """Ask attempt ``attempt``'s ranks to end at their next commit, for the reason ``why``."""
+        from .. import storage
+
+        storage.put_bytes(self.resize_marker(attempt), why.encode(), self.options)
+
+    def resize_asked(self, attempt: int | str) -> str | None:
+        """Why the driver asked attempt ``attempt`` to end (its marker's text), or None when it has
+        not. Looks at the store itself, not at a listing the filesystem cached; a store it cannot
+        reach raises."""
+        fs, path = filesystem(self.resize_marker(attempt), self.options)
+        fs.invalidate_cache(path.rsplit("/", 1)[0])
+        if not fs.exists(path):
+            return None
+        return fs.cat_file(path).decode(errors="replace")
+
     def clear_markers(self) -> None:
-        """Remove an earlier job's ``resize-<n>`` markers: a new job numbers its attempts from 1 again."""
+        """Remove an earlier job's resize markers: a new job numbers its attempts from 1 again."""
         fs, path = filesystem(self.url, self.options)
         fs.invalidate_cache(path)
         try:
@@ -131,14 +182,8 @@ class Home:
         except FileNotFoundError:
             return
         for name in names:
-            if name.rstrip("/").rsplit("/", 1)[-1].startswith("resize-"):
+            if name.rstrip("/").rsplit("/", 1)[-1].startswith(RESIZE):
                 self._remove(name.rstrip("/").rsplit("/", 1)[-1])
-
-    def mark_resize(self, attempt: int, why: str) -> None:
-        """Leave attempt ``attempt``'s resize marker, where its rank 0 looks at its next commit."""
-        from .. import storage
-
-        storage.put_bytes(self.file(f"resize-{attempt}"), why.encode(), self.options)
 
     def _remove(self, name: str) -> None:
         fs, path = filesystem(self.file(name), self.options)

@@ -6,7 +6,7 @@ starts every rank again. So here:
 
 - ``state.commit()`` snapshots the state in memory (Horovod's ``save``) and, when the
   ``elastic_url`` setting is given (``SPARKTRAIN_ELASTIC_URL`` or ``spark.sparktrain.elasticUrl``),
-  rank 0 writes it atomically to ``<elastic_url>/<run id>/elastic-state.pkl``;
+  rank 0 writes it atomically to the run's home, ``<elastic_url>/<run id>/`` (``sparktrain.storage.home``);
 - ``elastic.run(func)`` calls ``func(state, ...)`` after restoring the last committed state of
   this run (a later attempt finds what the failed one committed) and syncing every rank to rank
   0's state;
@@ -39,13 +39,12 @@ import pickle
 from typing import Any, Callable
 
 from .. import context as _ctx
-from ..settings import rank as rank_settings
-from ..seam import home, worker_env
+from ..seam import worker_env
+from ..storage import rank as rank_storage
 from . import resize
 from ..errors import HostsUpdatedInterrupt, InvalidArgumentError, SparkTrainError
 
 _FORMAT = "sparktrain-elastic/1"
-STATE_NAME = worker_env.ELASTIC_STATE
 
 
 def _tfc():
@@ -61,10 +60,8 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
 
 def state_url() -> str | None:
     """Where this run's committed state lives, or None when the ``elastic_url`` setting is not given."""
-    prefix = rank_settings.current().elastic_url
-    if not prefix:
-        return None
-    return worker_env.elastic_file(prefix, worker_env.elastic_id(os.environ), STATE_NAME)
+    home = rank_storage.home()
+    return home.state_url() if home is not None else None
 
 
 def _attempts_allowed() -> int:
@@ -86,7 +83,6 @@ class State:
 
     def __init__(self):
         self._reset_callbacks: list[Callable[[], None]] = []
-        self._storage_options = home.options()  # run(..., storage_options=) for the run's home
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Functions called after the state is restored on a later attempt (Horovod: after a reset)."""
@@ -103,15 +99,10 @@ class State:
         commit or the one before, never half of one.
         """
         self.save()
-        url = state_url()
-        if url is not None and _ctx.rank() == 0:
-            from .. import storage
-
-            # For the driver's line about where a restart resumes.
-            epoch, batch = getattr(self, "epoch", None), getattr(self, "batch", None)
-            storage.put_bytes(url, pickle.dumps({"format": _FORMAT, **self._payload()}), self._storage_options,
-                              metadata={"epoch": epoch if isinstance(epoch, int) else None,
-                                        "batch": batch if isinstance(batch, int) else None})
+        home = rank_storage.home()
+        if home is not None and _ctx.rank() == 0:
+            home.commit(pickle.dumps({"format": _FORMAT, **self._payload()}), getattr(self, "epoch", None),
+                        getattr(self, "batch", None))
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -119,7 +110,7 @@ class State:
         executor being decommissioned), every rank raises :class:`HostsUpdatedInterrupt` here,
         right after the commit, and the next attempt starts at that size from it
         (``sparktrain.tensorflow.resize``)."""
-        why = resize.requested(self._storage_options, look_now=True)
+        why = resize.requested(look_now=True)
         if why:
             raise HostsUpdatedInterrupt(f"{why}: this attempt ends at its commit, and the next one starts from it")
 
@@ -141,19 +132,14 @@ class State:
     def _restore_committed(self) -> bool:
         """Rank 0 loads this run's last committed state, if any, into the snapshot and the live
         objects; returns whether it found one (the same answer on every rank)."""
-        url = state_url()
+        home = rank_storage.home()
         found = False
-        if url is not None and _ctx.rank() == 0:
-            from .. import storage
-            from ..errors import NotFoundError
-
-            try:
-                payload = pickle.loads(storage.get_bytes(url, self._storage_options))
-            except NotFoundError:
-                payload = None
+        if home is not None and _ctx.rank() == 0:
+            data = home.committed()
+            payload = pickle.loads(data) if data is not None else None
             if payload is not None:
                 if payload.get("format") != _FORMAT:
-                    raise SparkTrainError(f"{url} is not sparktrain elastic state (format "
+                    raise SparkTrainError(f"{home.state_url()} is not sparktrain elastic state (format "
                                           f"{payload.get('format')!r}); point elastic_url elsewhere")
                 self._load_payload(payload)
                 self.restore()

@@ -39,7 +39,8 @@ class Arguments:
     use_gpu: bool | None
     asked: TaskResources | None
     output_ranks: Any
-    checkpoint: bytes | None
+    #: ``checkpoint_url``, checked: its scheme and backend work here.
+    checkpoint: str | None
     storage_options: Mapping[str, Any] | None
     frames: dict[str, Any] | None
     #: The settings given as ``run``'s arguments (``start_timeout``, ``max_attempts``, ``nics``,
@@ -72,7 +73,8 @@ class RunConfig:
     #: The run's own task resources (a ResourceProfile), or None for the application's default.
     stage: TaskResources | None
     task_cpus: int | None
-    log_target: bytes | None
+    #: The ``log_url`` setting, checked; None in local mode.
+    log_target: str | None
     #: Where rank 0 spills a value too large for Spark's result path: the ``spill_url`` setting, or
     #: this host's temporary directory on a local master; None: it fails instead.
     spill_url: str | None
@@ -81,8 +83,8 @@ class RunConfig:
     #: The driver's versions (``sparktrain.seam.versions``) and its MLflow hand-off for rank 0.
     versions: dict | None = None
     mlflow: dict | None = None
-    #: ``run``'s ``storage_options``, pickled for the ranks' writes to the run's home (``elastic_url``).
-    home_options: bytes | None = dataclasses.field(default=None, repr=False)
+    #: ``run``'s ``storage_options``, pickled once for the ranks (``TaskSpec.storage_options``).
+    rank_options: bytes | None = dataclasses.field(default=None, repr=False)
 
     @property
     def master(self) -> str:
@@ -120,7 +122,7 @@ def check_arguments(train_fn: Callable[..., Any], args, kwargs, num_proc, local_
             "cannot be met. Ask for 'gpus': 1 or 0, or run on Spark (num_proc > 0)")
     if local and asked is not None and asked.gpus:
         use_gpu = True
-    checkpoint = _checkpoint(checkpoint_url, storage_options)
+    checkpoint = _checked(checkpoint_url, storage_options)
     if run_id is not None:
         from ...storage.home import check_run_id
 
@@ -172,7 +174,7 @@ def resolve(a: Arguments, conf: Mapping[str, str], values: settings.Settings, me
     encrypted = settings.encrypts(values.encryption, conf)
     common = dict(settings=values, encrypted=encrypted, versions=versions.collect(),
                   mlflow=_mlflow_handoff(a.run_id, a.env),
-                  home_options=_home_options(values.elastic_url, a.storage_options))
+                  rank_options=_rank_options(values.elastic_url, a.storage_options))
     if a.local:
         return RunConfig(args=a, conf=conf, driver_host="127.0.0.1", rendezvous="driver", use_gpu=bool(a.use_gpu),
                          stage=None, task_cpus=a.asked.cpus if a.asked is not None else None, log_target=None,
@@ -191,7 +193,7 @@ def resolve(a: Arguments, conf: Mapping[str, str], values: settings.Settings, me
         None if local_master else capacity.default_task_resources(conf).cpus
     return RunConfig(
         args=a, conf=conf, driver_host=met.driver_host, rendezvous=met.rendezvous, use_gpu=use_gpu, stage=stage,
-        task_cpus=task_cpus, log_target=_log_target(values.log_url, a.storage_options),
+        task_cpus=task_cpus, log_target=_checked(values.log_url, a.storage_options),
         spill_url=_spill_url(master, values.spill_url), **common)
 
 
@@ -209,34 +211,30 @@ def elastic_settings(cfg: RunConfig) -> tuple[str, float]:
     return cfg.settings.elastic_url or "", cfg.settings.elastic_grow_after
 
 
-def _checkpoint(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
-    """``(checkpoint_url, storage_options)`` pickled for rank 0, or None without a checkpoint_url."""
-    return None if url is None else _for_ranks(url, storage_options, (url, dict(storage_options or {})))
+def _checked(url: str | None, storage_options: Mapping[str, Any] | None) -> str | None:
+    """``url`` (``checkpoint_url``, ``log_url``), once its scheme and backend are known to work here."""
+    if url:
+        from ... import storage
+
+        storage.check_url(url, storage_options)  # an unknown scheme or missing backend fails here
+    return url or None
 
 
-def _log_target(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
-    """``(log_url, storage_options)`` pickled for the ranks, or None when no log_url is set."""
-    return _for_ranks(url, storage_options, (url, dict(storage_options or {}))) if url else None
-
-
-def _home_options(url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
-    """``storage_options`` pickled for the ranks' writes to the run's home under ``elastic_url``
-    (commits, backups, resize markers), or None where either is not given: the ranks then use the
-    credentials of their own environment."""
-    return _for_ranks(url, storage_options, dict(storage_options)) if url and storage_options else None
-
-
-def _for_ranks(url: str, storage_options: Mapping[str, Any] | None, value: Any) -> bytes:
-    """``value`` pickled for the ranks, once ``url``'s scheme and backend are known to work here."""
+def _rank_options(elastic_url: str | None, storage_options: Mapping[str, Any] | None) -> bytes | None:
+    """``storage_options`` pickled once for every rank: the run's home under ``elastic_url`` (its
+    scheme checked here), rank 0's ``checkpoint_url``, the ``log_url`` and a fed scan's files use
+    them. None without them: the ranks then use the credentials of their own environment."""
+    if not storage_options:
+        return None
+    _checked(elastic_url, storage_options)
     import cloudpickle
 
-    from ... import storage
-
-    storage.check_url(url, storage_options)  # an unknown scheme or missing backend fails here
     try:
-        return cloudpickle.dumps(value)
+        return cloudpickle.dumps(dict(storage_options))
     except Exception as e:  # noqa: BLE001
-        raise PicklingFailedError(f"cannot pickle storage_options for {url!r}: {type(e).__name__}") from None
+        raise PicklingFailedError(
+            f"storage_options cannot be pickled for the ranks ({type(e).__name__}): give values that pickle, such "
+            "as strings, numbers and credential objects of classes the executors can import") from None
 
 
 def _spill_url(master: str, url: str | None) -> str | None:

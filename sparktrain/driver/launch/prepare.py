@@ -88,7 +88,7 @@ class Launch:
         if self._frames:
             from .scans import file_scans
 
-            scans = file_scans(self._frames, most)
+            scans = file_scans(self._frames, most, cfg.args.storage_options)
             self._frames = {n: df for n, df in self._frames.items() if n not in scans}
             spec = dataclasses.replace(spec, feed=tuple(self._frames), scans=tuple(scans.items()))
         return spec

@@ -12,7 +12,7 @@ such tree, so there a filtered scan goes through the shuffle.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ...data.scan import Piece
 from ...errors import SparkTrainError
@@ -98,14 +98,15 @@ def _value(v) -> Any:
     return str(v.toString())  # Spark's UTF8String
 
 
-def counted(spark, pieces: Sequence[Piece], tree: tuple, columns: list[str], fmt: str) -> tuple[Piece, ...]:
+def counted(spark, pieces: Sequence[Piece], tree: tuple, columns: list[str], fmt: str,
+            storage_options: Mapping[str, Any] | None = None) -> tuple[Piece, ...]:
     """``pieces`` with the rows ``tree`` keeps in each, counted by one Spark job over the cluster
-    (a row group a task), which reads ``columns`` (the filter's) only."""
+    (a row group a task), which reads ``columns`` (the filter's) only, with ``storage_options``."""
     import cloudpickle
 
     rows = [(i, p.path, p.row_group) for i, p in enumerate(pieces)]
     tasks = max(1, min(len(rows), 4 * _parallelism(spark)))
-    job = cloudpickle.dumps((tree, columns, fmt))
+    job = cloudpickle.dumps((tree, columns, fmt, dict(storage_options or {})))
     counts = spark.createDataFrame(rows, "i long, path string, row_group int").repartition(tasks) \
         .mapInArrow(_counter(job), "i long, rows long").collect()
     kept = {int(r["i"]): int(r["rows"]) for r in counts}
@@ -130,10 +131,10 @@ def _counter(job: bytes):
 
         from sparktrain.data.scan import Piece, count_kept
 
-        tree, columns, fmt = cloudpickle.loads(job)
+        tree, columns, fmt, options = cloudpickle.loads(job)
         for batch in batches:
             items = [Piece(path, rg, 0, 0) for path, rg in zip(batch.column(1).to_pylist(), batch.column(2).to_pylist())]
-            kept = count_kept(tree, items, columns, fmt)
+            kept = count_kept(tree, items, columns, fmt, options)
             yield pa.RecordBatch.from_arrays([batch.column(0), pa.array(kept, pa.int64())], names=["i", "rows"])
 
     return count

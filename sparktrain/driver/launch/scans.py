@@ -34,12 +34,14 @@ _PLAN = re.compile(rf"^(?:Project \[(?:{_ATTRIBUTE})(?:, {_ATTRIBUTE})*\]\n\+- )
 FOOTER_THREADS = 16
 
 
-def file_scans(frames: Mapping[str, Any], size: int) -> dict[str, Scan]:
+def file_scans(frames: Mapping[str, Any], size: int, storage_options: Mapping[str, Any] | None = None
+               ) -> dict[str, Scan]:
     """The fed DataFrames the ranks can read from their files, by name, each split into at least
-    ``size`` row groups' worth (a DataFrame of fewer row groups than ranks goes through Spark)."""
+    ``size`` row groups' worth (a DataFrame of fewer row groups than ranks goes through Spark).
+    The files are read with ``storage_options`` (``run``'s), here and in the ranks."""
     out = {}
     for name, df in frames.items():
-        reason, scan = _scan(name, df)
+        reason, scan = _scan(name, df, storage_options)
         if scan is not None and len(scan.pieces) < size:
             reason, scan = f"its {len(scan.pieces)} row group(s) are fewer than the {size} ranks", None
         if scan is None:
@@ -51,7 +53,7 @@ def file_scans(frames: Mapping[str, Any], size: int) -> dict[str, Scan]:
     return out
 
 
-def _scan(name: str, df) -> tuple[str, Scan | None]:
+def _scan(name: str, df, storage_options: Mapping[str, Any] | None) -> tuple[str, Scan | None]:
     plan = optimized_plan(df)
     shape = _PLAN.match(plan.strip()) if plan is not None else None
     if shape is None:
@@ -72,7 +74,8 @@ def _scan(name: str, df) -> tuple[str, Scan | None]:
     needed = columns + tuple(sorted(_filter_columns(tree) - set(columns)))
     try:
         with ThreadPoolExecutor(min(FOOTER_THREADS, len(files))) as pool:
-            footers = list(pool.map(lambda f: (_orc_footer if fmt == "orc" else _footer)(f, needed), files))
+            footers = list(pool.map(lambda f: (_orc_footer if fmt == "orc" else _footer)(f, needed, storage_options),
+                                    files))
     except _NotDirect as e:
         return str(e), None
     except Exception as e:  # noqa: BLE001 - a file this process cannot read: Spark reads it instead
@@ -82,7 +85,7 @@ def _scan(name: str, df) -> tuple[str, Scan | None]:
         return "its files hold the columns in different types", None
     pieces = tuple(p for _, ps, _ in footers for p in ps)
     if tree is not None:  # the footers count every row; the filter's own counts come from the cluster
-        pieces = pushdown.counted(df.sparkSession, pieces, tree, sorted(_filter_columns(tree)), fmt)
+        pieces = pushdown.counted(df.sparkSession, pieces, tree, sorted(_filter_columns(tree)), fmt, storage_options)
         footers = []  # the statistics' null counts include rows the filter leaves out
     nulls = {}
     for _, _, counts in footers:
@@ -110,9 +113,9 @@ class _NotDirect(SparkTrainError):
     """A file of the scan that the ranks could not read as Spark does."""
 
 
-def _footer(url: str, columns: tuple[str, ...]):
+def _footer(url: str, columns: tuple[str, ...], storage_options: Mapping[str, Any] | None):
     """``(the columns' Arrow types, the file's row groups, null counts of its scalar columns)``."""
-    parquet, f = open_parquet(url)
+    parquet, f = open_parquet(url, storage_options)
     try:
         schema = parquet.schema_arrow
         _check_names(url, columns, schema.names)
@@ -133,14 +136,14 @@ def _footer(url: str, columns: tuple[str, ...]):
             f.close()
 
 
-def _orc_footer(url: str, columns: tuple[str, ...]):
+def _orc_footer(url: str, columns: tuple[str, ...], storage_options: Mapping[str, Any] | None):
     """An ORC file as one piece (pyarrow gives no stripe's row count without reading it); its
     nulls are the rank's to find."""
     import pyarrow.orc
 
     from ...data.scan import filesystem
 
-    fs, path = filesystem(url)
+    fs, path = filesystem(url, storage_options)
     with fs.open(path, "rb") as f:
         orc = pyarrow.orc.ORCFile(f)
         schema = orc.schema

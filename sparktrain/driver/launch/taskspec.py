@@ -42,7 +42,7 @@ def task_spec(cfg: RunConfig, size: int, max_result_bytes: int, tails_without_ch
         feed=tuple(a.frames or ()), return_output=tails_without_channel and cfg.rendezvous == "barrier"
         and cfg.log_target is None, log_target=cfg.log_target, mlflow=cfg.mlflow, task_cpus=cfg.task_cpus,
         nics=_nics(cfg), backend=values.backend, jax_cpu_devices=values.jax_cpu_devices,
-        home_options=cfg.home_options,
+        storage_options=cfg.rank_options,
     )
     log.debug("sparktrain: run %s resolved settings: num_proc=%d use_gpu=%s start_timeout=%s timeout=%s "
               "rendezvous=%s grace_period=%s maxResultSize=%d max_attempts=%d capacity_wait=%s spill_url=%s "

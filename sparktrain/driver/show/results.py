@@ -28,7 +28,7 @@ def load_result(data: bytes | None) -> Any:
     log.info("sparktrain: rank 0's value was too large for spark.driver.maxResultSize; reading it from %s", url)
     try:
         with tempfile.TemporaryDirectory(prefix="sparktrain-result-") as tmp:
-            local = storage.get_file(url, os.path.join(tmp, "result.pkl"))
+            local = storage.get_file(url, os.path.join(tmp, "value.pkl"))
             with open(local, "rb") as f:
                 return cloudpickle.load(f)
     finally:

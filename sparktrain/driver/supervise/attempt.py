@@ -194,7 +194,8 @@ class Attempt:
 
         from ...storage.outputlog import DriverTail
 
-        url, options = cloudpickle.loads(self.spec.log_target)
+        url = self.spec.log_target
+        options = cloudpickle.loads(self.spec.storage_options) if self.spec.storage_options else None
         write = lambda rank, stream, line, at: self.info.write(Output(rank, stream, line, at))  # noqa: E731
         return DriverTail(url, options, self.info.run_id, write).start()
 
