@@ -195,8 +195,12 @@ def test_batches_outnumber_the_loads_and_stacked_columns_score_as_the_vector(fit
     assert len(os.listdir(records)) == 1
     # The same features as 64 numeric columns, stacked side by side: the same predictions.
     stacked = model.copy().setFeatureCols([f"p{j}" for j in range(64)])
-    by_columns = {r["id"]: r["label__output"] for r in stacked.transform(fitted["test_df"]).collect()}
-    assert by_columns == {r["id"]: r["label__output"] for r in rows}
+    by_columns = {r["id"]: r["label__output"] for r in stacked.transform(fitted["test_df"].coalesce(1)).collect()}
+    by_vector = {r["id"]: r["label__output"] for r in rows}
+    assert sorted(by_columns) == sorted(by_vector)
+    # The same rows in the same batches of 8; float32 kernels may still round the last digit differently.
+    ids = sorted(by_vector)
+    np.testing.assert_allclose([by_columns[i] for i in ids], [by_vector[i] for i in ids], rtol=1e-5, atol=1e-7)
 
 
 def test_a_saved_pipeline_model_loads_back_and_predicts_identically(fitted, tmp_path):
