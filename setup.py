@@ -14,7 +14,7 @@ no C compiler the install still succeeds, the wheel holds no native code and is 
 The TensorFlow kernels over the engine (``native/tf_kernels.cc``) and the XLA FFI handler for JAX
 (``native/jax_ffi.cc``) are not built here: pip builds in an environment without TensorFlow or
 jaxlib. Their sources and the engine's header are copied into the package (``sparktrain/_native/``),
-and ``sparktrain.tensorflow.kernels`` and ``sparktrain.keras.jax_ffi`` compile them at first use.
+and ``sparktrain.tensorflow.kernels`` and ``sparktrain._jax.ffi`` compile them at first use.
 """
 import glob
 import os
@@ -32,7 +32,7 @@ ENGINE = "sparktrain._collective"
 KERNEL_SOURCES = ["native/tf_kernels.cc", "native/tf_ragged_kernels.cc", "native/tf_kernel.h", "native/tf_sequencer.cc",
                   "native/tf_sequencer.h", "native/reducer.cc", "native/reducer.h", "native/engine_op.h",
                   "native/collective.h"]
-#: The XLA FFI handler for JAX (``sparktrain.keras.jax_ffi`` compiles it at first use, against jaxlib).
+#: The XLA FFI handler for JAX (``sparktrain._jax.ffi`` compiles it at first use, against jaxlib).
 JAX_SOURCES = ["native/jax_ffi.cc"]
 #: The libraries every manylinux host has (glibc's own), which the engine may link.
 MANYLINUX_LIBS = {"libc.so.6", "libpthread.so.0", "librt.so.1", "libdl.so.2", "libm.so.6",
@@ -44,7 +44,7 @@ SHT_DYNAMIC, SHT_GNU_VERNEED, DT_NEEDED = 6, 0x6FFFFFFE, 1
 
 class BuildPy(build_py):
     """Also puts the kernels' and the JAX handler's sources into the built package, for
-    ``sparktrain.tensorflow.kernels`` and ``sparktrain.keras.jax_ffi``."""
+    ``sparktrain.tensorflow.kernels`` and ``sparktrain._jax.ffi``."""
 
     def run(self):
         super().run()

@@ -62,10 +62,10 @@ def measure(args) -> dict:
     """In one rank: every figure, the same collectives in the same order on every rank."""
     import dataclasses
 
-    from sparktrain.seam import worker_env
+    from sparktrain.host import cpus
 
     # The thread counts a rank of sparktrain.run gets for the cores it has (this host's).
-    os.environ.update(worker_env.thread_defaults(len(os.sched_getaffinity(0)), os.environ))
+    os.environ.update(cpus.thread_defaults(len(os.sched_getaffinity(0)), os.environ))
     import keras
     import numpy as np
     import tensorflow as tf

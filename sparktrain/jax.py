@@ -11,16 +11,17 @@ Keras users call ``keras.distribution.initialize()``, which reads the same envir
 
     sparktrain.run(train, num_proc=3, backend="jax")
 
-JAX is imported inside the functions: ``import sparktrain`` never loads it.
+The front of ``sparktrain._jax`` (``env``, ``distributed``). JAX is imported inside the functions:
+``import sparktrain`` never loads it.
 """
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Mapping, Sequence
 
-from .seam import worker_env
-from .errors import InvalidArgumentError, SparkTrainError
+from ._jax import distributed as _distributed, env as _env
+
+__all__ = ["check_mesh", "coordinator", "device_mesh", "initialize"]
 
 
 def coordinator(environ: Mapping[str, str] = os.environ) -> dict | None:
@@ -30,11 +31,7 @@ def coordinator(environ: Mapping[str, str] = os.environ) -> dict | None:
     ...              "KERAS_DISTRIBUTION_PROCESS_ID": "1"})
     {'coordinator_address': 'h:5', 'num_processes': 2, 'process_id': 1}
     """
-    if worker_env.JAX_COORDINATOR not in environ:
-        return None
-    return {"coordinator_address": environ[worker_env.JAX_COORDINATOR].split(",")[0],
-            "num_processes": int(environ[worker_env.JAX_NUM_PROCESSES]),
-            "process_id": int(environ[worker_env.JAX_PROCESS_ID])}
+    return _env.coordinator(environ)
 
 
 def initialize(**kwargs) -> None:
@@ -46,46 +43,17 @@ def initialize(**kwargs) -> None:
 
     >>> sparktrain.jax.initialize()   # doctest: +SKIP
     """
-    import jax
-
-    found = coordinator()
-    if found is None:
-        warnings.warn("sparktrain.jax.initialize(): not in a rank of sparktrain.run(..., backend='jax'); "
-                      "JAX stays one process", RuntimeWarning, stacklevel=2)
-        return
-    if jax.distributed.is_initialized():
-        return
-    jax.distributed.initialize(**found, **kwargs)
+    _distributed.initialize(**kwargs)
 
 
 def check_mesh(shape: Sequence[int], environ: Mapping[str, str] = os.environ, local_devices: int | None = None) -> None:
     """Refuse a device mesh of ``shape`` that does not hold exactly processes x devices per process.
 
-    Call it before anything trains (``sparktrain.keras.mesh`` does); ``local_devices`` defaults to
-    ``jax.local_device_count()``.
+    ``local_devices`` defaults to ``jax.local_device_count()``; :func:`device_mesh` checks its shape so.
 
     >>> check_mesh((2, 2), {"KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}, local_devices=2)
-    >>> check_mesh((4, 2), {"KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}, local_devices=2)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    sparktrain.errors.InvalidArgumentError: a device mesh of shape (4, 2) holds 8 devices, but this run has 2 ...
     """
-    if local_devices is None:
-        import jax
-
-        local_devices = jax.local_device_count()
-    processes = int(environ.get(worker_env.JAX_NUM_PROCESSES, "1"))
-    shape = tuple(int(n) for n in shape)
-    total = 1
-    for n in shape:
-        total *= n
-    have = processes * local_devices
-    if not shape or min(shape) < 1 or total != have:
-        raise InvalidArgumentError(
-            f"a device mesh of shape {shape} holds {total} devices, but this run has {processes} process(es) x "
-            f"{local_devices} device(s) each = {have}; give the mesh a shape whose product is {have}, for "
-            f"example ({processes}, {local_devices}), or change the devices per rank (on CPU: "
-            "spark.sparktrain.jaxCpuDevices or JAX_NUM_CPU_DEVICES in the driver's environment)")
+    _distributed.check_mesh(shape, environ, local_devices)
 
 
 def device_mesh(shape: Sequence[int], axis_names: Sequence[str]):
@@ -98,16 +66,4 @@ def device_mesh(shape: Sequence[int], axis_names: Sequence[str]):
 
     >>> mesh = sparktrain.jax.device_mesh((2, 2), ("batch", "model"))   # doctest: +SKIP
     """
-    import keras
-
-    check_mesh(shape)
-    return keras.distribution.DeviceMesh(tuple(shape), list(axis_names), devices=keras.distribution.list_devices())
-
-
-def not_on_jax(what: str) -> SparkTrainError:
-    """The error of a TensorFlow-only part of the API called on the JAX backend."""
-    return SparkTrainError(
-        f"{what} works on the TensorFlow backend only; this rank runs Keras on JAX. On JAX, "
-        "keras.distribution does the collectives: keras.distribution.initialize(), then "
-        "keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False)) "
-        "(docs/jax.md)")
+    return _distributed.device_mesh(shape, axis_names)

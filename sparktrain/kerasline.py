@@ -13,6 +13,7 @@ Pure: nothing here imports Keras or TensorFlow until :func:`module` is called.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Mapping
 
@@ -73,6 +74,12 @@ def front(obj: Any = None) -> str:
     if line == KERAS_3 and on_jax():
         return FRONTS[JAX]
     return FRONTS[line]
+
+
+def serving(obj: Any = None):
+    """The front module :func:`front` names for ``obj``, imported: what a caller hands an object of
+    that line (or, for None, this process's) to, without importing the Keras layer itself."""
+    return importlib.import_module(front(obj))
 
 
 def line_of(obj: Any) -> str | None:

@@ -72,7 +72,7 @@ def engine_thread_and_order(outdir: str) -> None:
     import jax.numpy as jnp
 
     import sparktrain.keras as hvd
-    from sparktrain.keras import jax_engine
+    from sparktrain._jax import collectives as jax_engine
 
     hvd.init()
     r = hvd.rank()
@@ -123,7 +123,7 @@ def dies_in_a_bucket(outdir: str) -> None:
     import jax.numpy as jnp
 
     import sparktrain.keras as hvd
-    from sparktrain.keras import jax_engine
+    from sparktrain._jax import collectives as jax_engine
 
     hvd.init()
     r = hvd.rank()

@@ -36,7 +36,8 @@ def test_the_import_contracts_hold():
 
 
 CIRCLES = "No import circles, at any depth of the package"
-LAYERS = "Layers: ml over keras over _keras over tensorflow over engine"
+LAYERS = "Layers: ml over keras over _jax over _keras over tensorflow over engine"
+JAX_NO_TF = "The JAX implementation imports no TensorFlow"
 JAX_APART = "JAX stays out of the launch and the TensorFlow path"
 PURE = "The seam, the host's facts and the settings import neither side"
 STAGES = "The driver's stages: face, run, supervise | launch, show"
@@ -55,16 +56,21 @@ ASKS = "The supervision imports nothing of the launch stage"
     ("seam/spec.py", "from ..storage import put_bytes", [PURE, CIRCLES]),
     # The executor and the engine import the host's facts: through them the executor would reach the
     # driver side, and the engine the framework layer (the command line's demo trains with Keras).
-    # The driver's launch imports the host's facts too: through them it would reach the run's pipeline.
+    # The driver's launch imports the host's facts too: through them it would reach the run's pipeline;
+    # and so does JAX's implementation, which would reach TensorFlow.
     ("host/nics.py", "from ..cli import check", [PURE, CIRCLES, "The executor side never imports the driver side",
-                                                 LAYERS, STAGES, ASKS]),
+                                                 LAYERS, STAGES, ASKS, JAX_NO_TF]),
     # Both sides and the channel import the protocol: its importing a side breaks their contracts too.
     ("seam/protocol.py", "from ..executor import stacks",
      ["The protocol is pure: both sides import it, it imports neither", PURE,
       "The driver side imports the executor side only where jobs ships the task", CIRCLES]),
-    # sparktrain.keras's JAX side (on_jax) reaches sparktrain.jax, so the TensorFlow path would reach JAX too.
-    ("tensorflow/ops.py", "from ..keras import on_jax", [LAYERS, CIRCLES, JAX_APART]),
-    ("engine/topology.py", "from ..tensorflow import runtime", [PURE, LAYERS, CIRCLES]),
+    # JAX's implementation (sparktrain._jax) imports jax, and the TensorFlow path: a circle and JAX on it.
+    ("tensorflow/ops.py", "from .._jax import distributed", [LAYERS, CIRCLES, JAX_APART]),
+    ("_jax/collectives.py", "from ..tensorflow import runtime", [JAX_NO_TF]),
+    ("_jax/optimizer.py", "import tensorflow", [JAX_NO_TF]),
+    ("_keras/backend.py", "from .._jax import backend", [LAYERS, CIRCLES, JAX_APART]),
+    # JAX's implementation builds on the engine: through it, it would reach TensorFlow.
+    ("engine/topology.py", "from ..tensorflow import runtime", [PURE, LAYERS, CIRCLES, JAX_NO_TF]),
     ("driver/launch/feed.py", "from . import config", [CIRCLES]),
     # The launch and the supervision are apart: the launch never reaches into the supervision.
     ("driver/launch/views.py", "from ..supervise import attempts", [STAGES]),

@@ -56,8 +56,8 @@ def test_no_cgroup_file_means_no_quota(tmp_path):
 def test_the_host_budget_follows_spark_task_cpus_and_what_the_process_can_use():
     assert cpus.host_budget(None, 3, usable=2) == 2
     assert cpus.host_budget(1, 2, usable=8) == 2  # spark.task.cpus=1 and 2 ranks: 2 CPUs, not 8
-    assert worker_env.rank_threads(4, 2, 2) == 4  # Spark's grant of 4 task CPUs is kept
-    assert worker_env.rank_threads(None, 2, 2) == 1  # without one, the host's usable CPUs are shared
+    assert cpus.rank_threads(4, 2, 2) == 4  # Spark's grant of 4 task CPUs is kept
+    assert cpus.rank_threads(None, 2, 2) == 1  # without one, the host's usable CPUs are shared
 
 
 def test_ranks_confined_to_fewer_cores_than_they_are_do_not_spin():

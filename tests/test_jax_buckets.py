@@ -1,4 +1,4 @@
-"""Gradient buckets on Keras 3 with JAX (sparktrain.keras.jax_engine): each bucket an asynchronous XLA
+"""Gradient buckets on Keras 3 with JAX (sparktrain._jax.collectives): each bucket an asynchronous XLA
 FFI custom call that the engine's thread reduces while the step goes on, on a real local[3] Spark:
 the same bits as the fused reduction on 3 and 2 ranks for DistributedOptimizer (with fp16
 compression, predivision, Sum and two backward passes); XLA running a callback beside a bucket that

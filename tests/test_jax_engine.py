@@ -29,7 +29,7 @@ def fit_both_ways(outdir: str, x, y, passes: int):
     import keras
 
     import sparktrain.keras as hvd
-    from sparktrain.keras import jax_ffi
+    from sparktrain._jax import ffi as jax_ffi
 
     keras.utils.set_random_seed(5)
     hvd.init()

@@ -7,7 +7,8 @@ import pytest
 import sparktrain
 from sparktrain import settings
 from sparktrain.host import tflog
-from sparktrain.seam import worker_env
+from sparktrain._jax import env as jax_env
+from sparktrain.seam import topology, worker_env
 from sparktrain.executor import rankenv
 from sparktrain.seam.spec import TaskSpec
 
@@ -30,7 +31,7 @@ def _spec(backend, use_gpu=False, devices=1) -> TaskSpec:
 
 @pytest.mark.parametrize("backend", ["jax", "tensorflow", None])
 def test_a_rank_of_a_jax_run_gets_the_coordinator_and_the_cpu_platform(tmp_path, backend):
-    topo = worker_env.topology(["h0", "h1"], 1)
+    topo = topology.topology(["h0", "h1"], 1)
     env = rankenv.rank_env(_spec(backend, devices=4), 1, ["h0", "h1"], [5000, 5001], 5002, topo, None,
                            str(tmp_path), b"k", None)
     if backend == "jax":
@@ -49,16 +50,16 @@ def test_a_rank_of_a_jax_run_gets_the_coordinator_and_the_cpu_platform(tmp_path,
 
 
 def test_xla_pools_of_a_cpu_rank_follow_its_threads_unless_set(tmp_path):
-    topo = worker_env.topology(["h0", "h1"], 1)
+    topo = topology.topology(["h0", "h1"], 1)
     env = rankenv.rank_env(_spec("jax"), 1, ["h0", "h1"], [5000, 5001], 5002, topo, None, str(tmp_path), b"k", None)
     assert env["PJRT_NPROC"] == env["OMP_NUM_THREADS"]  # one CPU device: XLA's pools get the rank's threads
-    assert worker_env.xla_thread_defaults(3, "-1", {"NPROC": "8"}) == {}
-    assert worker_env.xla_thread_defaults(1, "-1", {"PJRT_NPROC": "2", "XLA_FLAGS": ""}) == {}
-    assert worker_env.xla_thread_defaults(1, "0", {}) == {}  # a GPU rank: XLA's own
+    assert jax_env.xla_thread_defaults(3, "-1", {"NPROC": "8"}) == {}
+    assert jax_env.xla_thread_defaults(1, "-1", {"PJRT_NPROC": "2", "XLA_FLAGS": ""}) == {}
+    assert jax_env.xla_thread_defaults(1, "0", {}) == {}  # a GPU rank: XLA's own
 
 
 def test_a_gpu_rank_of_a_jax_run_keeps_its_gpu_and_jax_chooses_the_platform():
-    env = worker_env.jax_env(["fe80::1", "h"], 0, 7000, "3")
+    env = jax_env.jax_env(["fe80::1", "h"], 0, 7000, "3")
     assert env["KERAS_DISTRIBUTION_JOB_ADDRESSES"] == "[fe80::1]:7000"
     assert "JAX_PLATFORMS" not in env and "JAX_NUM_CPU_DEVICES" not in env
 

@@ -9,6 +9,8 @@ import pytest
 
 from sparktrain import engine, settings
 from sparktrain.settings import rank as rank_settings
+from sparktrain.executor.rankenv import build_worker_env
+from sparktrain.host import cpus
 from sparktrain.seam import worker_env
 from sparktrain.errors import InvalidArgumentError
 from sparktrain.executor import rankenv
@@ -41,15 +43,15 @@ def test_the_spark_conf_reaches_the_rank_through_its_env_unless_env_says_otherwi
     (4, 16, 2, 4), (1, 16, 4, 1), (None, 2, 3, 1), (None, 8, 2, 4), (None, None, 1, 1),
 ])
 def test_rank_threads(task_cpus, cores, local_size, threads):
-    assert worker_env.rank_threads(task_cpus, cores, local_size) == threads
+    assert cpus.rank_threads(task_cpus, cores, local_size) == threads
 
 
 def test_thread_defaults_leave_what_is_set_and_keep_two_inter_op_threads():
-    assert worker_env.thread_defaults(1, {}) == {
+    assert cpus.thread_defaults(1, {}) == {
         "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
-    assert worker_env.thread_defaults(4, {"TF_NUM_INTRAOP_THREADS": "8"}) == {
+    assert cpus.thread_defaults(4, {"TF_NUM_INTRAOP_THREADS": "8"}) == {
         "OMP_NUM_THREADS": "4", "TF_NUM_INTEROP_THREADS": "4"}
-    env = worker_env.build_worker_env(rank=0, hosts=["h"], ports=[1], master_port=2, gpu_ids="-1", run_id="r",
+    env = build_worker_env(rank=0, hosts=["h"], ports=[1], master_port=2, gpu_ids="-1", run_id="r",
                                       threads=3)
     assert env["SPARKTRAIN_THREADS"] == "3"
     assert {"SPARKTRAIN_THREADS", "SPARKTRAIN_COLLECTIVE_KEY_FILE"} <= worker_env.RESERVED_VARS

@@ -8,6 +8,7 @@ import os
 import pytest
 
 import sparktrain
+from sparktrain.host import cpus
 from sparktrain.seam import worker_env
 from sparktrain.driver.launch import capacity
 from sparktrain.driver.launch.capacity import TaskResources
@@ -146,18 +147,18 @@ def test_slots_are_counted_for_the_profile_and_the_error_gives_the_figures():
 
 
 def test_threads_follow_the_cpus_unless_the_user_sets_them():
-    assert worker_env.rank_threads(4, 16, 2) == 4  # the task's cpus, not the host's share
-    assert worker_env.rank_threads(None, 16, 2) == 8
-    assert worker_env.thread_defaults(4, {}) == {
+    assert cpus.rank_threads(4, 16, 2) == 4  # the task's cpus, not the host's share
+    assert cpus.rank_threads(None, 16, 2) == 8
+    assert cpus.thread_defaults(4, {}) == {
         "OMP_NUM_THREADS": "4", "TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "4"}
-    assert worker_env.thread_defaults(1, {"TF_NUM_INTEROP_THREADS": "8"}) == {
+    assert cpus.thread_defaults(1, {"TF_NUM_INTEROP_THREADS": "8"}) == {
         "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1"}
 
 
 def report_threads():
     import os
 
-    return {k: os.environ.get(k) for k in worker_env.THREAD_VARS}
+    return {k: os.environ.get(k) for k in cpus.THREAD_VARS}
 
 
 def test_local_mode_threads_follow_resources_cpus():

@@ -18,7 +18,7 @@ from conftest import HERE, make_spark, stop_spark
 from connect_server import ConnectServer, needs_server
 from helpers import read_ranks, record_rank
 from sparktrain.driver.launch import capacity
-from sparktrain.seam.worker_env import THREAD_VARS
+from sparktrain.host.cpus import THREAD_VARS
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 

@@ -3,11 +3,13 @@ import json
 
 import pytest
 
-from sparktrain.seam import worker_env as we
+from sparktrain.executor.rankenv import build_worker_env
+from sparktrain.host.gpus import NO_GPU, translate_gpu_ids
+from sparktrain.seam import topology as topo_room, worker_env as we
 
 
 def test_topology_single_host():
-    got = [we.topology(["h"] * 3, r) for r in range(3)]
+    got = [topo_room.topology(["h"] * 3, r) for r in range(3)]
     assert [t["local_rank"] for t in got] == [0, 1, 2]
     assert {t["local_size"] for t in got} == {3}
     assert {(t["cross_rank"], t["cross_size"]) for t in got} == {(0, 1)}
@@ -15,7 +17,7 @@ def test_topology_single_host():
 
 def test_topology_two_hosts_uneven():
     hosts = ["a", "b", "a", "b", "a"]
-    got = [we.topology(hosts, r) for r in range(5)]
+    got = [topo_room.topology(hosts, r) for r in range(5)]
     assert [t["local_rank"] for t in got] == [0, 0, 1, 1, 2]
     assert [t["local_size"] for t in got] == [3, 2, 3, 2, 3]
     # local_rank 2 exists only on host a: one host in that cross group.
@@ -29,14 +31,14 @@ def test_topology_two_hosts_uneven():
     ([], []),
 ])
 def test_ranks_by_host_are_contiguous_per_host(hosts, expected):
-    ranks = we.ranks_by_host(hosts)
+    ranks = topo_room.ranks_by_host(hosts)
     assert ranks == expected
     by_rank = [None] * len(hosts)
     for partition, rank in enumerate(ranks):
         by_rank[rank] = hosts[partition]
     # Horovod's rule: a host's ranks form one block, and every rank's topology agrees with it.
     for rank, host in enumerate(by_rank):
-        topo = we.topology(by_rank, rank)
+        topo = topo_room.topology(by_rank, rank)
         first = by_rank.index(host)
         assert topo["local_rank"] == rank - first
         assert by_rank[first:first + topo["local_size"]] == [host] * topo["local_size"]
@@ -44,7 +46,7 @@ def test_ranks_by_host_are_contiguous_per_host(hosts, expected):
 
 def test_topology_rejects_rank_outside():
     with pytest.raises(ValueError, match="rank 3"):
-        we.topology(["a", "b"], 3)
+        topo_room.topology(["a", "b"], 3)
 
 
 @pytest.mark.parametrize("addresses, visible, expected", [
@@ -52,23 +54,23 @@ def test_topology_rejects_rank_outside():
     (["2"], "", "2"),
     (["1"], "4,5,6", "5"),
     (["0", "2"], "7, 8, 9", "7,9"),
-    ([], "0,1", we.NO_GPU),
-    ([], None, we.NO_GPU),
+    ([], "0,1", NO_GPU),
+    ([], None, NO_GPU),
 ])
 def test_translate_gpu_ids(addresses, visible, expected):
-    assert we.translate_gpu_ids(addresses, visible) == expected
+    assert translate_gpu_ids(addresses, visible) == expected
 
 
 def test_translate_gpu_ids_outside_mask_names_the_value():
     with pytest.raises(ValueError, match=r"'3'.*CUDA_VISIBLE_DEVICES='0,1'"):
-        we.translate_gpu_ids(["3"], "0,1")
+        translate_gpu_ids(["3"], "0,1")
 
 
 def _env(rank=1, **kw):
     args = dict(rank=rank, hosts=["h0", "h0", "h1"], ports=[5000, 5001, 6000], master_port=5999,
                 gpu_ids="-1", run_id="abc")
     args.update(kw)
-    return we.build_worker_env(**args)
+    return build_worker_env(**args)
 
 
 def test_build_worker_env_contract():

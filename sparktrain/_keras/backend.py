@@ -5,7 +5,7 @@ implementations take a ``backend``.
 
 :class:`Backend` holds what every front shares, and Keras 3's ways where the lines differ; each front's
 subclass says the rest: the collectives (``sparktrain.keras.fronts.on_tensorflow``,
-``sparktrain.keras.on_jax``) and tf_keras' ways (``sparktrain.keras.fronts.tf_keras``). It imports
+``sparktrain._jax.backend``) and tf_keras' ways (``sparktrain.keras.fronts.tf_keras``). It imports
 neither TensorFlow nor JAX.
 """
 from __future__ import annotations

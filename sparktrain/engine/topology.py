@@ -48,7 +48,7 @@ def dtype_groups(dtype_names: list[str]) -> list[list[int]]:
 def split_buckets(sizes: list, limit: int) -> list[list[int]]:
     """Positions ``0..len(sizes)-1`` (gradients in their variables' order) in buckets, the last
     positions first, as backprop makes them (the gradient buckets of ``sparktrain.tensorflow.buckets``
-    and ``sparktrain.keras.jax_engine``): each bucket takes positions from the end until it holds
+    and ``sparktrain._jax.collectives``): each bucket takes positions from the end until it holds
     ``limit`` bytes or more; a size None (unknown until the step runs) closes a bucket of its own.
 
     >>> split_buckets([4, 4, 4, 4, 16], 8)

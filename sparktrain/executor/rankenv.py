@@ -4,17 +4,21 @@ The held rank process starts before the rendezvous with :func:`start_env`: the e
 environment, the user's ``env`` and the import path, all that a Python interpreter reads as it
 starts. :func:`rank_env` adds what the rendezvous decides (topology, ports, threads, cores, GPUs,
 the collective key, the spool, MLflow's hand-off); the process takes it whole at its go.
+:func:`build_worker_env` is the env contract's core (``seam.worker_env``) for one rank, as a pure
+function of its arguments.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Mapping, Sequence
 
+from .._jax import env as jax_env
 from ..engine import kernel_cache
-from ..host import cpus
+from ..host import cpus, gpus
 from ..settings import rank as rank_settings
-from ..seam import tracking, worker_env
+from ..seam import topology, tracking, worker_env as we
 from ..errors import SparkTrainError
 from ..seam.spec import TaskSpec
 
@@ -53,29 +57,97 @@ def rank_env(spec: TaskSpec, rank: int, hosts: Sequence[str], ports: Sequence[in
     # master or in local mode, the CPUs its affinity mask and cgroup quota leave, shared among
     # this host's ranks.
     usable = cpus.usable_cpus()
-    threads = worker_env.rank_threads(spec.task_cpus, usable, topo["local_size"])
+    threads = cpus.rank_threads(spec.task_cpus, usable, topo["local_size"])
     gpu_ids = _gpu_ids(spec, rank, gpu_addresses)
-    env.update(worker_env.build_worker_env(
+    env.update(build_worker_env(
         rank=rank, hosts=hosts, ports=ports, master_port=master_port,
         gpu_ids=gpu_ids, run_id=spec.run_id, user_env=spec.user_env,
         attempt=spec.attempt, max_attempts=spec.max_attempts, threads=threads,
     ))
     if spec.backend == "jax":
-        env.update(worker_env.jax_env(hosts, rank, master_port, gpu_ids, spec.jax_cpu_devices))
-        env.update(worker_env.xla_thread_defaults(threads, gpu_ids, env))  # unless the user or executor set XLA_FLAGS
+        env.update(jax_env.jax_env(hosts, rank, master_port, gpu_ids, spec.jax_cpu_devices))
+        env.update(jax_env.xla_thread_defaults(threads, gpu_ids, env))  # unless the user or executor set XLA_FLAGS
     elif spec.backend is not None:
         env["KERAS_BACKEND"] = spec.backend
-    env.update(worker_env.thread_defaults(threads, spec.user_env))
-    env[worker_env.CPU_BUDGET] = str(cpus.host_budget(spec.task_cpus, topo["local_size"], usable))
+    env.update(cpus.thread_defaults(threads, spec.user_env))
+    env[we.CPU_BUDGET] = str(cpus.host_budget(spec.task_cpus, topo["local_size"], usable))
     cores = _pinned_cores(spec, topo)
     if cores:
-        env[worker_env.CORES] = ",".join(map(str, cores))
+        env[we.CORES] = ",".join(map(str, cores))
     env.update(tracking.rank_env(rank, spec.mlflow, workdir))
     env["PYTHONPATH"] = _child_pythonpath()
-    env[worker_env.COLLECTIVE_KEY_FILE] = _write_key(workdir, key)
-    env[worker_env.PROGRESS_FILE] = os.path.join(workdir, "progress")
+    env[we.COLLECTIVE_KEY_FILE] = _write_key(workdir, key)
+    env[we.PROGRESS_FILE] = os.path.join(workdir, "progress")
     if data_dir is not None:
-        env[worker_env.DATA_DIR] = data_dir
+        env[we.DATA_DIR] = data_dir
+    return env
+
+
+def build_worker_env(
+    *,
+    rank: int,
+    hosts: Sequence[str],
+    ports: Sequence[int],
+    master_port: int,
+    gpu_ids: str,
+    run_id: str,
+    user_env: Mapping[str, str] | None = None,
+    attempt: int = 1,
+    max_attempts: int = 1,
+    threads: int | None = None,
+) -> dict[str, str]:
+    """The environment one rank's process gets, on top of the executor's own.
+
+    Parameters
+    ----------
+    rank : this process's rank.
+    hosts : every rank's host, in rank order.
+    ports : every rank's port for the collective runtime (TensorFlow's server), in rank order.
+    master_port : the port rank 0 reserved for ``MASTER_PORT`` (PyTorch's rendezvous store).
+    gpu_ids : the value for ``CUDA_VISIBLE_DEVICES`` (``host.gpus.translate_gpu_ids``).
+    run_id : the run's id.
+    user_env : the ``env`` passed to ``run``; reserved names are refused earlier, on the driver.
+    attempt : which attempt of the run this is, 1-based.
+    max_attempts : how many attempts the run has in all, as ``SPARKTRAIN_ATTEMPTS_ALLOWED``.
+    threads : the rank's compute threads (``host.cpus.rank_threads``), as ``SPARKTRAIN_THREADS``.
+
+    Examples
+    --------
+    >>> env = build_worker_env(rank=1, hosts=["h", "h"], ports=[5000, 5001], master_port=5002,
+    ...                        gpu_ids="-1", run_id="r")
+    >>> env["SPARKTRAIN_LOCAL_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]
+    ('1', 'h', '5002')
+    """
+    if len(hosts) != len(ports):
+        raise ValueError(f"got {len(hosts)} hosts but {len(ports)} ports")
+    t = topology.topology(hosts, rank)
+    # Output must reach the driver line by line, not when an 8 KiB buffer fills.
+    env = {"PYTHONUNBUFFERED": "1"}
+    env.update(user_env or {})
+    env.update({
+        we.RANK: str(t["rank"]),
+        we.SIZE: str(t["size"]),
+        we.LOCAL_RANK: str(t["local_rank"]),
+        we.LOCAL_SIZE: str(t["local_size"]),
+        we.CROSS_RANK: str(t["cross_rank"]),
+        we.CROSS_SIZE: str(t["cross_size"]),
+        we.RUN_ID: run_id,
+        we.ATTEMPT: str(attempt),
+        we.MAX_ATTEMPTS: str(max_attempts),
+        "TF_CONFIG": json.dumps({
+            "cluster": {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]},
+            "task": {"type": "worker", "index": rank},
+        }),
+        "RANK": str(t["rank"]),
+        "WORLD_SIZE": str(t["size"]),
+        "LOCAL_RANK": str(t["local_rank"]),
+        "LOCAL_WORLD_SIZE": str(t["local_size"]),
+        "MASTER_ADDR": hosts[0],
+        "MASTER_PORT": str(master_port),
+        "CUDA_VISIBLE_DEVICES": gpu_ids,
+    })
+    if threads is not None:
+        env[we.THREADS] = str(threads)
     return env
 
 
@@ -93,7 +165,7 @@ def _pinned_cores(spec, topo: Mapping[str, int]) -> list[int] | None:
     mode = rank_settings.parse({**os.environ, **spec.user_env}).pin_cores
     if mode == "off" or (mode == "auto" and spec.task_cpus is not None) or not hasattr(os, "sched_getaffinity"):
         return None
-    return worker_env.rank_cores(sorted(os.sched_getaffinity(0)), topo["local_rank"], topo["local_size"])
+    return cpus.rank_cores(sorted(os.sched_getaffinity(0)), topo["local_rank"], topo["local_size"])
 
 
 def _child_pythonpath() -> str:
@@ -112,12 +184,12 @@ def _child_pythonpath() -> str:
 
 def _gpu_ids(spec: TaskSpec, rank: int, gpu_addresses: Sequence[str] | None) -> str:
     if not spec.use_gpu:
-        return worker_env.NO_GPU
+        return gpus.NO_GPU
     if not gpu_addresses:
         raise SparkTrainError(
             f"use_gpu=True but Spark assigned no GPU to rank {rank}'s task; set "
             "spark.task.resource.gpu.amount=1 and spark.executor.resource.gpu.amount on the cluster"
         )
-    return worker_env.translate_gpu_ids(list(gpu_addresses), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return gpus.translate_gpu_ids(list(gpu_addresses), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 

@@ -28,9 +28,9 @@ def reserve_port(host: str = "", attempts: int = 64) -> socket.socket:
     child's collective runtime then binds the same port. The port is drawn at random from
     below the kernel's ephemeral range: between the handover and the child's bind, an
     outgoing connection of any process on the host (a JVM opens many) or another
-    ``bind(("", 0))`` would be given an ephemeral port, and TensorFlow's gRPC server then
-    failed with "Could not start gRPC server" (seen in CI). Where no range lies below the
-    ephemeral one, the kernel picks.
+    ``bind(("", 0))`` may be given an ephemeral port, and TensorFlow's gRPC server then fails
+    with "Could not start gRPC server". Where no range lies below the ephemeral one, the kernel
+    picks.
     """
     low, high = _unclaimed_range()
     last: OSError | None = None

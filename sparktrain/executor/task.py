@@ -23,7 +23,7 @@ import os
 from typing import Iterator, Sequence
 
 from ..host import nics, tflog
-from ..seam import worker_env
+from ..seam import topology, worker_env
 from ..data import layout
 from ..errors import InvalidArgumentError, SparkTrainError
 from ..storage import rank as rank_storage
@@ -119,7 +119,7 @@ def _prepare(state: RankIO, met, gpu_addresses: Sequence[str] | None, workdir: s
     row counts): the rank's environment, its share of the data, its payload on disk."""
     spec, rank = state.spec, state.rank
     hosts, ports, master_port, shards = met
-    topo = worker_env.topology(hosts, rank)
+    topo = topology.topology(hosts, rank)
     state.local_rank = topo["local_rank"]
     state.open_log()
     env = rankenv.rank_env(spec, rank, hosts, ports, master_port, topo, gpu_addresses, workdir,
@@ -182,7 +182,7 @@ def barrier_task(spec: TaskSpec):
         partition = ctx.partitionId()
         # Ranks are numbered by host, as Horovod numbers them; every task computes the same list.
         task_hosts = [info.address.rsplit(":", 1)[0] for info in ctx.getTaskInfos()]
-        rank = worker_env.ranks_by_host(task_hosts)[partition]
+        rank = topology.ranks_by_host(task_hosts)[partition]
         if ctx.attemptNumber() > 0:
             raise RuntimeError(f"sparktrain rank {rank}: Spark retried this task; a rank is never re-run alone, "
                                "so this attempt stops")

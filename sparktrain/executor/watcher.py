@@ -43,10 +43,10 @@ def _command(task_pid: int, workdir: str) -> list[str]:
     """How the task starts its watcher: this file run as a script, isolated (``-I``: no PYTHON*
     variables, no user site, not the script's own directory on the path) and without ``site``
     (``-S``). It needs only the standard library, and every rank's launch waits for the CPU its
-    start takes: on 2 cores, 3 ranks start 3 watchers beside their 3 rank processes. Run as
+    start takes, on a host where each rank starts a watcher beside its rank process. Run as
     ``-m sparktrain.executor.watcher``, a watcher would also load site-packages and the sparktrain
-    package, about three times the CPU of its whole life. Where sparktrain is
-    installed as a zip, the module is run by name instead."""
+    package, several times the CPU of the rest of its life. Where sparktrain is installed as a
+    zip, the module is run by name instead."""
     if os.path.isfile(__file__):
         return [sys.executable, "-I", "-S", __file__, str(task_pid), workdir]
     return [sys.executable, "-m", __name__, str(task_pid), workdir]

@@ -1,7 +1,7 @@
-"""Horovod's Keras callbacks, built for the Keras this process serves (``front``: Keras 3 on TensorFlow,
-tf_keras under ``TF_USE_LEGACY_KERAS=1``, or Keras 3 on JAX) from their one implementation
-(``sparktrain._keras.callbacks``): broadcast and metric averaging, the learning-rate schedule and
-warm-up, the checkpoints, ``BackupAndRestore`` and tracking, all importable from here as in Horovod."""
+"""Horovod's Keras callbacks, importable from here as in Horovod: broadcast and metric averaging, the
+learning-rate schedule and warm-up, the checkpoints, ``BackupAndRestore`` and tracking. Each is built
+once from its implementation in ``sparktrain._keras``, over the ``Callback`` of the Keras this process
+serves (Keras 3 on TensorFlow or on JAX, or tf_keras under ``TF_USE_LEGACY_KERAS=1``)."""
 from __future__ import annotations
 
 from typing import Any, Mapping

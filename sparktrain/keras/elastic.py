@@ -1,7 +1,6 @@
 """Horovod's ``horovod.tensorflow.keras.elastic`` for Keras 3 and tf_keras: ``KerasState``, ``run`` and the
-callbacks that keep the state current during ``model.fit`` (``sparktrain._keras.elastic``, built for the
-Keras this process serves). On TensorFlow only: ``hvd.elastic`` is offered where the front's backend
-serves it.
+callbacks that keep the state current during ``model.fit``, built for the Keras this process serves
+from their implementation in ``sparktrain._keras.elastic``. ``hvd.elastic`` exists on TensorFlow only.
 
 How state survives a failure on sparktrain (a later attempt of ``run(..., max_attempts=N)``
 restores the last commit from the ``elastic_url`` setting) is described in

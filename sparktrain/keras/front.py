@@ -9,12 +9,10 @@ the object it is given instead (``sparktrain.kerasline.front``).
 """
 from __future__ import annotations
 
-import importlib
-
 from .. import kerasline
 
 #: The front module (``fronts``: Keras 3 on TensorFlow, tf_keras, or Keras 3 on JAX).
-served = importlib.import_module(kerasline.front())
+served = kerasline.serving()
 #: Its backend (``sparktrain._keras.backend``): its Keras module and what differs between the fronts.
 backend = served.BACKEND
 #: The Keras module served here: ``tf_keras`` or ``keras``.

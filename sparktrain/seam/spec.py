@@ -57,7 +57,7 @@ class TaskSpec:
     #: Not in the repr: it may hold credentials.
     storage_options: bytes | None = dataclasses.field(default=None, repr=False)
     #: The CPU cores each rank's task holds (its resource profile's, or ``spark.task.cpus``); the rank's
-    #: compute threads follow it (``worker_env.rank_threads``). None: this host's cores shared among its ranks.
+    #: compute threads follow it (``host.cpus.rank_threads``). None: this host's cores shared among its ranks.
     task_cpus: int | None = None
     #: The driver's MLflow hand-off for rank 0 (see ``sparktrain.seam.tracking``); not in the repr: it holds tokens.
     mlflow: dict | None = dataclasses.field(default=None, repr=False)
@@ -74,7 +74,7 @@ class TaskSpec:
     encrypted: bool = False
 
     #: The ranks' Keras backend (the ``backend`` setting); ``"jax"`` hands each rank JAX's coordinator
-    #: (``worker_env.jax_env``). None: the ranks' own ``KERAS_BACKEND``, untouched.
+    #: (``_jax.env.jax_env``). None: the ranks' own ``KERAS_BACKEND``, untouched.
     backend: str | None = None
     #: On a JAX run, the devices JAX's CPU platform shows in a rank without a GPU.
     jax_cpu_devices: int = 1

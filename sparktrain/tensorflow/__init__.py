@@ -23,8 +23,9 @@ backend the collectives run on, chosen once), ``ops`` (the reductions), ``compre
 (one rank; the native engine through TensorFlow kernels or ``hostops``; TensorFlow's
 ``ringops``), ``objects`` (Python objects),
 ``gradients`` (gradient reduction and the gradient tapes) and ``timeline``. Horovod's
-``DistributedOptimizer`` (for Keras optimizers) and ``SyncBatchNormalization`` are the Keras layer's
-(``sparktrain.keras``): ``keras_names`` looks them up there only when called or asked for.
+``DistributedOptimizer`` (for Keras optimizers) and ``SyncBatchNormalization`` serve Keras objects:
+``keras_names`` hands them to the front of their Keras line (``sparktrain.kerasline``) when called or
+asked for; this layer imports nothing of the Keras layer.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The two names of Horovod's ``horovod.tensorflow`` that belong to the Keras layer: ``DistributedOptimizer``
-(for Keras optimizers) and ``SyncBatchNormalization``. ``sparktrain.tensorflow`` hands them on; they are
-looked up in ``sparktrain.keras`` through its alias (``sparktrain.tensorflow.keras``, the one import
-from this layer up) only when called or asked for, as Horovod's ``horovod.tensorflow`` hands Keras
-optimizers to ``horovod.tensorflow.keras``."""
+"""The two names of Horovod's ``horovod.tensorflow`` that serve Keras objects: ``DistributedOptimizer``
+(for Keras optimizers) and ``SyncBatchNormalization``. ``sparktrain.tensorflow`` checks Horovod's
+arguments and hands the object to the front ``sparktrain.kerasline`` names for its Keras line, when
+called or asked for; this layer imports nothing of the Keras layer (``sparktrain.keras``,
+``sparktrain._keras``)."""
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError
@@ -40,14 +40,12 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
                  gradient_predivide_factor=gradient_predivide_factor,
                  average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
                  process_set=process_set, scale_local_gradients=scale_local_gradients)
-    from . import keras
-
-    return keras.DistributedOptimizer(optimizer, **{k: v for k, v in given.items()
-                                                    if v is not _DEFAULTS[k] and v != _DEFAULTS[k]})
+    return kerasline.serving(optimizer).DistributedOptimizer(
+        optimizer, **{k: v for k, v in given.items() if v is not _DEFAULTS[k] and v != _DEFAULTS[k]})
 
 
 def sync_batch_normalization() -> type:
-    """``SyncBatchNormalization`` of the Keras this process serves (``sparktrain.keras``'s)."""
-    from . import keras
+    """``SyncBatchNormalization`` of the Keras this process serves (its front's)."""
+    from .. import kerasline
 
-    return keras.SyncBatchNormalization
+    return kerasline.serving().SyncBatchNormalization

@@ -138,10 +138,10 @@ def _warn_without_heartbeat(study) -> None:
 
 @contextlib.contextmanager
 def _asks_one_at_a_time(study) -> Iterator[None]:
-    """Optuna's worker threads ask for trials one at a time. Two asks at once on an SQLite storage
-    both took the same queued trial (``enqueue_trial``): SQLite has no ``SELECT ... FOR UPDATE``, which
-    is how an RDB storage claims a waiting trial, so both saw it waiting. Optuna's loop calls
-    ``study.ask()``; this study's ask takes a lock while the loop runs."""
+    """Optuna's worker threads ask for trials one at a time: while the loop runs, this study's
+    ``study.ask()`` (which Optuna's loop calls) takes a lock. An RDB storage claims a queued trial
+    (``enqueue_trial``) with ``SELECT ... FOR UPDATE``, which SQLite lacks, so two asks at once on an
+    SQLite storage can both find the same trial waiting and both take it."""
     ask, lock = study.ask, threading.Lock()
 
     def one_at_a_time(*args, **kwargs):

@@ -314,8 +314,8 @@ def check_executors_python(sc) -> None:
 
     A session built without ``PYSPARK_PYTHON`` runs its executors on ``python3`` from PATH, which
     is not the venv's interpreter when the script was started as ``.venv/bin/python train.py``.
-    The check asks that interpreter to find the modules without importing them (about 50 ms), once
-    per interpreter and process; it is skipped when the executors run this very interpreter.
+    The check asks that interpreter to find the modules without importing them, once per
+    interpreter and process; it is skipped when the executors run this very interpreter.
     """
     if not on_this_host(sc.master):
         return

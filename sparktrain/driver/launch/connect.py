@@ -114,7 +114,7 @@ class Probed:
 
 #: What the probe found, per session and client address (None: reachability not asked): the
 #: executors' Python and the network between them and this client do not change within a session,
-#: and a probe costs one Spark job (about 0.2 s).
+#: and a probe costs one Spark job.
 _PROBED: dict[tuple[str, str | None], Probed] = {}
 
 

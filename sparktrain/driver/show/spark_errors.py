@@ -61,7 +61,7 @@ class SparkFailure:
     """What a failed barrier job's error says: which task (its partition) failed, the executor's
     Python exception when Spark carried one, and Spark's own context.
 
-    A task's partition is not its rank: ranks are numbered by host (``worker_env.ranks_by_host``),
+    A task's partition is not its rank: ranks are numbered by host (``seam.topology.ranks_by_host``),
     so the caller names the rank where it knows which rank that task ran."""
 
     partition: int | None

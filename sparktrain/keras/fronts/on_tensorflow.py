@@ -5,6 +5,7 @@ fails in ``sparktrain.tensorflow``'s import, with the version and the fix."""
 from __future__ import annotations
 
 from ..._keras.backend import Backend, optimizer_variables
+from ...errors import InvalidArgumentError
 from ...tensorflow.collectives import allgather, allreduce, barrier, broadcast  # noqa: F401
 from ...tensorflow.compression import Compression  # noqa: F401
 from ...tensorflow.ops import Average, Sum  # noqa: F401
@@ -18,10 +19,20 @@ from ...tensorflow.timeline import start_timeline, stop_timeline  # noqa: F401
 from ...tensorflow.variables import broadcast_variables  # noqa: F401
 
 __all__ = ["Average", "Compression", "ProcessSet", "Sum", "add_process_set", "allgather", "allreduce", "broadcast",
-           "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+           "broadcast_global_variables", "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
            "global_process_set", "gloo_built", "gloo_enabled", "init", "is_initialized", "local_rank", "local_size",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter",
            "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline"]
+
+
+def broadcast_global_variables(root_rank: int) -> None:
+    """Horovod's TF1 call, which TensorFlow 2 has no meaning for: there is no global collection of
+    variables to broadcast. As Horovod does under TensorFlow 2, this raises and names what to use.
+    """
+    raise InvalidArgumentError(
+        f"broadcast_global_variables({root_rank!r}) has no meaning in TensorFlow 2 (there are no global "
+        "variables); use callbacks.BroadcastGlobalVariablesCallback(root_rank) with model.fit, or "
+        "broadcast_variables(model.variables + optimizer.variables, root_rank) in a custom loop")
 
 
 class TensorFlowBackend(Backend):

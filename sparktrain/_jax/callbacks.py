@@ -1,8 +1,8 @@
-"""What the broadcast callback does on Keras 3's JAX backend (``on_jax.JaxBackend``), through the native
-engine on host numpy arrays (``jax_engine``). No TensorFlow is imported here."""
+"""What the broadcast callback does on Keras 3's JAX backend (``backend.JaxBackend``), through the native
+engine on host numpy arrays (``collectives``). No TensorFlow is imported here."""
 from __future__ import annotations
 
-from . import jax_engine
+from . import collectives
 
 
 def broadcast_variables(variables: list, root_rank: int) -> None:
@@ -12,7 +12,7 @@ def broadcast_variables(variables: list, root_rank: int) -> None:
     variables = list(variables)
     if not variables:
         return
-    values = jax_engine.broadcast_arrays([np.asarray(v.value) for v in variables], root_rank)
+    values = collectives.broadcast_arrays([np.asarray(v.value) for v in variables], root_rank)
     for v, value in zip(variables, values):
         v.assign(value)
 

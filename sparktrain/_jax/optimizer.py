@@ -2,7 +2,7 @@
 
 The distributed optimizer is a subclass of the user's optimizer class, built from its config, that
 reduces the gradients over every rank inside the compiled train step (``jax.jit``), in gradient
-buckets or one fused buffer per dtype (:func:`sparktrain.keras.jax_engine.fused_allreduce`), after Keras has
+buckets or one fused buffer per dtype (:func:`sparktrain._jax.collectives.fused_allreduce`), after Keras has
 accumulated them (``backward_passes_per_step``) and before clipping and the update: the place the
 TensorFlow wrapper reduces them too. No ``keras.distribution`` is needed (nor used): each rank
 trains its own replica on its own batches, as on TensorFlow. No TensorFlow is imported here.
@@ -10,7 +10,7 @@ trains its own replica on its own batches, as on TensorFlow. No TensorFlow is im
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError
-from . import jax_engine
+from . import collectives
 
 Average, Sum = "average", "sum"
 
@@ -52,7 +52,7 @@ class Reduction:
 
     def reduce(self, grads: list) -> list:
         """``grads`` (traced JAX arrays, None for none) reduced over every rank."""
-        out = jax_engine.fused_allreduce(list(grads), op=self.op, prescale=1.0 / self.predivide,
+        out = collectives.fused_allreduce(list(grads), op=self.op, prescale=1.0 / self.predivide,
                                          postscale=self.predivide, wire_dtype=self.compression.wire_dtype)
         if self.passes > 1 and not self.average_aggregated:  # Keras averages the passes; Horovod sums them
             out = [g if g is None else g * self.passes for g in out]

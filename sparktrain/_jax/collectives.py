@@ -6,7 +6,7 @@ A JAX rank of ``sparktrain.run(..., backend="jax")`` has the same env contract a
 :class:`sparktrain.engine.Communicator`. Inside ``jax.jit`` the gradients of one dtype are
 flattened and concatenated into one array, which the engine reduces in place (shared memory within
 a host, the ring between hosts, encrypted where the run is): on CPU in an XLA FFI custom call
-(``jax_ffi``, no Python in the step), else, or where the handler cannot be built, in a
+(``ffi``, no Python in the step), else, or where the handler cannot be built, in a
 ``jax.pure_callback`` on a host numpy copy. The step goes on with the result, split back into the
 gradients.
 
@@ -37,7 +37,7 @@ _comm: list = []  # this process's communicator, once started
 def start():
     """This process's communicator, made from the rank's env contract on the first call (every rank
     must call it: the ranks meet to make it) and made the process's current one, which the FFI
-    handler (``jax_ffi``) finds; the handler is built and registered here too, on CPU. Returns the
+    handler (``ffi``) finds; the handler is built and registered here too, on CPU. Returns the
     communicator."""
     with _lock:
         if not _comm:
@@ -48,9 +48,9 @@ def start():
             _comm.append(comm)
         comm = _comm[0]
     if _on_cpu():
-        from . import jax_ffi
+        from . import ffi
 
-        jax_ffi.ready()
+        ffi.ready()
     return comm
 
 
@@ -71,9 +71,9 @@ def communicator():
 def stop() -> None:
     """Close the communicator, if one runs, after failing the buckets that wait for the engine's
     thread; :func:`start` makes a new one."""
-    from . import jax_ffi
+    from . import ffi
 
-    jax_ffi.stop()
+    ffi.stop()
     with _lock:
         while _comm:
             _comm.pop().close()
@@ -136,9 +136,9 @@ def fused_allreduce(arrays: list, op: str = "average", prescale: float = 1.0, po
             reduced = _reduce_flat(flat, op)
         else:
             from .. import engine
-            from . import jax_ffi
+            from . import ffi
 
-            reduced = jax_ffi.bucket(flat, engine.OPS.index(op), after)
+            reduced = ffi.bucket(flat, engine.OPS.index(op), after)
             after = [reduced]
         offset = 0
         for i in idx:
@@ -158,9 +158,9 @@ def _buckets(present: list, sent: dict) -> list[list[int]] | None:
     limit = rank_settings.current().bucket_bytes
     if not limit or len(present) < 2 or not isinstance(sent[present[0]], jax.core.Tracer) or not _on_cpu():
         return None
-    from . import jax_ffi
+    from . import ffi
 
-    if not jax_ffi.ready():
+    if not ffi.ready():
         return None
     sizes = [sent[i].size * sent[i].dtype.itemsize for i in present]
     return [[present[k] for k in bucket] for bucket in split_buckets(sizes, limit)]
@@ -181,19 +181,19 @@ def _reduce_flat(flat, op: str):
     import jax
 
     if _on_cpu():
-        from . import jax_ffi
+        from . import ffi
 
-        if jax_ffi.ready():
+        if ffi.ready():
             from .. import engine
 
-            return jax_ffi.allreduce(flat, engine.OPS.index(op))
-        if not jax_ffi.turned_off():
+            return ffi.allreduce(flat, engine.OPS.index(op))
+        if not ffi.turned_off():
             # A pure_callback's argument reaches the host through a transfer that XLA's CPU client can
-            # queue behind the very step that waits in the callback: seen to stall a 2-core machine.
+            # queue behind the very step that waits in the callback, which can stall a small machine.
             raise SparkTrainError(f"sparktrain.keras.DistributedOptimizer on JAX (CPU) reduces in its XLA FFI "
-                                  f"handler, which is not available here ({jax_ffi.failure()}); install a C++ "
-                                  f"compiler where the ranks run (or set CXX), or set {jax_ffi.SWITCH_ENV}=0 to "
-                                  "reduce through jax.pure_callback (slower, and seen to stall on small machines)")
+                                  f"handler, which is not available here ({ffi.failure()}); install a C++ "
+                                  f"compiler where the ranks run (or set CXX), or set {ffi.SWITCH_ENV}=0 to "
+                                  "reduce through jax.pure_callback (slower, and it can stall on small machines)")
     return jax.pure_callback(host_allreduce(op), jax.ShapeDtypeStruct(flat.shape, flat.dtype), flat)
 
 

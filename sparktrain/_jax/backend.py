@@ -1,31 +1,40 @@
 """``sparktrain.keras`` on Keras' JAX backend (``run(..., backend="jax")``): what keeps its meaning.
 
-Who the rank is, ``init`` (``keras.distribution.initialize()`` and the native engine's
-communicator, once), ``DistributedOptimizer`` (``jax_optimizer``), the broadcast and metric-average
-callbacks (their collectives: :class:`JaxBackend`), saving from rank 0 and the checkpoint and
-tracking callbacks work as on TensorFlow. What
-only exists on the TensorFlow backend (Horovod's tensor collectives, ``PartialDistributedOptimizer``,
-``SyncBatchNormalization``) raises and names ``keras.distribution``. No TensorFlow is imported here.
+Who the rank is and ``init`` (``keras.distribution.initialize()`` and the native engine's
+communicator, once) work as on TensorFlow, and :class:`JaxBackend` gives the broadcast and
+metric-average callbacks their collectives. What only exists on the TensorFlow backend (Horovod's
+tensor collectives, ``PartialDistributedOptimizer``, ``SyncBatchNormalization``) raises when called
+and names ``keras.distribution`` (:func:`refuse`). No TensorFlow is imported here.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
-from .. import context
 from .._keras.backend import Backend
-from ..jax import coordinator, not_on_jax
+from ..errors import SparkTrainError
+from .env import coordinator
 
 #: What ``sparktrain.keras`` offers on TensorFlow only; on JAX each name raises when called.
 TENSORFLOW_ONLY = (
-    "PartialDistributedOptimizer", "SyncBatchNormalization", "allreduce", "allgather",
+    "PartialDistributedOptimizer", "SyncBatchNormalization", "ProcessSet", "allreduce", "allgather",
     "broadcast", "broadcast_variables", "broadcast_global_variables", "reducescatter", "add_process_set",
-    "remove_process_set", "start_timeline", "stop_timeline",
+    "remove_process_set", "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
 )
 
 
+def not_on_jax(what: str) -> SparkTrainError:
+    """The error of a TensorFlow-only part of the API called on the JAX backend."""
+    return SparkTrainError(
+        f"{what} works on the TensorFlow backend only; this rank runs Keras on JAX. On JAX, "
+        "keras.distribution does the collectives: keras.distribution.initialize(), then "
+        "keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False)) "
+        "(docs/jax.md)")
+
+
 def refuse(name: str):
-    """A stand-in for ``name`` that raises :func:`sparktrain.jax.not_on_jax`'s error when called."""
+    """A stand-in for ``name`` that raises :func:`not_on_jax`'s error when called."""
 
     def tensorflow_only(*args, **kwargs):
         raise not_on_jax(f"sparktrain.keras.{name}")
@@ -44,13 +53,13 @@ def init(timeout: float | None = None, **kwargs) -> None:
     import jax
     import keras
 
-    from . import jax_engine
+    from . import collectives
 
     if coordinator() is None:
         return
     if not jax.distributed.is_initialized():
         keras.distribution.initialize()
-    jax_engine.start()
+    collectives.start()
 
 
 def is_initialized() -> bool:
@@ -61,18 +70,14 @@ def is_initialized() -> bool:
 
 def shutdown() -> None:
     """Close the native engine's communicator (JAX's processes part when they exit)."""
-    from . import jax_engine
+    from . import collectives
 
-    jax_engine.stop()
-
-
-rank, size, local_rank, local_size = context.rank, context.size, context.local_rank, context.local_size
-cross_rank, cross_size = context.cross_rank, context.cross_size
+    collectives.stop()
 
 
 class JaxBackend(Backend):
     """The callbacks' backend on Keras 3's JAX backend: the native engine on host arrays
-    (``jax_callbacks``); keras.distribution averages the gradients and the metrics itself."""
+    (``callbacks``); keras.distribution averages the gradients and the metrics itself."""
 
     metrics_are_global = True
     keras_distribution = True
@@ -80,17 +85,17 @@ class JaxBackend(Backend):
     elastic = False
 
     def gather_ints(self, value: int) -> list[int]:
-        from . import jax_engine
+        from . import collectives
 
-        return jax_engine.gather_ints(value)
+        return collectives.gather_ints(value)
 
     def average_floats(self, values: list[float]) -> list[float]:
-        from . import jax_engine
+        from . import collectives
 
-        return list(jax_engine.average_floats(values))
+        return list(collectives.average_floats(values))
 
     def broadcast_model(self, model, root_rank: int, with_optimizer: bool, local: dict) -> None:
-        from .jax_callbacks import broadcast_model
+        from .callbacks import broadcast_model
 
         broadcast_model(model, root_rank, with_optimizer=with_optimizer)
 

@@ -13,8 +13,9 @@ place under a file lock: a host compiles once, later runs never.
 
 Where it cannot be built or loaded (no compiler, no headers), the rank logs one warning, and a
 ``DistributedOptimizer`` step on CPU raises, naming the fix; ``SPARKTRAIN_JAX_FFI=0`` chooses
-``jax.pure_callback`` instead (``jax_engine``), slower, and seen to stall a 2-core machine. No
-TensorFlow is imported here.
+``jax.pure_callback`` instead (``collectives``), which copies each buffer to the host through a
+transfer that XLA's CPU client may queue behind the step that waits for it. No TensorFlow is
+imported here.
 """
 from __future__ import annotations
 
